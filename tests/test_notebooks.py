@@ -1,0 +1,46 @@
+"""Every numbered notebook runs top to bottom (through nbmake), on the GPU or in the interpreter.
+
+Each `notebooks/NN_name.py` is converted by jupytext to an .ipynb in a temporary folder (nbmake
+reads .ipynb only) and executed by `pytest --nbmake` in a subprocess, with the repository on
+PYTHONPATH so that `import jvp_attention` finds the exported package. The notebook's kernel runs
+with that temporary folder as its working directory. Without a CUDA device the subprocess gets
+`TRITON_INTERPRET=1`, and the notebooks pick small sizes themselves.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jupytext
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.py"))
+TIMEOUT_S = 1200
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(notebook: Path, tmp_path: Path) -> None:
+    ipynb = tmp_path / f"{notebook.stem}.ipynb"
+    jupytext.write(jupytext.read(notebook), ipynb)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    command = [
+        sys.executable, "-m", "pytest", "--nbmake", f"--nbmake-timeout={TIMEOUT_S}",
+        "-p", "no:cacheprovider", "-q", str(ipynb),
+    ]  # fmt: skip
+    result = subprocess.run(
+        command,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S + 300,
+        check=False,
+    )
+    if result.returncode != 0:
+        pytest.fail(f"{notebook.name} failed:\n{result.stdout}\n{result.stderr}", pytrace=False)
