@@ -1,0 +1,1043 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 1. The math of attention and its JVP, checked in float64
+#
+# Consistency models, MeanFlow and their relatives differentiate a transformer *forward*:
+# they call `torch.func.jvp` through it. PyTorch's fused attention backends refuse forward-mode
+# AD, and its math path materialises every $N_q \times N_k$ score. The rest of this book writes
+# one fused kernel that computes the output and its tangent together, then its backward.
+#
+# Kernels are hard to debug, so this chapter settles the numbers first. It derives every
+# formula the kernels will compute, checks each one in float64 against PyTorch's own autograd
+# and `torch.func.jvp`, and exports two references to `jvp_attention.reference`:
+#
+# * `reference_attention`: exact, materialises the scores, the ground truth of every test;
+# * `tiled_attention`: the kernels' algorithm in plain PyTorch (the same loop over key blocks,
+#   the same accumulators, the same epilogue), and the library's CPU fallback;
+#
+# plus `reference_backward` and `reference_backward_tangent`, the gradients the backward
+# kernels must reproduce.
+
+# %% [markdown]
+# ## Set-up
+#
+# Everything runs in float64 on small shapes, so a correct formula agrees with autograd to
+# about $10^{-15}$ and a wrong one is off by $10^{-1}$: `check` fails at $10^{-12}$.
+
+# %%
+import torch
+import torch.nn.functional as F
+
+torch.manual_seed(0)
+device = "cuda" if torch.cuda.is_available() else "cpu"
+f64 = {"dtype": torch.float64, "device": device}
+
+
+def check(name, got, want, tol=1e-12):
+    """Print the largest absolute difference between `got` and `want`; fail above `tol`."""
+    diff = (got - want).abs().max().item()
+    print(f"{name:<52} max |diff| = {diff:.1e}")
+    assert diff <= tol, f"{name}: {diff:.3e} > {tol:.0e}"
+
+
+# %% [markdown]
+# The yardstick is softmax attention as a textbook writes it. It is independent of everything
+# below, and autograd and `torch.func.jvp` differentiate it for us.
+
+# %%
+def plain_attention(q, k, v, bias=None, scale=None):
+    """softmax(scale * q k^T + bias) v, in as few lines as possible."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = scale * q @ k.mT + (0.0 if bias is None else bias)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+# %% [markdown]
+# ## The forward
+#
+# For one head: queries $Q \in \mathbb{R}^{N_q \times d}$, keys $K \in \mathbb{R}^{N_k \times d}$,
+# values $V \in \mathbb{R}^{N_k \times d_v}$, a scale $s$ (by default $1/\sqrt d$) and an
+# additive mask $B$, $-\infty$ where query $i$ may not see key $j$. Row by row,
+#
+# $$S = s\,QK^\top + B,\qquad m_i = \max_j S_{ij},\qquad \tilde P_{ij} = e^{S_{ij} - m_i},
+# \qquad \ell_i = \sum_j \tilde P_{ij},$$
+#
+# $$P = \tilde P / \ell,\qquad O = PV,\qquad \mathrm{LSE}_i = m_i + \log \ell_i .$$
+#
+# Subtracting the row max $m_i$ changes nothing (softmax ignores a shift of its row) but keeps
+# every exponent $\le 0$, so nothing overflows in low precision. $\mathrm{LSE}_i =
+# \log\sum_j e^{S_{ij}}$ is the one number per row that lets a backward pass rebuild
+# $P = e^{S - \mathrm{LSE}}$ instead of storing it.
+#
+# The shapes below are deliberately awkward: $N_q \ne N_k$, $d_v \ne d$.
+
+# %%
+batch, heads, n_q, n_k, d_qk, d_v = 2, 3, 7, 13, 16, 8
+q = torch.randn(batch, heads, n_q, d_qk, **f64)
+k = torch.randn(batch, heads, n_k, d_qk, **f64)
+v = torch.randn(batch, heads, n_k, d_v, **f64)
+s = d_qk**-0.5
+
+scores = s * q @ k.mT
+row_max = scores.amax(-1, keepdim=True)
+p_tilde = torch.exp(scores - row_max)
+row_sum = p_tilde.sum(-1, keepdim=True)
+probs = p_tilde / row_sum
+out = probs @ v
+lse = (row_max + torch.log(row_sum)).squeeze(-1)
+
+check("O = P V vs plain softmax attention", out, plain_attention(q, k, v))
+check("O vs F.scaled_dot_product_attention", out, F.scaled_dot_product_attention(q, k, v))
+check("LSE = m + log l vs torch.logsumexp", lse, torch.logsumexp(scores, -1))
+
+# %% [markdown]
+# ## The JVP
+#
+# Give each input a tangent, $t_Q, t_K, t_V$ (shaped like $Q, K, V$), and differentiate along
+# it. The mask is a constant. The scores move by
+#
+# $$t_S = s\,(t_Q K^\top + Q\, t_K^\top).$$
+#
+# Softmax moves by $t_{P_{ij}} = P_{ij}\big(t_{S_{ij}} - \sum_k P_{ik} t_{S_{ik}}\big)$. The sum
+# is one number per row; since $\partial\,\mathrm{LSE}_i / \partial S_{ij} = P_{ij}$, it is the
+# tangent of $\mathrm{LSE}$, and we call it $\mu$:
+#
+# $$\mu_i = \sum_j P_{ij}\, t_{S_{ij}},\qquad t_P = P \circ (t_S - \mu),\qquad
+# t_O = t_P\, V + P\, t_V .$$
+#
+# The kernels store $\mu$ next to $\mathrm{LSE}$: the backward through the tangent needs it.
+
+# %%
+t_q, t_k, t_v = (torch.randn_like(x) for x in (q, k, v))
+
+tangent_scores = s * (t_q @ k.mT + q @ t_k.mT)
+mu = (probs * tangent_scores).sum(-1)
+tangent_probs = probs * (tangent_scores - mu[..., None])
+tangent_out = tangent_probs @ v + probs @ t_v
+
+_, jvp_out = torch.func.jvp(plain_attention, (q, k, v), (t_q, t_k, t_v))
+_, jvp_lse = torch.func.jvp(lambda q, k: torch.logsumexp(s * q @ k.mT, -1), (q, k), (t_q, t_k))
+check("tO = tP V + P tV vs torch.func.jvp", tangent_out, jvp_out)
+check("mu = rowsum(P * tS) vs jvp of logsumexp", mu, jvp_lse)
+
+# %% [markdown]
+# ## The module
+#
+# What the chapter exports starts here. Shapes and conventions follow
+# `torch.nn.functional.scaled_dot_product_attention`: `(..., heads, length, dim)`, the leading
+# dims equal. Work happens in float64 for float64 inputs and in float32 otherwise, as the
+# kernels accumulate; `out` and `tangent_out` come back in the query's dtype, while `lse` and
+# `mu` stay in the accumulation dtype (a kernel stores them in float32 too).
+
+# %% tags=["export"]
+"""Attention and its forward-mode derivative (JVP) in plain PyTorch: the ground truth.
+
+Chapter 1 (`notebooks/01_reference.py`) derives, and checks in float64 against autograd and
+`torch.func.jvp`, every formula the Triton kernels compute:
+
+* the forward `O = softmax(s QKᵀ + B) V` and its row statistic `LSE`;
+* the JVP `tO = (P∘(tS - μ)) V + P tV`, where `μ = rowsum(P∘tS)` is the tangent of `LSE`;
+* the online form of both, one block of keys at a time in log2 units, as the kernels run it;
+* the backward `dQ, dK, dV` from `O` and `LSE` alone;
+* the backward through the tangent, `dQ, dK, dV, dtQ, dtK, dtV` from `O, tO, LSE, μ`.
+
+`reference_attention` materialises the scores; `tiled_attention` is the kernels' blueprint and
+the library's CPU fallback. A query row that sees no key gives `out = 0`, `tangent_out = 0`,
+`mu = 0`, `lse = -inf` and zero gradients, never NaN.
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+class AttentionOutputs(NamedTuple):
+    """What the attention functions return.
+
+    Attributes:
+        out: The output O, shape (..., Hq, Nq, Dv), in the query's dtype.
+        lse: Log-sum-exp of each row of scores (natural log), shape (..., Hq, Nq), in the
+            accumulation dtype; -inf for a row that sees no key.
+        tangent_out: The JVP tO, shaped and typed like `out`; None without tangents.
+        mu: The tangent of `lse`, shape (..., Hq, Nq), in the accumulation dtype; None
+            without tangents.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    tangent_out: torch.Tensor | None = None
+    mu: torch.Tensor | None = None
+
+
+# %%
+AttentionOutputs._fields
+
+# %% [markdown]
+# ### Masks
+#
+# Every mask becomes the additive $B$. A bool `attn_mask` means True = attend (as in SDPA), a
+# float one is added to the scores. `is_causal` is PyTorch's top-left alignment: query $i$ sees
+# key $j$ iff $j \le i$, also when $N_q \ne N_k$. SDPA refuses a mask together with
+# `is_causal`; we add both, since a padded causal batch needs exactly that. The bias keeps the
+# mask's own broadcast shape, so a `(B, 1, 1, N_k)` key-padding mask stays that small.
+
+# %% tags=["export"]
+def attention_bias(
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    n_q: int,
+    n_k: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor | None:
+    """The additive mask B of the scores, -inf where a query may not see a key.
+
+    Args:
+        attn_mask: None, a bool mask (True = attend) or a float mask (added to the scores),
+            broadcastable to (..., Hq, Nq, Nk).
+        is_causal: Whether query i sees only keys j <= i (top-left alignment, as in PyTorch).
+        n_q: Number of queries Nq.
+        n_k: Number of keys Nk.
+        dtype: Floating dtype of the result.
+        device: Device of the result.
+
+    Returns:
+        A tensor of at least two dims, broadcastable to (..., Nq, Nk), or None when nothing is
+        masked.
+
+    Raises:
+        ValueError: If `attn_mask` is neither bool nor floating point.
+    """
+    bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=dtype, device=device)
+            bias = bias.masked_fill(~attn_mask.to(device), -math.inf)
+        elif attn_mask.is_floating_point():
+            bias = attn_mask.to(dtype=dtype, device=device)
+        else:
+            raise ValueError(
+                "attn_mask must be bool (True = attend) or floating point (added to the "
+                f"scores), got {attn_mask.dtype}"
+            )
+        while bias.dim() < 2:
+            bias = bias.unsqueeze(0)
+    if is_causal:
+        visible = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+        causal = torch.zeros(n_q, n_k, dtype=dtype, device=device).masked_fill(~visible, -math.inf)
+        bias = causal if bias is None else bias + causal
+    return bias
+
+
+# %% [markdown]
+# A causal mask with more keys than queries, a key-padding mask, and both at once:
+
+# %%
+print(attention_bias(None, True, 3, 5, torch.float64, device))
+key_padding = torch.tensor([True, True, True, False, False], device=device)[None, None, None]
+print(attention_bias(key_padding, False, 3, 5, torch.float64, device).shape)
+print(attention_bias(key_padding, True, 3, 5, torch.float64, device)[0, 0])
+assert attention_bias(None, False, 3, 5, torch.float64, device) is None
+
+# %% [markdown]
+# ### Grouped-query attention
+#
+# With `enable_gqa`, $H_q$ query heads share $H_{kv}$ key/value heads, $H_q / H_{kv}$ query heads
+# per group; query head $h$ reads key/value head $\lfloor h H_{kv} / H_q \rfloor$, which is what
+# `repeat_interleave` produces. The references simply expand; the kernels will instead let
+# the query heads of a group read the same key/value tiles.
+
+# %% tags=["export"]
+def expand_kv_heads(x: torch.Tensor, n_q_heads: int) -> torch.Tensor:
+    """Repeat each key/value head for the query heads of its group (GQA).
+
+    Args:
+        x: Keys or values, shape (..., Hkv, Nk, D).
+        n_q_heads: Number of query heads Hq, a multiple of Hkv.
+
+    Returns:
+        `x` itself when Hq == Hkv, else a tensor of shape (..., Hq, Nk, D) whose head h is
+        head h // (Hq // Hkv) of `x`.
+
+    Raises:
+        ValueError: If Hq is not a multiple of Hkv.
+    """
+    n_kv_heads = x.shape[-3]
+    if n_q_heads % n_kv_heads:
+        raise ValueError(
+            f"grouped-query attention needs the number of query heads ({n_q_heads}) to be a "
+            f"multiple of the number of key/value heads ({n_kv_heads})"
+        )
+    if n_q_heads == n_kv_heads:
+        return x
+    return x.repeat_interleave(n_q_heads // n_kv_heads, dim=-3)
+
+
+# %%
+kv = torch.arange(2.0, device=device)[:, None, None].expand(2, 1, 1)  # two heads: 0 and 1
+print(expand_kv_heads(kv, 4).flatten())
+
+# %% [markdown]
+# ### Checking inputs once
+#
+# All four functions take the same arguments, so one private helper checks them (errors name
+# the argument and the shapes, as SDPA's do), upcasts to the accumulation dtype, expands the
+# key/value heads and builds the bias. Helpers for the scores and a row-safe softmax follow.
+#
+# The softmax is where a row with no visible key bites: its max is $-\infty$ and
+# $S - m = -\infty - (-\infty)$ is NaN. Shifting such a row by 0 instead gives $\tilde P = 0$,
+# $\ell = 0$; dividing only where $\ell > 0$ then gives $P = 0$. The row max is detached:
+# $m + \log\sum_j e^{S_{ij} - m}$ equals $\mathrm{LSE}_i$ for *any* constant $m$, so autograd
+# and forward AD need not differentiate through the max, and every op on the path has a finite
+# derivative. That is what lets autograd and `torch.func.jvp` run through `reference_attention`.
+
+# %% tags=["export"]
+class _Inputs(NamedTuple):
+    """Arguments checked, upcast to the accumulation dtype, key/value heads expanded."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    bias: torch.Tensor | None
+    scale: float
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_shapes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool
+) -> None:
+    shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+    if min(query.dim(), key.dim(), value.dim()) < 3:
+        raise ValueError(f"query, key and value must be (..., heads, length, dim); got {shapes}")
+    if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+        raise ValueError(f"query, key and value must share their leading dims; got {shapes}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"key must have the query's head dim; got {shapes}")
+    if key.shape[-3:-1] != value.shape[-3:-1]:
+        raise ValueError(f"key and value must have the same heads and length; got {shapes}")
+    if not enable_gqa and query.shape[-3] != key.shape[-3]:
+        raise ValueError(
+            f"query and key/value have different numbers of heads; got {shapes}; "
+            "pass enable_gqa=True for grouped-query attention"
+        )
+    if not (query.is_floating_point() and query.dtype == key.dtype == value.dtype):
+        raise ValueError(
+            "query, key and value must share one floating dtype; got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
+        )
+
+
+def _check_mask_and_tangents(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> None:
+    if attn_mask is not None:
+        scores_shape = torch.Size((*query.shape[:-1], key.shape[-2]))
+        try:
+            fits = torch.broadcast_shapes(attn_mask.shape, scores_shape) == scores_shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
+                f"scores' shape {tuple(scores_shape)}"
+            )
+    if tangents is None:
+        return
+    if len(tangents) != 3:
+        raise ValueError(f"tangents must be (t_query, t_key, t_value); got {len(tangents)} items")
+    names = ("t_query", "t_key", "t_value")
+    for name, primal, tangent in zip(names, (query, key, value), tangents, strict=True):
+        if tangent.shape != primal.shape:
+            raise ValueError(
+                f"tangents: {name} has shape {tuple(tangent.shape)}, but must match its input "
+                f"{tuple(primal.shape)}"
+            )
+
+
+def _prepare(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> _Inputs:
+    _check_shapes(query, key, value, enable_gqa)
+    _check_mask_and_tangents(query, key, value, attn_mask, tangents)
+    acc = _accumulation_dtype(query.dtype)
+    n_q_heads = query.shape[-3]
+
+    def upcast(x: torch.Tensor, is_key_or_value: bool) -> torch.Tensor:
+        x = x.to(acc)
+        return expand_kv_heads(x, n_q_heads) if is_key_or_value else x
+
+    q, k, v = upcast(query, False), upcast(key, True), upcast(value, True)
+    if tangents is not None:
+        tangents = tuple(upcast(t, i > 0) for i, t in enumerate(tangents))
+    bias = attention_bias(attn_mask, is_causal, query.shape[-2], key.shape[-2], acc, query.device)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    return _Inputs(q, k, v, tangents, bias, scale)
+
+
+def _scores(x: _Inputs) -> torch.Tensor:
+    """S = s Q Kᵀ + B."""
+    scores = x.scale * (x.q @ x.k.mT)
+    return scores if x.bias is None else scores + x.bias
+
+
+def _tangent_scores(x: _Inputs) -> torch.Tensor:
+    """tS = s (tQ Kᵀ + Q tKᵀ); the mask is a constant."""
+    t_q, t_k, _ = x.tangents
+    return x.scale * (t_q @ x.k.mT + x.q @ t_k.mT)
+
+
+def _safe_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """P and LSE of each row; a row with no finite score gives P = 0 and LSE = -inf."""
+    row_max = scores.detach().amax(-1, keepdim=True)
+    row_max = torch.where(row_max == -math.inf, 0.0, row_max)
+    p_tilde = torch.exp(scores - row_max)
+    row_sum = p_tilde.sum(-1, keepdim=True)
+    visible = row_sum > 0
+    row_sum = torch.where(visible, row_sum, 1.0)
+    lse = torch.where(visible, row_max + torch.log(row_sum), -math.inf)
+    return p_tilde / row_sum, lse.squeeze(-1)
+
+
+def _probs_from_lse(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """P = exp(S - LSE), and 0 on rows with LSE = -inf (their scores are all -inf)."""
+    return torch.exp(scores - torch.where(lse == -math.inf, 0.0, lse)[..., None])
+
+
+def _sum_kv_groups(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Add up the gradients of the query heads that share a key/value head; cast like `like`."""
+    return grad.unflatten(-3, (like.shape[-3], -1)).sum(-3).to(like.dtype)
+
+
+# %% [markdown]
+# The helpers at work: a GQA call without `enable_gqa` is refused with both shapes, and the
+# safe softmax of a row with no visible key is a row of zeros with $\mathrm{LSE} = -\infty$.
+
+# %%
+try:
+    _prepare(q, k[:, :1], v[:, :1], None, False, None, False, None)
+except ValueError as error:
+    print("ValueError:", error)
+print(_safe_softmax(torch.tensor([[0.0, 1.0], [-torch.inf, -torch.inf]], **f64)))
+
+# %% [markdown]
+# ### The exact reference
+#
+# `reference_attention` is the forward and the JVP above, formula by formula.
+
+# %% tags=["export"]
+def reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> AttentionOutputs:
+    """Exact softmax attention and, given tangents, its JVP; materialises the scores.
+
+    Differentiable with autograd and forward AD, with finite derivatives also on rows that
+    see no key.
+
+    Args:
+        query: Shape (..., Hq, Nq, Dqk).
+        key: Shape (..., Hkv, Nk, Dqk), the same leading dims as `query`.
+        value: Shape (..., Hkv, Nk, Dv).
+        attn_mask: None, bool (True = attend) or float (added to the scores), broadcastable to
+            (..., Hq, Nq, Nk).
+        is_causal: Query i sees key j only if j <= i (top-left); combines with `attn_mask`.
+        scale: Factor of Q Kᵀ; defaults to 1 / sqrt(Dqk).
+        enable_gqa: Allow Hq to be a multiple of Hkv (grouped-query attention).
+        tangents: None, or (t_query, t_key, t_value) shaped like the inputs.
+
+    Returns:
+        AttentionOutputs(out, lse, tangent_out, mu); the last two are None without tangents.
+
+    Raises:
+        ValueError: If shapes, dtypes, the mask or the tangents do not fit.
+    """
+    x = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents)
+    probs, lse = _safe_softmax(_scores(x))
+    out = (probs @ x.v).to(query.dtype)
+    if x.tangents is None:
+        return AttentionOutputs(out, lse)
+    tangent_scores = _tangent_scores(x)
+    mu = (probs * tangent_scores).sum(-1)
+    tangent_probs = probs * (tangent_scores - mu[..., None])
+    tangent_out = tangent_probs @ x.v + probs @ x.tangents[2]
+    return AttentionOutputs(out, lse, tangent_out.to(query.dtype), mu)
+
+
+# %% [markdown]
+# In use, on the shapes of the derivation:
+
+# %%
+result = reference_attention(q, k, v, tangents=(t_q, t_k, t_v))
+check("reference_attention: out", result.out, out)
+check("reference_attention: lse", result.lse, lse)
+check("reference_attention: tangent_out", result.tangent_out, jvp_out)
+check("reference_attention: mu", result.mu, jvp_lse)
+
+# %% [markdown]
+# With masks and grouped-query attention, against SDPA for the output and against
+# `torch.func.jvp` of the plain attention for the tangent. The key-padding mask hides the last
+# keys of the second sequence; the additive mask is random, with a few $-\infty$.
+
+# %%
+q_heads, kv_heads = 4, 2
+q = torch.randn(batch, q_heads, n_q, d_qk, **f64)
+k = torch.randn(batch, kv_heads, n_k, d_qk, **f64)
+v = torch.randn(batch, kv_heads, n_k, d_v, **f64)
+tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+k_full, v_full = expand_kv_heads(k, q_heads), expand_kv_heads(v, q_heads)
+tk_full, tv_full = (expand_kv_heads(t, q_heads) for t in tangents[1:])
+
+lengths = torch.tensor([n_k, 9], device=device)
+key_padding = (torch.arange(n_k, device=device) < lengths[:, None])[:, None, None, :]
+additive = torch.randn(n_q, n_k, **f64).masked_fill(torch.rand(n_q, n_k, device=device) < 0.2, -torch.inf)
+additive[:, 0] = 0.0  # every query keeps at least key 0
+
+for name, mask, causal in [
+    ("no mask", None, False),
+    ("causal", None, True),
+    ("key padding", key_padding, False),
+    ("additive", additive, False),
+    ("key padding + causal", key_padding, True),
+]:
+    result = reference_attention(q, k, v, mask, causal, enable_gqa=True, tangents=tangents)
+    bias = attention_bias(mask, causal, n_q, n_k, torch.float64, device)
+    if not (causal and mask is not None):  # SDPA refuses a mask together with is_causal
+        sdpa = F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=True)
+        check(f"{name}: out vs SDPA", result.out, sdpa)
+    _, want = torch.func.jvp(
+        lambda q, k, v, bias=bias: plain_attention(q, k, v, bias),
+        (q, k_full, v_full),
+        (tangents[0], tk_full, tv_full),
+    )
+    check(f"{name}: tangent_out vs torch.func.jvp", result.tangent_out, want)
+
+# %% [markdown]
+# ### A row that sees no key
+#
+# Mask every key of a row and softmax has nothing to normalise: the textbook formula gives
+# $0/0$, NaN. What such a row *should* give is a convention, and ours is: `out = 0`,
+# `tangent_out = 0`, `mu = 0`, `lse = -inf`, and zero gradient into the row. It is what a
+# zero-length sequence contributes, it keeps every derivative finite, and a flash kernel gets
+# it for free by dividing only where $\ell > 0$. PyTorch's SDPA has returned zeros there too
+# since version 2.5; the plain formula has not.
+
+# %%
+empty_row = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+empty_row[2] = False  # query 2 sees nothing
+bias = attention_bias(empty_row, False, n_q, n_k, torch.float64, device)
+
+textbook = plain_attention(q, k_full, v_full, bias)
+sdpa = F.scaled_dot_product_attention(q, k, v, empty_row, enable_gqa=True)
+result = reference_attention(q, k, v, empty_row, enable_gqa=True, tangents=tangents)
+print("textbook softmax, row 2:", textbook[0, 0, 2, :4])
+print("SDPA,             row 2:", sdpa[0, 0, 2, :4])
+print("ours,             row 2:", result.out[0, 0, 2, :4])
+assert textbook[..., 2, :].isnan().all() and not textbook[..., :2, :].isnan().any()
+check("empty row: out == 0", result.out[..., 2, :], 0.0, tol=0.0)
+check("empty row: tangent_out == 0", result.tangent_out[..., 2, :], 0.0, tol=0.0)
+check("empty row: mu == 0", result.mu[..., 2], 0.0, tol=0.0)
+assert (result.lse[..., 2] == -torch.inf).all()
+check("other rows: out vs SDPA", result.out, sdpa)
+
+# %% [markdown]
+# The safe softmax is made of differentiable ops, so autograd and `torch.func.jvp` run through
+# `reference_attention` itself and stay finite; the forward-mode derivative agrees with the
+# explicit tangent formulas on every row, the empty one included.
+
+# %%
+query = q.clone().requires_grad_()
+reference_attention(query, k, v, empty_row, enable_gqa=True).out.sum().backward()
+assert query.grad.isfinite().all()
+check("empty row: autograd dQ == 0", query.grad[..., 2, :], 0.0, tol=0.0)
+
+_, forward_ad = torch.func.jvp(
+    lambda q, k, v: reference_attention(q, k, v, empty_row, enable_gqa=True).out, (q, k, v), tangents
+)
+check("torch.func.jvp through reference vs explicit tO", forward_ad, result.tangent_out)
+
+# %% [markdown]
+# ## Online softmax: one block of keys at a time
+#
+# A kernel never holds a whole row of $S$. It walks over blocks $j$ of $b$ keys and keeps per
+# row a running max $m$, a running sum $\ell$ and an unnormalised output $A$ (`acc_o`), starting
+# from $m = -\infty$, $\ell = 0$, $A = 0$:
+#
+# $$m' = \max\big(m, \max_{c \in j} S_{ic}\big),\quad \alpha = e^{m - m'},\quad
+# \tilde P_j = e^{S_j - m'},$$
+#
+# $$\ell \leftarrow \alpha\,\ell + \operatorname{rowsum} \tilde P_j,\qquad
+# A \leftarrow \alpha A + \tilde P_j V_j,\qquad m \leftarrow m'.$$
+#
+# After each block, $\ell = \sum_c e^{S_{ic} - m}$ and $A = \sum_c e^{S_{ic} - m} V_c$ over the
+# keys seen so far, with $m$ their max: $\alpha$ re-bases the old sums on the new max. At the
+# end $O = A/\ell$ and $\mathrm{LSE} = m + \log \ell$. Two blocks by hand:
+
+# %%
+scores = s * q @ k_full.mT
+blocks = [slice(0, 6), slice(6, n_k)]
+row_max = torch.full((batch, q_heads, n_q, 1), -torch.inf, **f64)
+row_sum = torch.zeros_like(row_max)
+acc_o = torch.zeros(batch, q_heads, n_q, d_v, **f64)
+for cols in blocks:
+    new_max = torch.maximum(row_max, scores[..., cols].amax(-1, keepdim=True))
+    alpha = torch.exp(row_max - new_max)
+    p_tilde = torch.exp(scores[..., cols] - new_max)
+    row_sum = alpha * row_sum + p_tilde.sum(-1, keepdim=True)
+    acc_o = alpha * acc_o + p_tilde @ v_full[..., cols, :]
+    row_max = new_max
+check("online: A / l vs O", acc_o / row_sum, plain_attention(q, k_full, v_full))
+check("online: m + log l vs LSE", (row_max + row_sum.log()).squeeze(-1), torch.logsumexp(scores, -1))
+
+# %% [markdown]
+# Two details make this the kernels' loop.
+#
+# **Log2 units.** GPUs compute $2^x$ in one instruction and $e^x$ as $2^{x \log_2 e}$. Folding
+# $\log_2 e$ into the scale and the bias once, $S^{(2)} = (s \log_2 e)\, QK^\top + \log_2 e
+# \cdot B$, the loop uses `exp2` throughout ($\alpha = 2^{m - m'}$, $\tilde P_j = 2^{S^{(2)}_j
+# - m'}$, with $m$ now a max of $S^{(2)}$), and the epilogue converts back:
+# $\mathrm{LSE} = \ln 2 \cdot (m + \log_2 \ell)$.
+#
+# **Masks and the $-\infty$-safe max.** Masked scores are set to $-\infty$ *before* the max.
+# A row whose keys so far are all masked has $m' = -\infty$, and $S - m'$ would be NaN; such a
+# row is shifted by 0 instead, which gives $\tilde P = 0$ and $\alpha = 0$, and keeps
+# $\ell = 0$ until a visible key arrives. At the end, a row with $\ell = 0$ saw nothing and
+# gets our zeros.
+#
+# ## The JVP, online
+#
+# The tangent needs no second running max. Write $t_O$ over the blocks with $P_j =
+# \tilde P_j / \ell$ (all $\tilde P_j$ taken against the final max):
+#
+# $$t_O = \sum_j \big(P_j \circ (t_{S_j} - \mu)\big) V_j + P_j\, t_{V_j}
+# = \frac{1}{\ell} \sum_j \Big( (\tilde P_j \circ t_{S_j}) V_j + \tilde P_j\, t_{V_j} \Big)
+# - \mu\, O,\qquad \mu = \frac{1}{\ell} \sum_j \operatorname{rowsum}(\tilde P_j \circ t_{S_j}).$$
+#
+# $\mu$ is unknown until the last block, but it only enters through $-\mu O$. So three more
+# accumulators, rescaled by the same $\alpha$, suffice:
+#
+# $$G \leftarrow \alpha G + (\tilde P_j \circ t_{S_j}) V_j,\qquad
+# r \leftarrow \alpha r + \operatorname{rowsum}(\tilde P_j \circ t_{S_j}),\qquad
+# H \leftarrow \alpha H + \tilde P_j\, t_{V_j},$$
+#
+# $$\mu = r / \ell,\qquad t_O = (G + H)/\ell - \mu\, O .$$
+#
+# $G$ and $H$ are rescaled alike and only their sum is used, so the code keeps one
+# accumulator, `acc_tangent` $= G + H$, and `acc_mu` $= r$. Per tile the forward does two
+# matrix products ($QK_j^\top$, $\tilde P_j V_j$); the tangent adds four ($t_Q K_j^\top$,
+# $Q t_{K_j}^\top$, $(\tilde P_j \circ t_{S_j}) V_j$, $\tilde P_j t_{V_j}$): three times the
+# FLOPs of the forward, in one pass over $K$ and $V$.
+
+# %%
+t_q, t_k_full, t_v_full = tangents[0], tk_full, tv_full
+tangent_scores = s * (t_q @ k_full.mT + q @ t_k_full.mT)
+row_max = torch.full((batch, q_heads, n_q, 1), -torch.inf, **f64)
+row_sum, acc_mu = torch.zeros_like(row_max), torch.zeros_like(row_max)
+acc_o, acc_tangent = torch.zeros_like(acc_o), torch.zeros_like(acc_o)
+for cols in blocks:
+    new_max = torch.maximum(row_max, scores[..., cols].amax(-1, keepdim=True))
+    alpha = torch.exp(row_max - new_max)
+    p_tilde = torch.exp(scores[..., cols] - new_max)
+    p_tangent = p_tilde * tangent_scores[..., cols]
+    row_sum = alpha * row_sum + p_tilde.sum(-1, keepdim=True)
+    acc_o = alpha * acc_o + p_tilde @ v_full[..., cols, :]
+    acc_mu = alpha * acc_mu + p_tangent.sum(-1, keepdim=True)
+    acc_tangent = alpha * acc_tangent + p_tangent @ v_full[..., cols, :] + p_tilde @ t_v_full[..., cols, :]
+    row_max = new_max
+online_out, online_mu = acc_o / row_sum, acc_mu / row_sum
+_, want = torch.func.jvp(plain_attention, (q, k_full, v_full), (t_q, t_k_full, t_v_full))
+check("online: mu = r / l vs reference mu", online_mu.squeeze(-1), reference_attention(q, k, v, enable_gqa=True, tangents=tangents).mu)
+check("online: tO = (G + H) / l - mu O vs torch.func.jvp", acc_tangent / row_sum - online_mu * online_out, want)
+
+# %% [markdown]
+# ### The blueprint
+#
+# `tiled_attention` is that loop with both details, over blocks of `block_n` keys: it never
+# holds more than a `(..., Nq, block_n)` slab of scores, and it applies the causal mask per
+# block from indices, as a kernel does, instead of reading an $N_q \times N_k$ bias.
+
+# %% tags=["export"]
+def _online_epilogue(
+    row_max: torch.Tensor,
+    row_sum: torch.Tensor,
+    acc_o: torch.Tensor,
+    acc_mu: torch.Tensor | None,
+    acc_tangent: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> AttentionOutputs:
+    """O = A/ℓ, LSE = ln2 (m + log2 ℓ), μ = r/ℓ, tO = (G + H)/ℓ - μ O; zeros where ℓ = 0."""
+    visible = row_sum > 0
+    row_sum = torch.where(visible, row_sum, 1.0)
+    out = acc_o / row_sum[..., None]
+    lse = torch.where(visible, (row_max + torch.log2(row_sum)) * LN_2, -math.inf)
+    if acc_tangent is None:
+        return AttentionOutputs(out.to(dtype), lse)
+    mu = acc_mu / row_sum
+    tangent_out = acc_tangent / row_sum[..., None] - mu[..., None] * out
+    return AttentionOutputs(out.to(dtype), lse, tangent_out.to(dtype), mu)
+
+
+def tiled_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    block_n: int = 64,
+) -> AttentionOutputs:
+    """Attention and its JVP by online softmax over key blocks, as the kernels compute them.
+
+    Same arguments, results and conventions as `reference_attention`, plus `block_n`. Holds
+    at most a (..., Nq, block_n) slab of scores; the running max is kept in log2 units.
+
+    Args:
+        query: Shape (..., Hq, Nq, Dqk).
+        key: Shape (..., Hkv, Nk, Dqk).
+        value: Shape (..., Hkv, Nk, Dv).
+        attn_mask: None, bool (True = attend) or float (added), broadcastable to
+            (..., Hq, Nq, Nk).
+        is_causal: Query i sees key j only if j <= i (top-left); combines with `attn_mask`.
+        scale: Factor of Q Kᵀ; defaults to 1 / sqrt(Dqk).
+        enable_gqa: Allow Hq to be a multiple of Hkv (grouped-query attention).
+        tangents: None, or (t_query, t_key, t_value) shaped like the inputs.
+        block_n: Number of keys per block.
+
+    Returns:
+        AttentionOutputs(out, lse, tangent_out, mu); the last two are None without tangents.
+
+    Raises:
+        ValueError: If the inputs do not fit, or `block_n` is not positive.
+    """
+    if block_n < 1:
+        raise ValueError(f"block_n must be a positive number of keys, got {block_n}")
+    x = _prepare(query, key, value, attn_mask, False, scale, enable_gqa, tangents)
+    n_q, n_k = x.q.shape[-2], x.k.shape[-2]
+    q_log2 = x.q * (x.scale * LOG2_E)  # exp2(q_log2 kᵀ) == exp(s q kᵀ)
+    bias = None if x.bias is None else x.bias.expand(*x.bias.shape[:-1], n_k)
+    rows = torch.arange(n_q, device=x.q.device)[:, None]
+    row_max = torch.full(x.q.shape[:-1], -math.inf, dtype=x.q.dtype, device=x.q.device)
+    row_sum = torch.zeros_like(row_max)
+    acc_o = x.q.new_zeros(*x.q.shape[:-1], x.v.shape[-1])
+    acc_mu = None if x.tangents is None else torch.zeros_like(row_sum)
+    acc_tangent = None if x.tangents is None else torch.zeros_like(acc_o)
+    for start in range(0, n_k, block_n):
+        cols = slice(start, min(start + block_n, n_k))
+        k_j, v_j = x.k[..., cols, :], x.v[..., cols, :]
+        scores = q_log2 @ k_j.mT
+        if bias is not None:
+            scores = scores + bias[..., cols] * LOG2_E
+        if is_causal:
+            hidden = torch.arange(start, cols.stop, device=rows.device) > rows  # key j > query i
+            scores = scores.masked_fill(hidden, -math.inf)
+        new_max = torch.maximum(row_max, scores.amax(-1))
+        shift = torch.where(new_max == -math.inf, 0.0, new_max)  # the -inf-safe max
+        alpha = torch.exp2(row_max - shift)
+        p_tilde = torch.exp2(scores - shift[..., None])
+        row_sum = alpha * row_sum + p_tilde.sum(-1)
+        acc_o = alpha[..., None] * acc_o + p_tilde @ v_j
+        if x.tangents is not None:
+            t_q, t_k, t_v = x.tangents
+            tangent_scores = x.scale * (t_q @ k_j.mT + x.q @ t_k[..., cols, :].mT)
+            p_tangent = p_tilde * tangent_scores
+            acc_mu = alpha * acc_mu + p_tangent.sum(-1)
+            acc_tangent = alpha[..., None] * acc_tangent + p_tangent @ v_j
+            acc_tangent = acc_tangent + p_tilde @ t_v[..., cols, :]
+        row_max = new_max
+    return _online_epilogue(row_max, row_sum, acc_o, acc_mu, acc_tangent, query.dtype)
+
+
+# %% [markdown]
+# In use: with every mask above, block sizes that do and do not divide $N_k = 13$, and the
+# row that sees no key. All four outputs (`out`, `tangent_out`, `mu`, finite `lse`) match the
+# exact reference to rounding.
+
+# %%
+for name, mask, causal in [
+    ("no mask", None, False),
+    ("key padding + causal", key_padding, True),
+    ("additive + causal", additive, True),
+    ("empty row", empty_row, False),
+]:
+    want = reference_attention(q, k, v, mask, causal, enable_gqa=True, tangents=tangents)
+    finite = want.lse > -torch.inf
+    for block_n in (1, 4, 13, 64):
+        got = tiled_attention(q, k, v, mask, causal, enable_gqa=True, tangents=tangents, block_n=block_n)
+        assert torch.equal(got.lse > -torch.inf, finite)
+        got = torch.cat([got.out.flatten(), got.tangent_out.flatten(), got.mu.flatten(), got.lse[finite]])
+        expected = torch.cat([want.out.flatten(), want.tangent_out.flatten(), want.mu.flatten(), want.lse[finite]])
+        check(f"tiled vs reference, {name}, block_n={block_n}", got, expected)
+
+# %% [markdown]
+# ## The backward
+#
+# A loss $L$ reaches attention through $dO = \partial L / \partial O$. From $O = PV$,
+#
+# $$dV = P^\top dO,\qquad dP = dO\, V^\top.$$
+#
+# Softmax's backward is $dS_{ij} = P_{ij}\big(dP_{ij} - \sum_k P_{ik}\, dP_{ik}\big)$, and the
+# row sum needs no $P$ at all: $\sum_k P_{ik} \sum_e dO_{ie} V_{ke} = \sum_e dO_{ie} O_{ie}$. So
+#
+# $$\Delta = \operatorname{rowsum}(dO \circ O),\qquad dS = P \circ (dP - \Delta),\qquad
+# dQ = s\, dS\, K,\qquad dK = s\, dS^\top Q,$$
+#
+# with $P = e^{S - \mathrm{LSE}}$ rebuilt from the stored $\mathrm{LSE}$. With GQA, the
+# gradients that the query heads of a group send to their shared key/value head add up.
+
+# %% tags=["export"]
+def reference_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of attention from its stored output and log-sum-exp, by the explicit formulas.
+
+    Args:
+        query: Shape (..., Hq, Nq, Dqk).
+        key: Shape (..., Hkv, Nk, Dqk).
+        value: Shape (..., Hkv, Nk, Dv).
+        out: The forward's output O, shape (..., Hq, Nq, Dv).
+        lse: The forward's log-sum-exp, shape (..., Hq, Nq).
+        grad_out: The cotangent dO, shaped like `out`.
+        attn_mask: As in `reference_attention`.
+        is_causal: As in `reference_attention`.
+        scale: As in `reference_attention`.
+        enable_gqa: As in `reference_attention`.
+
+    Returns:
+        (dq, dk, dv), shaped and typed like (query, key, value); zero on rows that see no key.
+
+    Raises:
+        ValueError: If the inputs do not fit.
+    """
+    x = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, None)
+    probs = _probs_from_lse(_scores(x), lse.to(x.q.dtype))
+    out, grad_out = out.to(x.q.dtype), grad_out.to(x.q.dtype)
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    grad_v = probs.mT @ grad_out
+    grad_probs = grad_out @ x.v.mT
+    grad_scores = probs * (grad_probs - delta)
+    grad_q = x.scale * grad_scores @ x.k
+    grad_k = x.scale * grad_scores.mT @ x.q
+    return grad_q.to(query.dtype), _sum_kv_groups(grad_k, key), _sum_kv_groups(grad_v, value)
+
+
+# %% [markdown]
+# In use, against autograd through the plain attention, with GQA, padding and causality:
+
+# %%
+grad_out = torch.randn(batch, q_heads, n_q, d_v, **f64)
+result = reference_attention(q, k, v, key_padding, True, enable_gqa=True)
+grads = reference_backward(q, k, v, result.out, result.lse, grad_out, key_padding, True, enable_gqa=True)
+
+bias = attention_bias(key_padding, True, n_q, n_k, torch.float64, device)
+primals = [x.clone().requires_grad_() for x in (q, k, v)]
+plain = plain_attention(primals[0], expand_kv_heads(primals[1], q_heads), expand_kv_heads(primals[2], q_heads), bias)
+want = torch.autograd.grad(plain, primals, grad_out)
+for name, got, expected in zip(("dQ", "dK", "dV"), grads, want, strict=True):
+    check(f"reference_backward {name} vs autograd", got, expected)
+
+# %% [markdown]
+# ## The backward through the tangent
+#
+# When the loss also uses the tangent, say $L(O, t_O)$, cotangents $dO$ and $dt_O$ arrive, and
+# we need gradients for all six inputs $Q, K, V, t_Q, t_K, t_V$. Write $dt_P = dt_O V^\top$ for
+# the cotangent that reaches $t_P$ (the design notes call it $G$), and let
+#
+# $$c = \operatorname{rowsum}(P \circ dt_P) = \operatorname{rowsum}(dt_O \circ O).$$
+#
+# $t_O = t_P V + P t_V$ gives $dt_V = P^\top dt_O$ and adds $t_P^\top dt_O$ to $dV$. Through
+# $t_P = P \circ (t_S - \mu)$ with $\mu = \operatorname{rowsum}(P \circ t_S)$:
+#
+# $$dt_S = P \circ (dt_P - c),$$
+#
+# $$dP = dO\, V^\top + dt_O\, t_V^\top + dt_P \circ (t_S - \mu) - c \circ t_S .$$
+#
+# The softmax backward needs $\Delta_2 = \operatorname{rowsum}(P \circ dP)$. Term by term,
+# $\operatorname{rowsum}(P \circ dO V^\top) = \operatorname{rowsum}(dO \circ O)$, the next two
+# add up to $\operatorname{rowsum}(dt_O \circ (P t_V + t_P V)) = \operatorname{rowsum}(dt_O
+# \circ t_O)$, and the last is $-c\mu$:
+#
+# $$\Delta_2 = \operatorname{rowsum}(dO \circ O) + \operatorname{rowsum}(dt_O \circ t_O)
+# - \mu\, c,\qquad dS = P \circ (dP - \Delta_2).$$
+#
+# Every row statistic comes from the stored $O$, $t_O$, $\mu$, so one flash-style pass suffices.
+# Finally $S = s QK^\top$ and $t_S = s(t_Q K^\top + Q t_K^\top)$ give
+#
+# $$dQ = s\,(dS\, K + dt_S\, t_K),\quad dK = s\,(dS^\top Q + dt_S^\top t_Q),\quad
+# dt_Q = s\, dt_S\, K,\quad dt_K = s\, dt_S^\top Q,$$
+#
+# $$dV = P^\top dO + t_P^\top dt_O,\qquad dt_V = P^\top dt_O .$$
+
+# %% tags=["export"]
+def reference_backward_tangent(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    tangent_out: torch.Tensor,
+    mu: torch.Tensor,
+    grad_out: torch.Tensor | None,
+    grad_tangent_out: torch.Tensor | None,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of (out, tangent_out) with respect to the inputs and their tangents.
+
+    Args:
+        query: Shape (..., Hq, Nq, Dqk).
+        key: Shape (..., Hkv, Nk, Dqk).
+        value: Shape (..., Hkv, Nk, Dv).
+        tangents: (t_query, t_key, t_value), shaped like the inputs.
+        out: The forward's output O.
+        lse: The forward's log-sum-exp, shape (..., Hq, Nq).
+        tangent_out: The forward's tangent output tO.
+        mu: The forward's tangent of lse, shape (..., Hq, Nq).
+        grad_out: The cotangent dO, or None for zeros.
+        grad_tangent_out: The cotangent dtO, or None for zeros.
+        attn_mask: As in `reference_attention`.
+        is_causal: As in `reference_attention`.
+        scale: As in `reference_attention`.
+        enable_gqa: As in `reference_attention`.
+
+    Returns:
+        (dq, dk, dv, dt_query, dt_key, dt_value), shaped and typed like the inputs and their
+        tangents; zero on rows that see no key.
+
+    Raises:
+        ValueError: If the inputs do not fit.
+    """
+    x = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents)
+    t_q, t_k, t_v = x.tangents
+    acc = x.q.dtype
+    probs = _probs_from_lse(_scores(x), lse.to(acc))
+    tangent_scores = _tangent_scores(x)
+    out, tangent_out, mu = out.to(acc), tangent_out.to(acc), mu.to(acc)[..., None]
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(acc)
+    grad_t_out = torch.zeros_like(out) if grad_tangent_out is None else grad_tangent_out.to(acc)
+
+    c = (grad_t_out * out).sum(-1, keepdim=True)
+    delta_2 = (grad_out * out + grad_t_out * tangent_out).sum(-1, keepdim=True) - mu * c
+    centered = tangent_scores - mu  # tS - μ
+    tangent_probs = probs * centered
+    grad_tangent_probs = grad_t_out @ x.v.mT
+    grad_probs = grad_out @ x.v.mT + grad_t_out @ t_v.mT
+    grad_probs = grad_probs + grad_tangent_probs * centered - c * tangent_scores
+    grad_tangent_scores = probs * (grad_tangent_probs - c)
+    grad_scores = probs * (grad_probs - delta_2)
+
+    grad_q = x.scale * (grad_scores @ x.k + grad_tangent_scores @ t_k)
+    grad_k = x.scale * (grad_scores.mT @ x.q + grad_tangent_scores.mT @ t_q)
+    grad_v = probs.mT @ grad_out + tangent_probs.mT @ grad_t_out
+    grad_t_q = x.scale * grad_tangent_scores @ x.k
+    grad_t_k = x.scale * grad_tangent_scores.mT @ x.q
+    grad_t_v = probs.mT @ grad_t_out
+    return (
+        grad_q.to(query.dtype),
+        _sum_kv_groups(grad_k, key),
+        _sum_kv_groups(grad_v, value),
+        grad_t_q.to(tangents[0].dtype),
+        _sum_kv_groups(grad_t_k, tangents[1]),
+        _sum_kv_groups(grad_t_v, tangents[2]),
+    )
+
+
+# %% [markdown]
+# In use, against autograd differentiating *through* `torch.func.jvp` of the plain attention:
+# a double derivative that PyTorch computes for us, and that we now have in closed form.
+
+# %%
+grad_tangent_out = torch.randn_like(grad_out)
+result = reference_attention(q, k, v, key_padding, True, enable_gqa=True, tangents=tangents)
+grads = reference_backward_tangent(
+    q, k, v, tangents, result.out, result.lse, result.tangent_out, result.mu,
+    grad_out, grad_tangent_out, key_padding, True, enable_gqa=True,
+)  # fmt: skip
+
+inputs = [x.clone().requires_grad_() for x in (q, k, v, *tangents)]
+
+
+def plain_gqa(q, k, v):
+    return plain_attention(q, expand_kv_heads(k, q_heads), expand_kv_heads(v, q_heads), bias)
+
+
+plain_out, plain_tangent_out = torch.func.jvp(plain_gqa, tuple(inputs[:3]), tuple(inputs[3:]))
+want = torch.autograd.grad((plain_out, plain_tangent_out), inputs, (grad_out, grad_tangent_out))
+for name, got, expected in zip(("dQ", "dK", "dV", "dtQ", "dtK", "dtV"), grads, want, strict=True):
+    check(f"reference_backward_tangent {name} vs autograd of jvp", got, expected)
+
+# %% [markdown]
+# And on a row that sees no key: zeros, never NaN.
+
+# %%
+result = reference_attention(q, k, v, empty_row, enable_gqa=True, tangents=tangents)
+grads = reference_backward_tangent(
+    q, k, v, tangents, result.out, result.lse, result.tangent_out, result.mu,
+    grad_out, grad_tangent_out, empty_row, enable_gqa=True,
+)  # fmt: skip
+assert all(g.isfinite().all() for g in grads)
+check("empty row: dQ == 0", grads[0][..., 2, :], 0.0, tol=0.0)
+check("empty row: dtQ == 0", grads[3][..., 2, :], 0.0, tol=0.0)
+
+# %% [markdown]
+# ## What this chapter proved
+#
+# | quantity | formula | checked against |
+# |---|---|---|
+# | $O$, $\mathrm{LSE}$ | $P V$, $m + \log \ell$ | SDPA, `torch.logsumexp` |
+# | $t_O$, $\mu$ | $P \circ (t_S - \mu)\,V + P t_V$, $\operatorname{rowsum}(P \circ t_S)$ | `torch.func.jvp` |
+# | online form | $\alpha$-rescaled $\ell, A, r, G + H$ in log2 units | the exact reference |
+# | $dQ, dK, dV$ | $\Delta$, $dS = P \circ (dP - \Delta)$ | autograd |
+# | through $t_O$ | $c$, $\Delta_2$, $dt_S = P \circ (dt_P - c)$ | autograd of `torch.func.jvp` |
+#
+# with masks (causal, bool key padding, additive), GQA, $N_q \ne N_k$, $d_v \ne d$, and the
+# row that sees no key. The next chapter moves `tiled_attention`'s loop into a Triton kernel
+# and tests it against `reference_attention`.
