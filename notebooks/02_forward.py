@@ -1,0 +1,545 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 2: the flash forward in Triton
+#
+# Chapter 1 wrote attention twice in PyTorch: exactly, and *tiled*, one block of keys at a
+# time with a running maximum. The tiled version never holds more than a slab of scores, and
+# that is the whole idea of flash attention: a score matrix of $N_q \times N_k$ entries is
+# never written to memory. Here the tiled loop becomes a Triton kernel.
+#
+# One program of the kernel owns one tile of $B_M$ query rows of one (batch, head). It loads
+# its queries once, then walks over the keys in blocks of $B_N$, folding each block into a
+# running state that lives in registers:
+#
+# | state | shape | meaning |
+# |---|---|---|
+# | `m_i` | $B_M$ | running row maximum of the scores (log2 units) |
+# | `l_i` | $B_M$ | running $\ell = \sum_j \tilde P_{ij}$ |
+# | `acc_o` | $B_M \times D_v$ | running $A = \sum_j \tilde P_{ij} V_j$ |
+# | `r_i`, `acc_t` | $B_M$, $B_M \times D_v$ | the tangent's $r$ and $G + H$ (switched on by `HAS_TANGENT`) |
+#
+# and at the end writes $O = A/\ell$ and $\mathrm{LSE} = m + \log \ell$. The kernel carries the
+# tangent accumulators of chapter 1 as well, behind a compile-time switch: with
+# `HAS_TANGENT=False` Triton removes every tangent line and the kernel is a plain flash
+# forward; with `HAS_TANGENT=True` the same loop produces $t_O$ and $\mu$. One loop, two
+# specialisations, no second copy. This chapter builds and checks the primal path; chapter 3
+# checks the tangent path and studies its accuracy.
+#
+# Everything that SDPA accepts is handled in the kernel itself: any $N_q$, $N_k$ (boundary
+# masks, not asserts), causal masking with PyTorch's top-left alignment, boolean or additive
+# masks broadcast with stride-0 dimensions (never materialised), GQA by index arithmetic
+# (no repeated K/V), head dimensions that are not powers of two, $d_{qk} \ne d_v$, and
+# arbitrary strides.
+
+# %%
+import os
+
+import torch
+
+# On a machine without a GPU the kernels run in Triton's interpreter; it must be switched on
+# before triton is imported.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+FULL_SIZE = DEVICE == "cuda"
+print(f"device: {DEVICE}, interpreter: {os.environ.get('TRITON_INTERPRET', '0') == '1'}")
+
+# %% [markdown]
+# ## Loading tiles with pointer arithmetic
+#
+# A tile is addressed by its row and column indices and the tensor's strides; rows past the
+# sequence end and columns past the head dimension are masked and read as zero. Zeros are
+# harmless everywhere: a zero query row produces scores that are never stored, a zero key row
+# is masked to $-\infty$ below, and zero padding columns add nothing to a dot product. This is
+# what lets the kernel take any length and any head dimension (the tile width is the next
+# power of two). We use plain pointers rather than `tl.make_block_ptr`, which Triton 3.9
+# removes.
+
+# %% tags=["export"]
+"""Chapter 2: the flash-attention forward (and, switched on by a constexpr, its tangent) in Triton.
+
+The kernel follows the tiled online-softmax reference of chapter 1 block for block; the
+notebook `notebooks/02_forward.py` derives it and checks it against that reference.
+"""
+
+
+import os
+from contextlib import nullcontext
+
+import torch
+import triton
+import triton.language as tl
+
+from jvp_attention.reference import AttentionOutputs
+
+LOG2E = 1.4426950408889634
+NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2
+
+
+@triton.jit
+def _load_tile(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
+    """Load the [rows x cols] tile at `ptr`; entries outside (n_rows, n_cols) read as zero."""
+    ptrs = ptr + rows[:, None] * stride_row + cols[None, :] * stride_col
+    return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims):
+    """Store a tile into a contiguous (rows, n_dims) tensor; `flat_rows` index the whole tensor."""
+    mask = (rows[:, None] < n_rows) & (dims[None, :] < n_dims)
+    tl.store(ptr + flat_rows[:, None] * n_dims + dims[None, :], x.to(ptr.dtype.element_ty),
+             mask=mask)
+
+
+# %% [markdown]
+# ## Scores, masks and the causal band
+#
+# The scores live in log2 units: $S_2 = \log_2(e)\,(s\,QK^\top + B)$, so that the softmax
+# uses `exp2`, which is a single hardware instruction, with $\log_2 e$ folded into the scale
+# once per launch rather than multiplied into every exponent. A boolean mask (True = attend)
+# turns scores into $-\infty$; an additive mask is added (times $\log_2 e$). Both are read
+# through their own strides, so a `(B, 1, 1, N_k)` key-padding mask is expanded with stride 0
+# and never written out at `(B, H, N_q, N_k)`.
+#
+# Column masks for the sequence end and the causal band cost instructions, and most key
+# blocks need neither. `_key_block_ranges` splits a query tile's keys into a prefix of whole
+# blocks that every row sees entirely, and a short tail that needs masks. With top-left
+# causal alignment (query $i$ sees keys $j \le i$, as `torch.ones(Nq, Nk).tril()`), a query
+# tile starting at row $m_0$ needs keys below $m_0 + B_M$, and a block of keys is whole for
+# every row of the tile when it ends at or before $m_0 + 1$.
+
+# %% tags=["export"]
+@triton.jit
+def _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
+                   IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                   CHECK_BOUNDS: tl.constexpr):
+    """Apply the user's mask, and (when CHECK_BOUNDS) the key boundary and causal band, to
+    log2-unit scores; masked entries become -inf."""
+    if MASK_KIND == 1:
+        keep = _load_tile(mask_ptr, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
+        s = tl.where(keep != 0, s, float("-inf"))
+    if MASK_KIND == 2:
+        bias = _load_tile(mask_ptr, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
+        s = s + bias.to(tl.float32) * 1.4426950408889634
+    if CHECK_BOUNDS:
+        visible = cols[None, :] < n_k
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= rows[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _key_block_ranges(start_m, n_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """Split the keys a query tile needs: [0, full_end) needs no column masks, [full_end, end) does."""
+    if IS_CAUSAL:
+        end = tl.minimum(n_k, start_m + BLOCK_M)
+        full_end = (tl.minimum(n_k, start_m + 1) // BLOCK_N) * BLOCK_N
+    else:
+        end = n_k
+        full_end = (n_k // BLOCK_N) * BLOCK_N
+    return full_end, end
+
+
+# %% [markdown]
+# ## One block of keys
+#
+# Folding a block into the state is chapter 1's online softmax, line for line:
+#
+# $$m' = \max(m, \max_j S_{2,ij}),\quad \alpha = 2^{m - m'},\quad \tilde P = 2^{S_2 - m'},\quad
+# \ell \leftarrow \alpha \ell + \textstyle\sum_j \tilde P_{ij},\quad
+# A \leftarrow \alpha A + \tilde P V.$$
+#
+# A row can have every key masked so far (a user mask can hide a whole block, or a whole
+# row). Its maximum is then $-\infty$ and $m - m'$ would be $-\infty - (-\infty) = $ NaN; we
+# subtract 0 instead, which leaves $\tilde P = 0$ and $\alpha = 0$, so the row's state stays
+# empty. Without a user mask every row sees key 0 in the first block, and the guard is
+# compiled out.
+#
+# $\tilde P$ is rounded to the input dtype before the $\tilde P V$ product, so the tensor
+# cores run at 16-bit speed; the product accumulates in fp32. For fp32 inputs the dots use
+# IEEE fp32 (`input_precision="ieee"`) rather than TF32, to match PyTorch's fp32 math.
+#
+# The tangent branch accumulates chapter 1's $r$ and $G + H$ in one tensor `acc_t`:
+#
+# $$t_S = s\,(t_Q K^\top + Q\,t_K^\top),\quad r \leftarrow \alpha r + \textstyle\sum_j
+# (\tilde P \circ t_S)_{ij},\quad \texttt{acc\_t} \leftarrow \alpha\,\texttt{acc\_t} +
+# (\tilde P \circ t_S) V + \tilde P\, t_V.$$
+#
+# Four more matrix products per block: six in all, three times the forward's two.
+
+# %% tags=["export"]
+@triton.jit
+def _online_softmax_step(s, m_i, CAN_BE_EMPTY: tl.constexpr):
+    """One online-softmax step in log2 units: the new running max, the rescale factor alpha
+    for the old state, and the block's unnormalised probabilities p~."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if CAN_BE_EMPTY:
+        # Everything masked so far: subtract 0 rather than -inf, so p~ = 0 and alpha = 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(s - m_shift[:, None])
+    return m_new, alpha, p
+
+
+@triton.jit
+def _forward_key_block(
+    acc_o, acc_t, l_i, r_i, m_i, q, tq, rows, start_n,
+    k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
+    tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+    mask_ptr, stride_mask_m, stride_mask_n,
+    n_q, n_k, head_dim, value_dim, qk_scale, scale,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
+    CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold the key block starting at `start_n` into the softmax state (and the tangent state)."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    k = _load_tile(k_ptr, cols, dims, stride_kn, stride_kd, n_k, head_dim)
+    v = _load_tile(v_ptr, cols, dims_v, stride_vn, stride_vd, n_k, value_dim)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
+                       IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
+    m_new, alpha, p = _online_softmax_step(s, m_i, MASK_KIND != 0)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc_o = acc_o * alpha[:, None]
+    acc_o = tl.dot(p.to(v.dtype), v, acc=acc_o, input_precision=DOT_PRECISION)
+    if HAS_TANGENT:
+        tk = _load_tile(tk_ptr, cols, dims, stride_tkn, stride_tkd, n_k, head_dim)
+        tv = _load_tile(tv_ptr, cols, dims_v, stride_tvn, stride_tvd, n_k, value_dim)
+        # Natural units: masked entries have p~ = 0, so their tS never matters.
+        ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
+        ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
+        p_ts = p * ts
+        r_i = r_i * alpha + tl.sum(p_ts, 1)
+        acc_t = acc_t * alpha[:, None]
+        acc_t = tl.dot(p_ts.to(v.dtype), v, acc=acc_t, input_precision=DOT_PRECISION)
+        acc_t = tl.dot(p.to(tv.dtype), tv, acc=acc_t, input_precision=DOT_PRECISION)
+    return acc_o, acc_t, l_i, r_i, m_new
+
+
+# %% [markdown]
+# ## The kernel
+#
+# The grid is (query tiles, batch × query heads). A program finds its key/value head by
+# integer division, which is all GQA needs: `group_size` query heads share one key head, and
+# nothing is repeated in memory. Pointers are offset in 64-bit arithmetic so that tensors
+# above $2^{31}$ elements are safe. The epilogue normalises, and a row that saw no key at all
+# ($\ell = 0$) writes $O = 0$, $t_O = 0$, $\mu = 0$ and $\mathrm{LSE} = -\infty$: our
+# documented convention where PyTorch's math path gives NaN.
+
+# %% tags=["export"]
+@triton.jit
+def _attention_forward_kernel(
+    q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, o_ptr, to_ptr, lse_ptr, mu_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_tqb, stride_tqh, stride_tqm, stride_tqd,
+    stride_tkb, stride_tkh, stride_tkn, stride_tkd,
+    stride_tvb, stride_tvh, stride_tvn, stride_tvd,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    n_heads, n_q, n_k, head_dim, value_dim, group_size, qk_scale, scale,
+    n_q_bucket, n_k_bucket,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    batch = (tl.program_id(1) // n_heads).to(tl.int64)
+    head = tl.program_id(1) % n_heads
+    kv_head = head // group_size
+    rows = start_m + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q = _load_tile(q_ptr + batch * stride_qb + head * stride_qh, rows, dims,
+                   stride_qm, stride_qd, n_q, head_dim)
+    k_ptr += batch * stride_kb + kv_head * stride_kh
+    v_ptr += batch * stride_vb + kv_head * stride_vh
+    mask_ptr += batch * stride_mask_b + head * stride_mask_h
+    if HAS_TANGENT:
+        tq = _load_tile(tq_ptr + batch * stride_tqb + head * stride_tqh, rows, dims,
+                        stride_tqm, stride_tqd, n_q, head_dim)
+        tk_ptr += batch * stride_tkb + kv_head * stride_tkh
+        tv_ptr += batch * stride_tvb + kv_head * stride_tvh
+        acc_t = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    else:
+        tq = q
+        acc_t = tl.zeros([1, 1], dtype=tl.float32)
+    acc_o = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+
+    full_end, end = _key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    for start_n in range(0, full_end, BLOCK_N):
+        acc_o, acc_t, l_i, r_i, m_i = _forward_key_block(
+            acc_o, acc_t, l_i, r_i, m_i, q, tq, rows, start_n,
+            k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
+            tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+            mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
+            qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):
+        acc_o, acc_t, l_i, r_i, m_i = _forward_key_block(
+            acc_o, acc_t, l_i, r_i, m_i, q, tq, rows, start_n,
+            k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
+            tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+            mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
+            qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION)
+
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    o = acc_o * inv_l[:, None]
+    flat_rows = tl.program_id(1).to(tl.int64) * n_q + rows
+    dims_v = tl.arange(0, BLOCK_DV)
+    _store_rows(o_ptr, o, flat_rows, rows, dims_v, n_q, value_dim)
+    log2_l = tl.log2(tl.where(empty, 1.0, l_i))
+    lse = tl.where(empty, float("-inf"), (m_i + log2_l) * 0.6931471805599453)
+    tl.store(lse_ptr + flat_rows, lse, mask=rows < n_q)
+    if HAS_TANGENT:
+        mu = r_i * inv_l
+        t_o = acc_t * inv_l[:, None] - mu[:, None] * o
+        _store_rows(to_ptr, t_o, flat_rows, rows, dims_v, n_q, value_dim)
+        tl.store(mu_ptr + flat_rows, mu, mask=rows < n_q)
+
+
+# %% [markdown]
+# ## Tiles, autotuning and the launch
+#
+# The best tile depends on the head dimension, the dtype, causality, the mask kind, whether
+# the tangent is on (it doubles the registers the accumulators need) and, coarsely, the
+# lengths. Those are the autotuning keys; the lengths enter as their next power of two, so
+# ragged batches of similar lengths share one tuning. Triton adds the dtypes of tensor
+# arguments to the key itself. Under the interpreter there is one small configuration
+# (several would need a GPU to time them), chosen so that CPU tests cross block boundaries.
+#
+# The launcher takes `(B, H, N, D)` tensors with any strides and launches on the inputs'
+# own device. The public API of chapter 7 validates arguments and handles other ranks;
+# here we only check what would make the kernel read out of bounds.
+
+# %% tags=["export"]
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def tile_configs(gpu_tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """Autotuning configurations from (BLOCK_M, BLOCK_N, num_warps, num_stages) tuples;
+    under the interpreter, a single small one."""
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            for m, n, w, s in gpu_tiles]
+
+
+def prune_wide_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop tiles whose accumulators cannot fit in registers for wide heads or the tangent."""
+    width = max(named_args["head_dim"], named_args["value_dim"])
+    budget = 128 * 128 if width <= 64 else 128 * 64
+    if width > 128 or kwargs.get("HAS_TANGENT", False):
+        budget //= 2
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= budget]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
+                 "IS_CAUSAL", "MASK_KIND", "HAS_TANGENT"]
+
+_attention_forward = triton.autotune(
+    configs=tile_configs([(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3),
+                          (64, 64, 4, 3), (64, 128, 4, 2), (64, 32, 4, 2)]),
+    key=AUTOTUNE_KEYS,
+    prune_configs_by={"early_config_prune": prune_wide_tiles},
+)(_attention_forward_kernel)
+
+
+def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int]):
+    """The mask as the kernel reads it: broadcast to (B, H, Nq, Nk) as a stride-0 view (no
+    copy), booleans reinterpreted as bytes. Returns (tensor or None, MASK_KIND)."""
+    if attn_mask is None:
+        return None, NO_MASK
+    attn_mask = attn_mask.expand(shape)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask.view(torch.uint8), BOOL_MASK
+    return attn_mask, ADDITIVE_MASK
+
+
+def kernel_meta(q: torch.Tensor, head_dim: int, value_dim: int) -> dict:
+    """Compile-time tile widths and dot precision shared by every kernel of the library."""
+    return {
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "BLOCK_DV": max(16, triton.next_power_of_2(value_dim)),
+        # Match PyTorch's fp32 matmuls (no TF32); 16-bit inputs ignore this.
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+    }
+
+
+def on_device(t: torch.Tensor):
+    """A context that makes `t`'s CUDA device current (kernels launch there, not on cuda:0)."""
+    return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
+
+
+def check_kernel_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError unless q, k, v are (B, H, N, D) with matching batch and GQA heads."""
+    ok = q.dim() == k.dim() == v.dim() == 4
+    ok = ok and q.shape[0] == k.shape[0] == v.shape[0] and k.shape[:3] == v.shape[:3]
+    ok = ok and q.shape[3] == k.shape[3] and q.shape[1] % k.shape[1] == 0
+    if not ok:
+        raise ValueError(f"expected q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) with "
+                         f"Hq a multiple of Hkv; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+
+
+def flash_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> AttentionOutputs:
+    """Run the fused forward kernel on (B, H, N, D) tensors.
+
+    Args:
+        q: Queries, (B, Hq, Nq, Dqk), fp16/bf16/fp32, any strides.
+        k: Keys, (B, Hkv, Nk, Dqk) with Hq a multiple of Hkv (GQA).
+        v: Values, (B, Hkv, Nk, Dv).
+        attn_mask: None, bool (True = attend) or additive, broadcastable to (B, Hq, Nq, Nk).
+        is_causal: Top-left causal mask (query i sees keys j <= i), combinable with attn_mask.
+        scale: Softmax scale; defaults to 1/sqrt(Dqk).
+        tangents: Optional (tq, tk, tv) shaped like (q, k, v): also compute tO and mu.
+
+    Returns:
+        AttentionOutputs(out, lse, tangent_out, mu); lse and mu are fp32 (B, Hq, Nq);
+        tangent_out and mu are None without tangents.
+    """
+    check_kernel_shapes(q, k, v)
+    batch, n_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    scale = head_dim**-0.5 if scale is None else scale
+    out = torch.empty((batch, n_heads, n_q, value_dim), device=q.device, dtype=q.dtype)
+    lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=torch.float32)
+    has_tangent = tangents is not None
+    tq, tk, tv = tangents if has_tangent else (q, k, v)
+    t_out = torch.empty_like(out) if has_tangent else out
+    mu = torch.empty_like(lse) if has_tangent else lse
+    mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k))
+    mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+
+    def grid(meta):
+        return triton.cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
+
+    with on_device(q):
+        _attention_forward[grid](
+            q, k, v, tq, tk, tv, q if mask is None else mask, out, t_out, lse, mu,
+            *q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(), *tv.stride(),
+            *mask_strides,
+            n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
+            scale * LOG2E, scale, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k),
+            IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
+            **kernel_meta(q, head_dim, value_dim),
+        )
+    if not has_tangent:
+        return AttentionOutputs(out, lse, None, None)
+    return AttentionOutputs(out, lse, t_out, mu)
+
+
+# %% [markdown]
+# ## Checking it against chapter 1
+#
+# The reference of chapter 1 in float64 is the ground truth. We run the kernel in float32
+# (where it should agree to about $10^{-6}$) and in float16 over the features one at a time:
+# lengths that are not multiples of the tiles, $N_q \ne N_k$, causal, GQA, a broadcast
+# key-padding mask, an additive mask, $d_{qk} \ne d_v$ with a head dimension that is not a
+# power of two, and inputs in the `(B, N, H, D)` memory layout that most models produce
+# (a transposed view: no copy is made). bf16 is checked on the GPU only: Triton's interpreter
+# multiplies raw bf16 bits (FACTS.md).
+
+# %%
+from jvp_attention.forward import flash_attention_forward
+from jvp_attention.reference import reference_attention
+
+torch.manual_seed(0)
+N = 1000 if FULL_SIZE else 40
+
+
+def random_case(batch, hq, hkv, n_q, n_k, d, dv, dtype, layout_bnhd=False):
+    """Random q, k, v; optionally stored as (B, N, H, D) and viewed as (B, H, N, D)."""
+    def make(h, n, width):
+        if layout_bnhd:
+            return torch.randn(batch, n, h, width, device=DEVICE, dtype=dtype).transpose(1, 2)
+        return torch.randn(batch, h, n, width, device=DEVICE, dtype=dtype)
+    return make(hq, n_q, d), make(hkv, n_k, d), make(hkv, n_k, dv)
+
+
+def forward_error(q, k, v, **options):
+    """Max |O - O_ref| and |LSE - LSE_ref| against the float64 reference."""
+    ours = flash_attention_forward(q, k, v, **options)
+    gqa = q.shape[1] != k.shape[1]
+    ref = reference_attention(q.double(), k.double(), v.double(), enable_gqa=gqa, **options)
+    finite = ref.lse.isfinite()
+    return ((ours.out.double() - ref.out).abs().max().item(),
+            (ours.lse.double() - ref.lse)[finite].abs().max().item())
+
+
+cases = {
+    "plain": dict(shape=(2, 4, 4, N, N + 7, 64, 64)),
+    "Nq != Nk, causal": dict(shape=(2, 4, 4, N + 13, N // 2 + 3, 64, 64), is_causal=True),
+    "GQA 8:2": dict(shape=(1, 8, 2, N, N, 64, 64)),
+    "d_qk=80, d_v=48": dict(shape=(1, 2, 2, N, N, 80, 48)),
+    "(B, N, H, D) layout": dict(shape=(2, 4, 4, N, N, 64, 64), layout_bnhd=True),
+}
+for dtype in (torch.float32, torch.float16):
+    for name, case in cases.items():
+        q, k, v = random_case(*case["shape"], dtype, case.get("layout_bnhd", False))
+        err_o, err_lse = forward_error(q, k, v, is_causal=case.get("is_causal", False))
+        print(f"{str(dtype):14} {name:22} max|dO| {err_o:.1e}  max|dLSE| {err_lse:.1e}")
+
+# %% [markdown]
+# Masks: a boolean key-padding mask of shape `(B, 1, 1, N_k)` (broadcast, never expanded in
+# memory), an additive `(N_q, N_k)` bias, and a mask that hides every key from some rows,
+# which must give zeros rather than NaN.
+
+# %%
+q, k, v = random_case(2, 4, 4, N, N, 64, 64, torch.float32)
+padding = torch.rand(2, 1, 1, N, device=DEVICE) > 0.2
+bias = torch.randn(N, N, device=DEVICE)
+hide_rows = torch.ones(2, 4, N, N, dtype=torch.bool, device=DEVICE)
+hide_rows[:, :, :5] = False
+for name, mask in [("key padding", padding), ("additive", bias), ("rows hidden", hide_rows)]:
+    print(f"{name:12} errors {forward_error(q, k, v, attn_mask=mask)}")
+out = flash_attention_forward(q, k, v, attn_mask=hide_rows).out
+assert out[:, :, :5].eq(0).all() and out.isfinite().all()
+print("hidden rows: O = 0, no NaN")
+
+# %% [markdown]
+# The switch really removes the tangent work: the primal results of the `HAS_TANGENT=True`
+# specialisation equal those of the primal-only one bit for bit, because the primal lines
+# are the same code.
+
+# %%
+tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+with_tangent = flash_attention_forward(q, k, v, is_causal=True, tangents=tangents)
+primal_only = flash_attention_forward(q, k, v, is_causal=True)
+assert torch.equal(with_tangent.out, primal_only.out)
+assert torch.equal(with_tangent.lse, primal_only.lse)
+print("primal outputs identical with and without the tangent")
