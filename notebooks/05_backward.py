@@ -1,0 +1,555 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 5: the backward pass
+#
+# Training needs $dQ$, $dK$, $dV$ given the cotangent $dO$ of the output. The forward kept
+# only $O$ and one number per row, $\mathrm{LSE}$; the backward recomputes every
+# probability from it, tile by tile, exactly as the forward did, so the $N_q \times N_k$
+# matrix is never stored here either.
+#
+# ## The formulas (chapter 1 checked them in float64)
+#
+# With $P_{ij} = \exp(S_{ij} - \mathrm{LSE}_i)$ rebuilt from the stored statistic,
+#
+# $$dV = P^\top dO,\qquad dP = dO\,V^\top,\qquad \Delta_i = \sum_j P_{ij}\,dP_{ij} =
+# \sum_d dO_{id}\,O_{id},\qquad dS = P \circ (dP - \Delta),$$
+#
+# $$dQ = s\,dS\,K,\qquad dK = s\,dS^\top Q.$$
+#
+# $\Delta$ is the softmax's correction term. Computed as $\mathrm{rowsum}(P \circ dP)$ it
+# would need a whole row of $P$ before any $dS$; computed as $\mathrm{rowsum}(dO \circ O)$
+# it needs only the stored output, so a tiny kernel computes it for all rows first.
+#
+# ## Why two kernels
+#
+# $dK$ and $dV$ are sums over query rows; $dQ$ is a sum over key rows. One kernel that
+# walks key blocks in its outer loop can keep $dK$, $dV$ in registers, but then each
+# program contributes a piece of every $dQ$ row: atomic adds, which are slow in fp32 and
+# make the result depend on the order programs finish. We run two kernels instead:
+#
+# * **dK/dV**: one program per key block, looping over every query block that sees it. For
+#   GQA the same program also loops over the query heads of its group, so the group's sum
+#   happens in registers and the program is the only writer of its rows.
+# * **dQ**: one program per query block, looping over key blocks like the forward.
+#
+# Each recomputes $P$ (one extra $QK^\top$ per tile) in exchange for no atomics and
+# bit-for-bit deterministic gradients.
+#
+# Both kernels share one tile helper, `_backward_tile`, which returns $P$ and $dS$ of a
+# (query block × key block) tile. Like the forward, the kernels carry a `HAS_TANGENT`
+# switch: switched on, they also backpropagate through the tangent output $t_O$ (chapter 6).
+# Switched off, Triton compiles those lines away.
+
+# %%
+import os
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+FULL_SIZE = DEVICE == "cuda"
+
+# %% [markdown]
+# ## Row statistics
+#
+# One small kernel reads $O$ and $dO$ once and writes $\Delta$ per row. With the tangent on
+# it also writes $c = \mathrm{rowsum}(dt_O \circ O)$ and folds
+# $\mathrm{rowsum}(dt_O \circ t_O) - \mu c$ into $\Delta$ (chapter 6 derives these). The
+# cotangents come from autograd with whatever strides it chose (`loss = out.sum()` gives a
+# stride-0 tensor), so they are read through their strides.
+
+# %% tags=["export"]
+"""Chapter 5: the backward kernels (dQ, dK, dV; with a constexpr, also through the tangent).
+
+`notebooks/05_backward.py` derives them and checks them against chapter 1's references.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from jvp_attention.forward import (
+    AUTOTUNE_KEYS,
+    LOG2E,
+    _key_block_ranges,
+    _load_tile,
+    _masked_scores,
+    _store_rows,
+    check_kernel_shapes,
+    kernel_meta,
+    mask_operand,
+    on_device,
+    prune_wide_tiles,
+    tile_configs,
+)
+
+
+@triton.jit
+def _row_statistics_kernel(
+    o_ptr, do_ptr, to_ptr, dto_ptr, mu_ptr, delta_ptr, c_ptr,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dtob, stride_dtoh, stride_dtom, stride_dtod,
+    n_heads, n_rows, value_dim,
+    HAS_TANGENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """delta = rowsum(dO*O); with the tangent, c = rowsum(dtO*O) and
+    delta += rowsum(dtO*tO) - mu*c."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_DV)
+    bh = tl.program_id(1).to(tl.int64)
+    batch, head = bh // n_heads, bh % n_heads
+    head_rows = bh * n_rows
+    o = _load_tile(o_ptr + head_rows * value_dim, rows, dims, value_dim, 1, n_rows, value_dim)
+    o = o.to(tl.float32)
+    do = _load_tile(do_ptr + batch * stride_dob + head * stride_doh, rows, dims,
+                    stride_dom, stride_dod, n_rows, value_dim)
+    delta = tl.sum(do.to(tl.float32) * o, 1)
+    if HAS_TANGENT:
+        t_o = _load_tile(to_ptr + head_rows * value_dim, rows, dims, value_dim, 1, n_rows,
+                         value_dim)
+        dto = _load_tile(dto_ptr + batch * stride_dtob + head * stride_dtoh, rows, dims,
+                         stride_dtom, stride_dtod, n_rows, value_dim).to(tl.float32)
+        c = tl.sum(dto * o, 1)
+        mu = tl.load(mu_ptr + head_rows + rows, mask=rows < n_rows, other=0.0)
+        delta += tl.sum(dto * t_o.to(tl.float32), 1) - mu * c
+        tl.store(c_ptr + head_rows + rows, c, mask=rows < n_rows)
+    tl.store(delta_ptr + head_rows + rows, delta, mask=rows < n_rows)
+
+
+# %% [markdown]
+# ## One tile of the backward
+#
+# The probabilities come back as $P = 2^{S_2 - \log_2(e)\,\mathrm{LSE}}$ with the same
+# log2-unit scores and the same masks as the forward. Two edge cases need care, because
+# here nothing rescales a row after the fact:
+#
+# * a row that saw no key has $\mathrm{LSE} = -\infty$ and all scores $-\infty$, and
+#   $-\infty - (-\infty)$ is NaN. Reading its LSE as $+\infty$ instead makes $P = 0$ and
+#   its gradients zero;
+# * rows past the end of the sequence read $\mathrm{LSE} = +\infty$ for the same reason, and
+#   key columns past the end are masked to $-\infty$ in the boundary tiles (a zero-padded
+#   key could otherwise meet a very negative LSE and overflow).
+#
+# $P$ and $dS$ are rounded to the input dtype right before the products that consume them,
+# as in the forward; all accumulation is fp32.
+
+# %% tags=["export"]
+@triton.jit
+def _load_row_statistics(lse_ptr, delta_ptr, mu_ptr, c_ptr, rows, n_q,
+                         HAS_TANGENT: tl.constexpr):
+    """LSE (in log2 units), Delta (and mu, c) of a query tile. Rows past the end and rows that
+    saw no key read LSE = +inf, so that their P is exactly 0."""
+    in_range = rows < n_q
+    lse = tl.load(lse_ptr + rows, mask=in_range, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(delta_ptr + rows, mask=in_range, other=0.0)
+    if HAS_TANGENT:
+        mu = tl.load(mu_ptr + rows, mask=in_range, other=0.0)
+        c = tl.load(c_ptr + rows, mask=in_range, other=0.0)
+    else:
+        mu = delta
+        c = delta
+    return lse2, delta, mu, c
+
+
+@triton.jit
+def _backward_tile(
+    q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
+    mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
+    CHECK_BOUNDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """P and dS of one (query block x key block) tile, recomputed from LSE; with the tangent
+    also tP and dtS (chapter 6)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
+                       IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    if HAS_TANGENT:
+        ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
+        ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
+        g = tl.dot(dto, tl.trans(v), input_precision=DOT_PRECISION)
+        dp = tl.dot(dto, tl.trans(tv), acc=dp, input_precision=DOT_PRECISION)
+        centred = ts - mu[:, None]
+        dp += g * centred - c[:, None] * ts
+        tp = p * centred
+        dts = p * (g - c[:, None])
+    else:
+        tp = p
+        dts = p
+    ds = p * (dp - delta[:, None])
+    return p, ds, tp, dts
+
+
+# %% [markdown]
+# ## The dK/dV kernel
+#
+# A program owns one block of keys of one (batch, key head). Its outer loop runs over the
+# query heads that share the key head (one head without GQA), its inner loop over query
+# blocks. With top-left causal masking, query rows above the key block see none of its keys
+# and are skipped. The tile loop always checks bounds here: every tile of a program shares
+# its key columns, so the last key block needs the column mask on every query block anyway.
+
+# %% tags=["export"]
+@triton.jit
+def _attention_backward_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr,
+    lse_ptr, delta_ptr, mu_ptr, c_ptr, dk_ptr, dv_ptr, dtk_ptr, dtv_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_tqb, stride_tqh, stride_tqm, stride_tqd,
+    stride_tkb, stride_tkh, stride_tkn, stride_tkd,
+    stride_tvb, stride_tvh, stride_tvn, stride_tvd,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dtob, stride_dtoh, stride_dtom, stride_dtod,
+    n_kv_heads, n_q, n_k, head_dim, value_dim, group_size, qk_scale, scale,
+    n_q_bucket, n_k_bucket,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK, dV (and dtK, dtV) of one key block, summed over all query heads of its GQA group."""
+    start_n = tl.program_id(0) * BLOCK_N
+    batch = (tl.program_id(1) // n_kv_heads).to(tl.int64)
+    kv_head = tl.program_id(1) % n_kv_heads
+    cols = start_n + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    k = _load_tile(k_ptr + batch * stride_kb + kv_head * stride_kh, cols, dims,
+                   stride_kn, stride_kd, n_k, head_dim)
+    v = _load_tile(v_ptr + batch * stride_vb + kv_head * stride_vh, cols, dims_v,
+                   stride_vn, stride_vd, n_k, value_dim)
+    acc_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    acc_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    if HAS_TANGENT:
+        tk = _load_tile(tk_ptr + batch * stride_tkb + kv_head * stride_tkh, cols, dims,
+                        stride_tkn, stride_tkd, n_k, head_dim)
+        tv = _load_tile(tv_ptr + batch * stride_tvb + kv_head * stride_tvh, cols, dims_v,
+                        stride_tvn, stride_tvd, n_k, value_dim)
+        acc_dtk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        acc_dtv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    else:
+        tk, tv = k, v
+        acc_dtk = tl.zeros([1, 1], dtype=tl.float32)
+        acc_dtv = tl.zeros([1, 1], dtype=tl.float32)
+    first_m = (start_n // BLOCK_M) * BLOCK_M if IS_CAUSAL else 0
+    for member in range(group_size):
+        head = kv_head * group_size + member
+        stats = (batch * n_kv_heads * group_size + head) * n_q
+        head_q = q_ptr + batch * stride_qb + head * stride_qh
+        head_do = do_ptr + batch * stride_dob + head * stride_doh
+        head_tq = tq_ptr + batch * stride_tqb + head * stride_tqh
+        head_dto = dto_ptr + batch * stride_dtob + head * stride_dtoh
+        head_mask = mask_ptr + batch * stride_mask_b + head * stride_mask_h
+        for start_m in range(first_m, n_q, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            q = _load_tile(head_q, rows, dims, stride_qm, stride_qd, n_q, head_dim)
+            do = _load_tile(head_do, rows, dims_v, stride_dom, stride_dod, n_q, value_dim)
+            if HAS_TANGENT:
+                tq = _load_tile(head_tq, rows, dims, stride_tqm, stride_tqd, n_q, head_dim)
+                dto = _load_tile(head_dto, rows, dims_v, stride_dtom, stride_dtod, n_q,
+                                 value_dim)
+            else:
+                tq, dto = q, do
+            lse2, delta, mu, c = _load_row_statistics(
+                lse_ptr + stats, delta_ptr + stats, mu_ptr + stats, c_ptr + stats, rows, n_q,
+                HAS_TANGENT)
+            p, ds, tp, dts = _backward_tile(
+                q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
+                head_mask, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
+                IS_CAUSAL, MASK_KIND, HAS_TANGENT, True, DOT_PRECISION)
+            p_t = tl.trans(p.to(q.dtype))
+            dts_t = tl.trans(dts.to(q.dtype))
+            acc_dv = tl.dot(p_t, do, acc=acc_dv, input_precision=DOT_PRECISION)
+            acc_dk = tl.dot(tl.trans(ds.to(q.dtype)), q, acc=acc_dk,
+                            input_precision=DOT_PRECISION)
+            if HAS_TANGENT:
+                acc_dv = tl.dot(tl.trans(tp.to(q.dtype)), dto, acc=acc_dv,
+                                input_precision=DOT_PRECISION)
+                acc_dtv = tl.dot(p_t, dto, acc=acc_dtv, input_precision=DOT_PRECISION)
+                acc_dk = tl.dot(dts_t, tq, acc=acc_dk, input_precision=DOT_PRECISION)
+                acc_dtk = tl.dot(dts_t, q, acc=acc_dtk, input_precision=DOT_PRECISION)
+    key_rows = tl.program_id(1).to(tl.int64) * n_k + cols
+    _store_rows(dk_ptr, acc_dk * scale, key_rows, cols, dims, n_k, head_dim)
+    _store_rows(dv_ptr, acc_dv, key_rows, cols, dims_v, n_k, value_dim)
+    if HAS_TANGENT:
+        _store_rows(dtk_ptr, acc_dtk * scale, key_rows, cols, dims, n_k, head_dim)
+        _store_rows(dtv_ptr, acc_dtv, key_rows, cols, dims_v, n_k, value_dim)
+
+
+# %% [markdown]
+# ## The dQ kernel
+#
+# A program owns one query block and walks the key blocks it sees, with the same split into
+# whole blocks and masked tail as the forward (`_key_block_ranges`).
+
+# %% tags=["export"]
+@triton.jit
+def _dq_key_block(
+    acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
+    k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
+    tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+    mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim, qk_scale, scale,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
+    CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold the key block starting at `start_n` into dQ (and dtQ)."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    k = _load_tile(k_ptr, cols, dims, stride_kn, stride_kd, n_k, head_dim)
+    v = _load_tile(v_ptr, cols, dims_v, stride_vn, stride_vd, n_k, value_dim)
+    if HAS_TANGENT:
+        tk = _load_tile(tk_ptr, cols, dims, stride_tkn, stride_tkd, n_k, head_dim)
+        tv = _load_tile(tv_ptr, cols, dims_v, stride_tvn, stride_tvd, n_k, value_dim)
+    else:
+        tk, tv = k, v
+    p, ds, tp, dts = _backward_tile(
+        q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
+        mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
+        IS_CAUSAL, MASK_KIND, HAS_TANGENT, CHECK_BOUNDS, DOT_PRECISION)
+    acc_dq = tl.dot(ds.to(k.dtype), k, acc=acc_dq, input_precision=DOT_PRECISION)
+    if HAS_TANGENT:
+        acc_dq = tl.dot(dts.to(k.dtype), tk, acc=acc_dq, input_precision=DOT_PRECISION)
+        acc_dtq = tl.dot(dts.to(k.dtype), k, acc=acc_dtq, input_precision=DOT_PRECISION)
+    return acc_dq, acc_dtq
+
+
+@triton.jit
+def _attention_backward_dq_kernel(
+    q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr,
+    lse_ptr, delta_ptr, mu_ptr, c_ptr, dq_ptr, dtq_ptr,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_tqb, stride_tqh, stride_tqm, stride_tqd,
+    stride_tkb, stride_tkh, stride_tkn, stride_tkd,
+    stride_tvb, stride_tvh, stride_tvn, stride_tvd,
+    stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dtob, stride_dtoh, stride_dtom, stride_dtod,
+    n_heads, n_q, n_k, head_dim, value_dim, group_size, qk_scale, scale,
+    n_q_bucket, n_k_bucket,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dQ (and dtQ) of one query block of one (batch, head)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    batch = (tl.program_id(1) // n_heads).to(tl.int64)
+    head = tl.program_id(1) % n_heads
+    kv_head = head // group_size
+    rows = start_m + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    q = _load_tile(q_ptr + batch * stride_qb + head * stride_qh, rows, dims,
+                   stride_qm, stride_qd, n_q, head_dim)
+    do = _load_tile(do_ptr + batch * stride_dob + head * stride_doh, rows, dims_v,
+                    stride_dom, stride_dod, n_q, value_dim)
+    if HAS_TANGENT:
+        tq = _load_tile(tq_ptr + batch * stride_tqb + head * stride_tqh, rows, dims,
+                        stride_tqm, stride_tqd, n_q, head_dim)
+        dto = _load_tile(dto_ptr + batch * stride_dtob + head * stride_dtoh, rows, dims_v,
+                         stride_dtom, stride_dtod, n_q, value_dim)
+        acc_dtq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    else:
+        tq, dto = q, do
+        acc_dtq = tl.zeros([1, 1], dtype=tl.float32)
+    stats = tl.program_id(1).to(tl.int64) * n_q
+    lse2, delta, mu, c = _load_row_statistics(lse_ptr + stats, delta_ptr + stats,
+                                              mu_ptr + stats, c_ptr + stats, rows, n_q,
+                                              HAS_TANGENT)
+    k_ptr += batch * stride_kb + kv_head * stride_kh
+    v_ptr += batch * stride_vb + kv_head * stride_vh
+    tk_ptr += batch * stride_tkb + kv_head * stride_tkh
+    tv_ptr += batch * stride_tvb + kv_head * stride_tvh
+    mask_ptr += batch * stride_mask_b + head * stride_mask_h
+    acc_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_end, end = _key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    for start_n in range(0, full_end, BLOCK_N):
+        acc_dq, acc_dtq = _dq_key_block(
+            acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
+            k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
+            tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+            mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
+            qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):
+        acc_dq, acc_dtq = _dq_key_block(
+            acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
+            k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
+            tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+            mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
+            qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION)
+    flat_rows = stats + rows
+    _store_rows(dq_ptr, acc_dq * scale, flat_rows, rows, dims, n_q, head_dim)
+    if HAS_TANGENT:
+        _store_rows(dtq_ptr, acc_dtq * scale, flat_rows, rows, dims, n_q, head_dim)
+
+
+# %% [markdown]
+# ## The launcher
+#
+# Three launches: row statistics, dK/dV, dQ. The gradients come back contiguous, in the
+# inputs' dtypes; dK and dV have the key heads' shape (the GQA sum is already done).
+
+# %% tags=["export"]
+_BACKWARD_TILES = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2),
+                   (32, 64, 4, 3)]
+_backward_dkdv = triton.autotune(
+    configs=tile_configs(_BACKWARD_TILES), key=AUTOTUNE_KEYS,
+    prune_configs_by={"early_config_prune": prune_wide_tiles},
+)(_attention_backward_dkdv_kernel)
+_backward_dq = triton.autotune(
+    configs=tile_configs(_BACKWARD_TILES), key=AUTOTUNE_KEYS,
+    prune_configs_by={"early_config_prune": prune_wide_tiles},
+)(_attention_backward_dq_kernel)
+_ROW_BLOCK = 64
+
+
+def flash_attention_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    tangent_out: torch.Tensor | None = None,
+    mu: torch.Tensor | None = None,
+    grad_tangent_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Gradients of attention on (B, H, N, D) tensors, from the forward's saved outputs.
+
+    Args:
+        q, k, v: The forward's inputs (see `flash_attention_forward`).
+        out, lse: The forward's contiguous output and fp32 log-sum-exp.
+        grad_out: Cotangent of `out`, any strides.
+        attn_mask, is_causal, scale: As in the forward.
+        tangents, tangent_out, mu, grad_tangent_out: For the backward through the tangent
+            (chapter 6): the forward's tangents (tq, tk, tv), its tO and mu, and the
+            cotangent of tO. With `grad_tangent_out=None` the plain backward runs.
+
+    Returns:
+        (dq, dk, dv), or (dq, dk, dv, dtq, dtk, dtv) when `grad_tangent_out` is given.
+    """
+    check_kernel_shapes(q, k, v)
+    batch, n_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    scale = head_dim**-0.5 if scale is None else scale
+    has_tangent = grad_tangent_out is not None
+    if has_tangent and (tangents is None or tangent_out is None or mu is None):
+        raise ValueError("the backward through the tangent needs tangents, tangent_out and mu")
+    tq, tk, tv = tangents if has_tangent else (q, k, v)
+    dto = grad_tangent_out if has_tangent else grad_out
+    t_out = tangent_out if has_tangent else out
+    mu = mu if has_tangent else lse
+    delta = torch.empty_like(lse)
+    c = torch.empty_like(lse) if has_tangent else delta
+    dq = torch.empty((batch, n_heads, n_q, head_dim), device=q.device, dtype=q.dtype)
+    dk = torch.empty((batch, n_kv_heads, n_k, head_dim), device=q.device, dtype=k.dtype)
+    dv = torch.empty((batch, n_kv_heads, n_k, value_dim), device=q.device, dtype=v.dtype)
+    dtq, dtk, dtv = ((torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv))
+                     if has_tangent else (dq, dk, dv))
+    mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k))
+    meta = kernel_meta(q, head_dim, value_dim)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(),
+               *tv.stride(), *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+               *grad_out.stride(), *dto.stride())
+    sizes = (n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads, scale * LOG2E, scale,
+             triton.next_power_of_2(n_q), triton.next_power_of_2(n_k))
+    switches = {"IS_CAUSAL": is_causal, "MASK_KIND": mask_kind, "HAS_TANGENT": has_tangent}
+    mask_arg = q if mask is None else mask
+    with on_device(q):
+        _row_statistics_kernel[(triton.cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
+            out, grad_out, t_out, dto, mu, delta, c, *grad_out.stride(), *dto.stride(),
+            n_heads, n_q, value_dim, HAS_TANGENT=has_tangent, BLOCK_M=_ROW_BLOCK,
+            BLOCK_DV=meta["BLOCK_DV"])
+        _backward_dkdv[lambda m: (triton.cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
+            q, k, v, tq, tk, tv, mask_arg, grad_out, dto, lse, delta, mu, c,
+            dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches, **meta)
+        _backward_dq[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
+            q, k, v, tq, tk, tv, mask_arg, grad_out, dto, lse, delta, mu, c, dq, dtq,
+            *strides, n_heads, *sizes, **switches, **meta)
+    if has_tangent:
+        return dq, dk, dv, dtq, dtk, dtv
+    return dq, dk, dv
+
+
+# %% [markdown]
+# ## Checking it against chapter 1
+#
+# `reference_backward` of chapter 1 applies the formulas above in float64 (and chapter 1
+# checked them against autograd). The seed's backward was right only with causal masking;
+# here both, with lengths that are not multiples of any tile, GQA, masks, and $d_{qk} \ne d_v$.
+
+# %%
+from jvp_attention.backward import flash_attention_backward
+from jvp_attention.forward import flash_attention_forward
+from jvp_attention.reference import reference_attention, reference_backward
+
+torch.manual_seed(0)
+N = 1000 if FULL_SIZE else 40
+
+
+def backward_errors(batch, hq, hkv, n_q, n_k, d, dv, dtype, **options):
+    """Max |grad - grad_ref| of dQ, dK, dV against the float64 reference."""
+    q = torch.randn(batch, hq, n_q, d, device=DEVICE, dtype=dtype)
+    k = torch.randn(batch, hkv, n_k, d, device=DEVICE, dtype=dtype)
+    v = torch.randn(batch, hkv, n_k, dv, device=DEVICE, dtype=dtype)
+    grad_out = torch.randn(batch, hq, n_q, dv, device=DEVICE, dtype=dtype)
+    fwd = flash_attention_forward(q, k, v, **options)
+    grads = flash_attention_backward(q, k, v, fwd.out, fwd.lse, grad_out, **options)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    ref = reference_attention(q64, k64, v64, enable_gqa=hq != hkv, **options)
+    ref_grads = reference_backward(q64, k64, v64, ref.out, ref.lse, grad_out.double(),
+                                   enable_gqa=hq != hkv, **options)
+    return [(g.double() - r).abs().max().item() for g, r in zip(grads, ref_grads, strict=True)]
+
+
+padding = torch.rand(2, 1, 1, N, device=DEVICE) > 0.2
+cases = {
+    "non-causal": ((2, 4, 4, N, N + 7, 64, 64), {}),
+    "causal": ((2, 4, 4, N, N, 64, 64), {"is_causal": True}),
+    "causal, Nq != Nk": ((1, 2, 2, N + 9, N // 2, 64, 64), {"is_causal": True}),
+    "GQA 8:2": ((1, 8, 2, N, N, 64, 64), {}),
+    "key padding": ((2, 4, 4, N, N, 64, 64), {"attn_mask": padding}),
+    "d_qk=72, d_v=40": ((1, 2, 2, N, N, 72, 40), {"is_causal": True}),
+}
+for dtype in (torch.float32, torch.float16):
+    for name, (shape, options) in cases.items():
+        errors = backward_errors(*shape, dtype, **options)
+        print(f"{str(dtype):14} {name:18} max|d(dQ, dK, dV)| "
+              + "  ".join(f"{e:.1e}" for e in errors))
+
+# %% [markdown]
+# No atomics means determinism: the same inputs give bitwise the same gradients.
+
+# %%
+q, k, v = (torch.randn(1, 4, N, 64, device=DEVICE) for _ in range(3))
+grad_out = torch.randn_like(q)
+fwd = flash_attention_forward(q, k, v, is_causal=True)
+first = flash_attention_backward(q, k, v, fwd.out, fwd.lse, grad_out, is_causal=True)
+second = flash_attention_backward(q, k, v, fwd.out, fwd.lse, grad_out, is_causal=True)
+assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+print("bitwise deterministic")
