@@ -1,0 +1,176 @@
+"""The documentation site builds without warnings and reads well in a real browser.
+
+The browser test serves the built site on localhost and opens the home page and the first
+chapter in Debian's headless Chromium (/usr/bin/chromium), driven by Playwright, which never
+downloads a browser of its own. It checks that the math is typeset by the vendored KaTeX, that
+every image loads, that nothing is fetched from another host and that the console stays free
+of errors. With SAVE_SCREENSHOTS=1 it also saves docs/screenshots/landing.png and chapter.png.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+CHAPTERS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.py"))
+# A tag that loads something from another host: http://, https:// or protocol-relative //.
+REMOTE_LOAD = re.compile(
+    r"<(?:script|link|img|iframe|source)\b[^>]*\b(?:src|href)=\"(?:https?:)?//"
+)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built with `mkdocs build --strict` (any warning fails the build)."""
+    site_dir = tmp_path_factory.mktemp("site")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
+        cwd=REPO,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}{result.stderr}"
+    return site_dir
+
+
+def test_site_builds_with_every_chapter(site: Path) -> None:
+    for page in ["index.html", "install/index.html", "api/index.html"]:
+        assert (site / page).is_file(), page
+    for notebook in CHAPTERS:
+        assert (site / "notebooks" / notebook.stem / "index.html").is_file(), notebook.name
+
+
+def test_site_loads_nothing_from_other_hosts(site: Path) -> None:
+    offenders = [
+        f"{page.relative_to(site)}: {match.group(0)}"
+        for page in site.rglob("*.html")
+        for match in REMOTE_LOAD.finditer(page.read_text())
+    ]
+    assert not offenders, "the site must work offline:\n" + "\n".join(offenders)
+
+
+@pytest.fixture(scope="module")
+def server(site: Path) -> Iterator[str]:
+    """Serve the built site on an ephemeral localhost port; yields its base URL."""
+
+    class QuietHandler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass
+
+    handler = functools.partial(QuietHandler, directory=str(site))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A headless Chromium (Debian's) with a fresh profile, driven by Playwright."""
+    if not CHROMIUM.exists():
+        pytest.skip("skipped: needs Chromium at /usr/bin/chromium (apt-get install chromium)")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api",
+        reason="skipped: needs the playwright package (pip install playwright)",
+    )
+    with sync_api.sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")),
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=CHROMIUM_FLAGS,
+            viewport={"width": 1280, "height": 900},
+        )
+        yield context
+        context.close()
+
+
+SCREENSHOT_MAX_PX = 3000
+
+# Text that a reader sees, without code, scripts and the typeset math itself.
+PROSE_TEXT = """() => {
+    const body = document.body.cloneNode(true);
+    body.querySelectorAll("pre, code, script, style, .katex").forEach((e) => e.remove());
+    return body.textContent;
+}"""
+
+IMAGES = """() => Array.from(document.images).map(
+    (image) => ({src: image.src, ok: image.complete && image.naturalWidth > 0}))"""
+
+
+def check_page(context: object, url: str, screenshot: str) -> None:
+    """Open `url` and check math, images, requests and console; maybe save a screenshot."""
+    page = context.new_page()  # type: ignore[attr-defined]
+    problems: list[str] = []
+    page.on(
+        "console",
+        lambda message: message.type == "error" and problems.append(f"console: {message.text}"),
+    )
+    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+    page.on("requestfailed", lambda request: problems.append(f"failed to load {request.url}"))
+
+    def only_localhost(route: object) -> None:
+        request_url = route.request.url  # type: ignore[attr-defined]
+        if urlsplit(request_url).hostname in {"127.0.0.1", "localhost"}:
+            route.continue_()  # type: ignore[attr-defined]
+        else:
+            problems.append(f"request to another host: {request_url}")
+            route.abort()  # type: ignore[attr-defined]
+
+    page.route("**/*", only_localhost)
+    page.goto(url, wait_until="load")
+    page.wait_for_function("document.querySelectorAll('.katex').length > 0", timeout=15_000)
+    page.evaluate("document.fonts.ready.then(() => true)")
+    page.wait_for_load_state("networkidle")
+
+    prose = page.evaluate(PROSE_TEXT)
+    for raw in ["$$", "\\[", "\\("]:
+        assert raw not in prose, f"{url}: untypeset math ({raw!r}) left in the text"
+    errors = page.locator(".katex-error").all_inner_texts()
+    assert not errors, f"{url}: KaTeX could not typeset {errors}"
+    broken = [image["src"] for image in page.evaluate(IMAGES) if not image["ok"]]
+    assert not broken, f"{url}: images that did not load: {broken}"
+    assert not problems, f"{url}:\n" + "\n".join(problems)
+
+    if os.environ.get("SAVE_SCREENSHOTS") == "1":
+        target = REPO / "docs" / "screenshots" / screenshot
+        target.parent.mkdir(parents=True, exist_ok=True)
+        height = min(page.evaluate("document.documentElement.scrollHeight"), SCREENSHOT_MAX_PX)
+        clip = {"x": 0, "y": 0, "width": 1280, "height": height}
+        page.screenshot(path=str(target), full_page=True, clip=clip)
+    page.close()
+
+
+def test_landing_page_in_browser(server: str, browser_context: object) -> None:
+    check_page(browser_context, f"{server}/", "landing.png")
+
+
+def test_chapter_in_browser(server: str, browser_context: object) -> None:
+    if not CHAPTERS:
+        pytest.skip("skipped: notebooks/ has no chapter yet")
+    check_page(browser_context, f"{server}/notebooks/{CHAPTERS[0].stem}/", "chapter.png")
