@@ -242,7 +242,7 @@ def _forward_key_block(
 # nothing is repeated in memory. Pointers are offset in 64-bit arithmetic so that tensors
 # above $2^{31}$ elements are safe. The epilogue normalises, and a row that saw no key at all
 # ($\ell = 0$) writes $O = 0$, $t_O = 0$, $\mu = 0$ and $\mathrm{LSE} = -\infty$: our
-# documented convention where PyTorch's math path gives NaN.
+# convention, the same as SDPA's since PyTorch 2.5 (a textbook softmax would give NaN).
 
 # %% tags=["export"]
 @triton.jit

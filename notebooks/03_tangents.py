@@ -86,8 +86,9 @@ for name, shape, options in [
 # its gradients with autograd. `float64_truth` gives the same quantities from chapter 1's
 # references in float64. `accuracy_table` compares any implementation's outputs with both.
 #
-# PyTorch's math path gives NaN on a row with no visible key, where we give zeros; such rows
-# are left out of the floor (the kernel's own error is measured on every row).
+# A row with no visible key gives zeros in SDPA (since PyTorch 2.5) as in our kernels; if a
+# PyTorch version gave NaN there, `max_error` would leave those entries out of the floor
+# (the kernel's own error is always measured on every entry).
 
 # %% tags=["export"]
 """Chapter 3: measuring accuracy against float64 and against PyTorch's math path (the floor).

@@ -399,7 +399,7 @@ def attention(
 
     Returns:
         The attention output, (..., Hq, Nq, Dv), in query's dtype. A row that sees no key
-        gives zeros (PyTorch's math path gives NaN).
+        gives zeros, as SDPA does.
 
     Raises:
         TypeError, ValueError: For arguments SDPA would reject or the kernels cannot take;
