@@ -1,0 +1,729 @@
+#!/usr/bin/env python3
+"""Speed and memory of jvp_attention against PyTorch and jvp-flash-attention, saved as JSON.
+
+One command runs every implementation on a grid of shapes and writes one JSON file:
+
+    python benchmarks/bench.py                 # the full grid (GPU), ~6 minutes on an H200
+    python benchmarks/bench.py --quick         # the four headline cases only
+    python benchmarks/bench.py --smoke         # a tiny size; on CPU through Triton's interpreter
+    python benchmarks/bench.py --list          # print the planned cases and exit
+
+Implementations and modes (see benchmarks/README.md for what each times):
+
+    ours       fwd, fwd_jvp, bwd, bwd2   jvp_attention's kernels, called directly
+    sdpa       fwd, bwd                  torch SDPA, PyTorch's default backend choice
+    sdpa_math  fwd_jvp, bwd2             torch SDPA's math backend under torch.func.jvp
+    jfa        fwd_jvp, fwd, bwd         jvp-flash-attention 0.14 (PyPI), when importable
+
+Every case is timed with `triton.testing.do_bench` (median, with an L2 flush before each
+call) on CUDA, or with a wall clock on CPU (plumbing only: the interpreter is no speed test).
+Failures are recorded per case, never fatal; cases that cannot fit the memory or the wall
+budget are recorded as skipped, with the reason. The JSON is rewritten after every case, so an
+interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+START = time.perf_counter()
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Triton reads this when a kernel module is imported: set it before importing triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import jvp_attention  # noqa: E402
+from jvp_attention.backward import flash_attention_backward  # noqa: E402
+from jvp_attention.forward import flash_attention_forward  # noqa: E402
+
+SCHEMA = "jvp_attention.bench/1"
+RESULTS = REPO / "benchmarks" / "results"
+
+IMPLS: dict[str, tuple[str, ...]] = {
+    "ours": ("fwd", "fwd_jvp", "bwd", "bwd2"),
+    "sdpa": ("fwd", "bwd"),
+    "sdpa_math": ("fwd_jvp", "bwd2"),
+    "jfa": ("fwd_jvp", "fwd", "bwd"),
+}
+IMPL_LABELS = {
+    "ours": "jvp_attention (this project): the Triton kernels, called directly",
+    "sdpa": "PyTorch SDPA, default backend selection (flash / cuDNN / memory-efficient)",
+    "sdpa_math": "PyTorch SDPA math backend under torch.func.jvp (forward-mode AD)",
+    "jfa": "jvp-flash-attention 0.14 (PyPI jvp_flash_attention), JVPAttn",
+}
+MODES = ("fwd", "fwd_jvp", "bwd", "bwd2")
+MODE_LABELS = {
+    "fwd": "forward (primal output only)",
+    "fwd_jvp": "forward and its JVP (output and tangent output)",
+    "bwd": "backward of the output: dq, dk, dv, given the forward's saved state",
+    "bwd2": "backward through output and tangent: dq, dk, dv, dtq, dtk, dtv",
+}
+# Credited work per mode, in units of one forward: every implementation of a mode is
+# credited the same FLOPs, so TFLOP/s compares times.
+FLOP_MULTIPLIER = {"fwd": 1.0, "fwd_jvp": 3.0, "bwd": 2.5, "bwd2": 7.5}
+FLOP_CONVENTION = (
+    "4*B*H*Nq*Nk*d per forward (QK^T and PV, 2*Nq*Nk*d each), halved when causal; "
+    "fwd_jvp counts 3x a forward (six matrix products per tile instead of two), bwd 2.5x "
+    "(five products), bwd2 7.5x = 2.5 x 3 (the backward of the fused forward+tangent pass). "
+    "The same count is credited to every implementation of a mode.")
+# Priority inside one sequence length: when the wall budget runs short, what comes last is
+# what is dropped.
+PRIORITY = [("ours", "fwd"), ("sdpa", "fwd"), ("ours", "fwd_jvp"), ("sdpa_math", "fwd_jvp"),
+            ("jfa", "fwd_jvp"), ("ours", "bwd"), ("sdpa", "bwd"), ("ours", "bwd2"),
+            ("sdpa_math", "bwd2"), ("jfa", "fwd"), ("jfa", "bwd")]
+
+GRID_TOKENS = 16384  # B * N (B = 1 above 16k)
+GRID_WIDTH = 2048  # H * d
+GRID_N = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+GRID_D = (64, 128)
+HEADLINE = ((4, 16, 4096, 128), (1, 16, 16384, 128))  # (B, H, N, d), causal and not
+SMOKE_SHAPE = (1, 2, 64, 32)
+
+# Memory the math path needs, in bytes per element of the (B, H, Nq, Nk) score matrix: it
+# computes in fp32 and keeps ~5.5 such matrices for fwd_jvp (FACTS.md: 6.1 GB at B16 H16 N1k,
+# 21.5 GB at B4 H16 N4k, 83 GB at B1 H16 N16k), and ~10 saved for backward plus the
+# backward's own temporaries for bwd2 (counted with saved-tensor hooks on CPU).
+MATH_BYTES_PER_SCORE = {"fwd_jvp": 22.0, "bwd2": 64.0}
+JFA_HEAD_DIMS = (16, 32, 64, 128, 256)
+FATAL_CUDA = ("illegal memory access", "unspecified launch failure", "device-side assert",
+              "CUDA error: misaligned address", "an illegal instruction")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Skip(Exception):
+    """A case that is not run; the message is the recorded reason."""
+
+
+@dataclass(frozen=True)
+class Case:
+    impl: str
+    mode: str
+    B: int
+    H: int
+    N: int
+    d: int
+    causal: bool
+    dtype: str
+    tier: int = 1
+
+    @property
+    def key(self) -> tuple:
+        return (self.impl, self.mode, self.B, self.H, self.N, self.d, self.causal, self.dtype)
+
+    @property
+    def flops(self) -> float:
+        return case_flops(self.B, self.H, self.N, self.N, self.d, self.causal, self.mode)
+
+    @property
+    def scores(self) -> int:
+        """Entries of the (B, H, N, N) score matrix: the work and the math path's memory."""
+        return self.B * self.H * self.N * self.N
+
+    def label(self) -> str:
+        causal = "causal" if self.causal else "full"
+        return (f"{self.impl:9} {self.mode:7} B{self.B} H{self.H} N{self.N} d{self.d} "
+                f"{causal:6}")
+
+
+def case_flops(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, causal: bool,
+               mode: str) -> float:
+    """Credited FLOPs of one call (see FLOP_CONVENTION)."""
+    forward = 4.0 * batch * heads * n_q * n_k * head_dim
+    return forward * (0.5 if causal else 1.0) * FLOP_MULTIPLIER[mode]
+
+
+# --------------------------------------------------------------------------- the grid
+def parse_length(text: str) -> int:
+    """'4096', '4k' or '4K' -> 4096."""
+    text = text.strip().lower()
+    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+
+
+def grid_shapes(quick: bool) -> list[tuple[int, int, int, int]]:
+    """(B, H, N, d) of the grid: B*N = 16k tokens (B >= 1), H*d = 2048."""
+    if quick:
+        return list(HEADLINE)
+    return [(max(1, GRID_TOKENS // n), GRID_WIDTH // d, n, d) for d in GRID_D for n in GRID_N]
+
+
+def plan(args: argparse.Namespace) -> list[Case]:
+    """Every case to run, in running order: the headline shapes first (tier 0), then the rest
+    by increasing N and, within one N, by PRIORITY, so a wall budget drops the costliest."""
+    dtype = args.dtype
+    if args.smoke:
+        shapes = [SMOKE_SHAPE]
+    else:
+        shapes = grid_shapes(args.quick)
+    shapes = [s for s in shapes if (args.n is None or s[2] in args.n)
+              and (args.d is None or s[3] in args.d)]
+    causals = [c for c in (False, True) if args.causal in ("both", str(int(c)))]
+    pairs = [(impl, mode) for impl, mode in PRIORITY
+             if (args.impl is None or impl in args.impl)
+             and (args.mode is None or mode in args.mode)]
+    cases = []
+    for b, h, n, d in shapes:
+        for causal in causals:
+            tier = 0 if (b, h, n, d) in HEADLINE or args.smoke else 1
+            cases += [Case(impl, mode, b, h, n, d, causal, dtype, tier) for impl, mode in pairs]
+    rank = {pair: i for i, pair in enumerate(PRIORITY)}
+    headline = {shape: i for i, shape in enumerate(HEADLINE)}
+    return sorted(cases, key=lambda c: (
+        c.tier,
+        headline.get((c.B, c.H, c.N, c.d), 0) if c.tier == 0 else c.N,
+        c.causal if c.tier == 0 else 0,
+        rank[(c.impl, c.mode)],
+        c.d,
+        c.causal,
+    ))
+
+
+# --------------------------------------------------------------------------- implementations
+def _randn(case: Case, device: str, count: int, requires_grad: bool = False):
+    shape = (case.B, case.H, case.N, case.d)
+    dtype = DTYPES[case.dtype]
+    return [torch.randn(shape, device=device, dtype=dtype, requires_grad=requires_grad)
+            for _ in range(count)]
+
+
+def prepare_ours(case: Case, device: str) -> Callable[[], object]:
+    q, k, v, tq, tk, tv, do, dto = _randn(case, device, 8)
+    causal = case.causal
+    if case.mode == "fwd":
+        return lambda: flash_attention_forward(q, k, v, is_causal=causal)
+    if case.mode == "fwd_jvp":
+        return lambda: flash_attention_forward(q, k, v, is_causal=causal, tangents=(tq, tk, tv))
+    if case.mode == "bwd":
+        saved = flash_attention_forward(q, k, v, is_causal=causal)
+        return lambda: flash_attention_backward(q, k, v, saved.out, saved.lse, do,
+                                                is_causal=causal)
+    saved = flash_attention_forward(q, k, v, is_causal=causal, tangents=(tq, tk, tv))
+    return lambda: flash_attention_backward(
+        q, k, v, saved.out, saved.lse, do, is_causal=causal, tangents=(tq, tk, tv),
+        tangent_out=saved.tangent_out, mu=saved.mu, grad_tangent_out=dto)
+
+
+def prepare_sdpa(case: Case, device: str) -> Callable[[], object]:
+    causal = case.causal
+    if case.mode == "fwd":
+        q, k, v = _randn(case, device, 3)
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    q, k, v = _randn(case, device, 3, requires_grad=True)
+    (do,) = _randn(case, device, 1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+
+
+def math_memory_estimate(case: Case) -> float:
+    """Bytes the math path is expected to hold for this case."""
+    return MATH_BYTES_PER_SCORE[case.mode] * case.scores
+
+
+def prepare_sdpa_math(case: Case, device: str, limit_bytes: float) -> Callable[[], object]:
+    need = math_memory_estimate(case)
+    if device == "cuda" and need > limit_bytes:
+        raise Skip(f"math path needs ~{need / 1e9:.0f} GB (O(N^2)), above the "
+                   f"{limit_bytes / 1e9:.0f} GB limit (--math-limit-gb)")
+    causal = case.causal
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def forward_and_jvp(primals, tangents):
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.func.jvp(attention, primals, tangents)
+
+    if case.mode == "fwd_jvp":
+        q, k, v, tq, tk, tv = _randn(case, device, 6)
+        return lambda: forward_and_jvp((q, k, v), (tq, tk, tv))
+    leaves = _randn(case, device, 6, requires_grad=True)
+    do, dto = _randn(case, device, 2)
+    out, tangent_out = forward_and_jvp(tuple(leaves[:3]), tuple(leaves[3:]))
+    return lambda: torch.autograd.grad((out, tangent_out), leaves, (do, dto),
+                                       retain_graph=True)
+
+
+def jfa_module():
+    """jvp_flash_attention's JVPAttn, or a Skip saying why it cannot be used."""
+    try:
+        from jvp_flash_attention.jvp_attention import JVPAttn
+    except Exception as error:  # ImportError, or anything its import-time probing raises
+        raise Skip(f"jvp_flash_attention not importable: {type(error).__name__}: "
+                   f"{str(error)[:200]}") from None
+    return JVPAttn
+
+
+def prepare_jfa(case: Case, device: str) -> Callable[[], object]:
+    JVPAttn = jfa_module()
+    if case.N % 32 or case.N < 32:
+        raise Skip(f"jvp-flash-attention needs N divisible by 32 and >= 32 (N={case.N})")
+    if case.d not in JFA_HEAD_DIMS:
+        raise Skip(f"jvp-flash-attention needs d in {JFA_HEAD_DIMS} (d={case.d})")
+    causal = case.causal
+    if case.mode == "fwd":
+        q, k, v = _randn(case, device, 3)
+        return lambda: JVPAttn.fwd(q, k, v, causal=causal)
+    if case.mode == "fwd_jvp":
+        q, k, v, tq, tk, tv = _randn(case, device, 6)
+
+        def attention(q_, k_, v_):
+            return JVPAttn.fwd_dual(q_, k_, v_, causal=causal)  # its README's JVP entry
+
+        return lambda: torch.func.jvp(attention, (q, k, v), (tq, tk, tv))
+    q, k, v = _randn(case, device, 3, requires_grad=True)
+    (do,) = _randn(case, device, 1)
+    out = JVPAttn.fwd(q, k, v, causal=causal)
+    return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+
+
+def prepare(case: Case, device: str, args: argparse.Namespace) -> Callable[[], object]:
+    """Allocate a case's inputs (and saved forward state) and return the call to time."""
+    if case.impl == "ours":
+        return prepare_ours(case, device)
+    if case.impl == "sdpa":
+        return prepare_sdpa(case, device)
+    if case.impl == "sdpa_math":
+        return prepare_sdpa_math(case, device, math_limit_bytes(args))
+    if case.impl == "jfa":
+        return prepare_jfa(case, device)
+    raise ValueError(f"unknown implementation {case.impl!r}")
+
+
+def math_limit_bytes(args: argparse.Namespace) -> float:
+    limit = args.math_limit_gb * 1e9
+    if HAS_CUDA:
+        limit = min(limit, 0.9 * torch.cuda.get_device_properties(0).total_memory)
+    return limit
+
+
+# --------------------------------------------------------------------------- timing
+def synchronize() -> None:
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+
+
+def quick_autotune_bench(rep_ms: float):
+    """A benchmarker for Triton's autotuner: one warm-up call (it compiles), then as many timed
+    calls as fit in `rep_ms` (at least one). Triton's default (do_bench, 25 ms warm-up and
+    100 ms of calls, never fewer than 8 calls) costs minutes per tile at N = 64k."""
+
+    def bench(kernel_call, quantiles=None):
+        kernel_call()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        kernel_call()
+        end.record()
+        torch.cuda.synchronize()
+        first = start.elapsed_time(end)
+        times = [first]
+        for _ in range(max(0, min(100, int(rep_ms / max(first, 1e-3))) - 1)):
+            start.record()
+            kernel_call()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        if quantiles is None:
+            return statistics.median(times)
+        ordered = torch.tensor(times, dtype=torch.float64)
+        return [torch.quantile(ordered, q).item() for q in quantiles]
+
+    return bench
+
+
+def use_quick_autotune(rep_ms: float) -> list[str]:
+    """Give every autotuned kernel of jvp_attention the quick benchmarker; returns their names."""
+    from triton.runtime.autotuner import Autotuner
+
+    bench = quick_autotune_bench(rep_ms)
+    patched = []
+    for name, module in sorted(sys.modules.items()):
+        if not name.startswith("jvp_attention"):
+            continue
+        for attr, value in vars(module).items():
+            if isinstance(value, Autotuner):
+                value.do_bench = bench  # the constructor's `do_bench` argument, set afterwards
+                patched.append(f"{name}.{attr}")
+    return patched
+
+
+def bytes_to_mb(n: float) -> float:
+    return round(n / 2**20, 3)
+
+
+def measure(fn: Callable[[], object], args: argparse.Namespace) -> dict:
+    """First (cold) call, one call for peak memory, then the median time of many calls."""
+    record: dict = {}
+    synchronize()
+    t0 = time.perf_counter()
+    result = fn()
+    synchronize()
+    record["first_call_ms"] = round((time.perf_counter() - t0) * 1e3, 4)
+    del result
+    if HAS_CUDA:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = fn()
+        torch.cuda.synchronize()
+        record["peak_memory_mb"] = bytes_to_mb(torch.cuda.max_memory_allocated() - base)
+        del result
+        record["warmup_ms"], record["rep_ms"] = args.warmup_ms, args.rep_ms
+        ms = triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms,
+                                     return_mode="median")
+    else:
+        times = []
+        for _ in range(args.cpu_reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        record["peak_memory_mb"] = None
+        ms = statistics.median(times)
+    record["median_ms"] = round(float(ms), 5)
+    return record
+
+
+def free_memory(collect: bool = True) -> None:
+    """Return cached blocks to the driver (and, when `collect`, break reference cycles first:
+    gc.collect() costs ~0.1 s, so it runs only after errors and the math path)."""
+    if collect:
+        gc.collect()
+    if HAS_CUDA:
+        torch.cuda.empty_cache()
+
+
+def cuda_is_broken() -> str | None:
+    """The error text if the CUDA context cannot be used any more, else None."""
+    if not HAS_CUDA:
+        return None
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+    except Exception as error:  # noqa: BLE001 - any failure here means the context is gone
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def run_case(case: Case, device: str, args: argparse.Namespace) -> dict:
+    """Run one case; never raises (errors and skips are recorded in the returned dict)."""
+    record: dict = {"error": None, "skipped": None}
+    fn = None
+    t0 = time.perf_counter()
+    try:
+        base = torch.cuda.memory_allocated() if HAS_CUDA else 0
+        fn = prepare(case, device, args)
+        synchronize()
+        record["setup_memory_mb"] = (bytes_to_mb(torch.cuda.memory_allocated() - base)
+                                     if HAS_CUDA else None)
+        record.update(measure(fn, args))
+        record["tflops"] = float(f"{case.flops / (record['median_ms'] * 1e-3) / 1e12:.6g}")
+    except Skip as reason:
+        record["skipped"] = str(reason)
+    except torch.OutOfMemoryError as error:
+        record["error"] = f"OutOfMemoryError: {str(error).splitlines()[0][:300]}"
+    except Exception as error:  # noqa: BLE001 - recorded per case, the run goes on
+        record["error"] = f"{type(error).__name__}: {str(error)[:1000]}"
+    finally:
+        fn = None
+        held = (record.get("setup_memory_mb") or 0) + (record.get("peak_memory_mb") or 0)
+        if record["error"] or case.impl == "sdpa_math" or held > 2048:
+            free_memory(collect=bool(record["error"]) or case.impl == "sdpa_math")
+    record["wall_s"] = round(time.perf_counter() - t0, 3)
+    return record
+
+
+# --------------------------------------------------------------------------- bookkeeping
+def git_info() -> dict:
+    def git(*cmd):
+        out = subprocess.run(["git", "-C", str(REPO), *cmd], capture_output=True, text=True,
+                             timeout=10, check=True)
+        return out.stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except Exception:  # noqa: BLE001 - no git, or not a repository (a copied tree)
+        return {"commit": os.environ.get("GIT_COMMIT"), "dirty": None}
+
+
+def package_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def device_info() -> dict:
+    if not HAS_CUDA:
+        return {"name": f"CPU ({platform.processor() or platform.machine()}), Triton "
+                        "interpreter", "cuda": False}
+    props = torch.cuda.get_device_properties(0)
+    info = {"name": torch.cuda.get_device_name(0), "cuda": True,
+            "capability": list(torch.cuda.get_device_capability(0)),
+            "memory_gb": round(props.total_memory / 1e9, 1), "cuda_version": torch.version.cuda,
+            "count": torch.cuda.device_count()}
+    with contextlib.suppress(Exception):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True)
+        info["driver"] = smi.stdout.strip().splitlines()[0]
+    return info
+
+
+def header(args: argparse.Namespace) -> dict:
+    sdpa_flags = {}
+    if HAS_CUDA:
+        b = torch.backends.cuda
+        sdpa_flags = {"flash": b.flash_sdp_enabled(), "mem_efficient": b.mem_efficient_sdp_enabled(),
+                      "cudnn": b.cudnn_sdp_enabled(), "math": b.math_sdp_enabled()}
+    device = device_info()
+    return {
+        "schema": SCHEMA,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "argv": sys.argv,
+        "gpu": device["name"],
+        "device": device,
+        "smoke": bool(args.smoke),
+        "interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1",
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "jvp_attention": getattr(jvp_attention, "__version__", None),
+            "jvp_flash_attention": package_version("jvp_flash_attention"),
+            "numpy": package_version("numpy"),
+        },
+        "git": git_info(),
+        "settings": {
+            "dtype": args.dtype, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+            "cpu_reps": args.cpu_reps, "max_seconds": args.max_seconds,
+            "math_limit_gb": args.math_limit_gb, "autotune_rep_ms": args.autotune_rep_ms,
+            "timer": ("triton.testing.do_bench(return_mode='median'), L2 flushed per call"
+                      if HAS_CUDA else "time.perf_counter median (CPU plumbing check)"),
+            "sdpa_backends_enabled": sdpa_flags,
+        },
+        "flop_convention": FLOP_CONVENTION,
+        "impls": IMPL_LABELS,
+        "modes": MODE_LABELS,
+        "memory_note": ("peak_memory_mb: torch.cuda.max_memory_allocated() over one warm call, "
+                        "minus what was allocated before it (outputs and workspace); "
+                        "setup_memory_mb: the inputs and saved forward state the case holds "
+                        "(for bwd2 of the math path this is its O(N^2) autograd graph)."),
+        "cold_start_note": ("first_call_ms: the first call of a case, which pays Triton's "
+                            "compilation (once per kernel specialisation) and autotuning (once "
+                            "per shape key) for our kernels, compilation for "
+                            "jvp-flash-attention, library set-up for SDPA. Not part of "
+                            "median_ms."),
+        "cases": [],
+    }
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def default_out(args: argparse.Namespace) -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    if args.smoke:  # plumbing numbers do not belong with the saved results
+        return Path(tempfile.gettempdir()) / f"jvp_attention_bench_smoke_{stamp}.json"
+    name = torch.cuda.get_device_name(0) if HAS_CUDA else "cpu"
+    slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+    kind = "quick" if args.quick else "grid"
+    return RESULTS / f"{slug}_{kind}_{stamp}.json"
+
+
+def load_resume(path: Path | None) -> dict[tuple, dict]:
+    """Measured (or failed) cases of an earlier run, by key; budget skips are run again."""
+    if path is None:
+        return {}
+    old = json.loads(path.read_text())
+    done = {}
+    for rec in old.get("cases", []):
+        if rec.get("median_ms") is not None or rec.get("error") or (
+                rec.get("skipped") and not rec["skipped"].startswith("wall budget")):
+            key = (rec["impl"], rec["mode"], rec["B"], rec["H"], rec["N"], rec["d"],
+                   rec["causal"], rec["dtype"])
+            done[key] = {**rec, "resumed_from": str(path)}
+    return done
+
+
+def predicted_seconds(case: Case, history: dict[tuple, tuple[int, float]]) -> float:
+    """The wall time a case should take, scaled from the last case of the same series (impl,
+    mode, d, causal) by the work ratio; twice the warm part, to leave room for autotuning."""
+    last = history.get((case.impl, case.mode, case.d, case.causal))
+    if last is None:
+        return 0.0
+    scores, warm_seconds = last
+    return 2.0 * warm_seconds * case.scores / scores
+
+
+def print_cold_starts(cases: list[dict]) -> None:
+    """First-call times (compile + autotune) per implementation, mode and shape."""
+    rows: dict[tuple, dict[int, float]] = {}
+    lengths = sorted({c["N"] for c in cases if c.get("first_call_ms") is not None})
+    for c in cases:
+        if c.get("first_call_ms") is not None:
+            key = (c["impl"], c["mode"], c["d"], c["causal"])
+            rows.setdefault(key, {})[c["N"]] = c["first_call_ms"] / 1e3
+    if not rows:
+        return
+    print("\nCold start: first call per case, seconds (compilation + autotuning, not in the "
+          "medians)", flush=True)
+    print(f"{'impl':10} {'mode':8} {'d':>4} {'causal':6} " + " ".join(f"{n:>7}" for n in lengths))
+    for (impl, mode, d, causal), by_n in sorted(rows.items(), key=lambda kv: (
+            PRIORITY.index(kv[0][:2]) if kv[0][:2] in PRIORITY else 99, kv[0][2:])):
+        cells = " ".join(f"{by_n[n]:7.2f}" if n in by_n else f"{'-':>7}" for n in lengths)
+        print(f"{impl:10} {mode:8} {d:>4} {str(causal):6} {cells}", flush=True)
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="only the headline shapes B4 H16 N4096 d128 and B1 H16 N16384 d128")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"one tiny shape {SMOKE_SHAPE} (B, H, N, d), causal and not; on CPU "
+                             "it checks the plumbing through Triton's interpreter")
+    parser.add_argument("--list", action="store_true", help="print the planned cases and exit")
+    parser.add_argument("--impl", nargs="+", choices=list(IMPLS), help="only these implementations")
+    parser.add_argument("--mode", nargs="+", choices=MODES, help="only these modes")
+    parser.add_argument("--n", nargs="+", type=parse_length, help="only these N (e.g. 4096 16k)")
+    parser.add_argument("--d", nargs="+", type=int, help="only these head dims")
+    parser.add_argument("--causal", choices=("0", "1", "both"), default="both")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="default bf16 on CUDA, fp32 on CPU (the interpreter's bf16 dot "
+                             "is wrong)")
+    parser.add_argument("--out", type=Path, help="the JSON file to write (default: "
+                        "benchmarks/results/<gpu>_<grid|quick>_<date>.json; smoke: a temp file)")
+    parser.add_argument("--max-seconds", type=float, default=330.0,
+                        help="wall budget from start: no case is started that would end past it "
+                             "(predicted from the previous N); skipped cases are recorded. "
+                             "0 or less: no limit")
+    parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up, ms")
+    parser.add_argument("--rep-ms", type=float, default=100.0,
+                        help="do_bench repetition window, ms (at least one call: large N get "
+                             "fewer repetitions)")
+    parser.add_argument("--cpu-reps", type=int, default=2, help="timed calls per case on CPU")
+    parser.add_argument("--math-limit-gb", type=float, default=100.0,
+                        help="skip the math path above this memory estimate")
+    parser.add_argument("--autotune-rep-ms", type=float, default=20.0,
+                        help="time each tile of our autotuned kernels for this long (one warm "
+                             "call, then >= 1 timed); 0 keeps Triton's default benchmarker")
+    parser.add_argument("--resume", type=Path,
+                        help="copy cases already measured in this earlier results file; run "
+                             "only the rest")
+    args = parser.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bf16" if HAS_CUDA else "fp32"
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        args.max_seconds = None
+    return args
+
+
+def main(argv: Iterable[str] | None = None) -> dict:
+    args = parse_args(argv)
+    cases = plan(args)
+    if args.list:
+        for i, case in enumerate(cases, 1):
+            print(f"{i:4} tier {case.tier} {case.label()} {case.flops / 1e12:9.3f} TFLOP")
+        return {}
+    device = "cuda" if HAS_CUDA else "cpu"
+    if HAS_CUDA:  # initialise the context and cuBLAS before anything is timed
+        x = torch.randn(256, 256, device=device)
+        (x @ x).sum().item()
+    out_path = args.out or default_out(args)
+    data = header(args)
+    if HAS_CUDA and args.autotune_rep_ms > 0:
+        data["settings"]["quick_autotune"] = use_quick_autotune(args.autotune_rep_ms)
+    resumed = load_resume(args.resume)
+    print(f"jvp_attention bench: {data['gpu']} | torch {torch.__version__} | triton "
+          f"{triton.__version__} | jvp_attention {data['versions']['jvp_attention']} | "
+          f"jvp_flash_attention {data['versions']['jvp_flash_attention']} | {len(cases)} cases "
+          f"| budget {args.max_seconds} s | -> {out_path}", flush=True)
+    history: dict[tuple, tuple[int, float]] = {}
+    broken = None
+    for i, case in enumerate(cases, 1):
+        elapsed = time.perf_counter() - START
+        base = {**asdict(case), "flops": case.flops}
+        if case.key in resumed:
+            record = {**base, **resumed[case.key]}
+        elif broken is not None:
+            record = {**base, "error": None, "skipped": f"CUDA context lost earlier: {broken}"}
+        else:
+            guess = predicted_seconds(case, history)
+            if args.max_seconds is not None and elapsed + guess > args.max_seconds:
+                record = {**base, "error": None, "skipped": (
+                    f"wall budget: {elapsed:.0f} s elapsed, ~{guess:.0f} s predicted, "
+                    f"--max-seconds {args.max_seconds:.0f}")}
+            else:
+                record = {**base, **run_case(case, device, args)}
+                if record.get("median_ms") is not None:
+                    warm = record["wall_s"] - record["first_call_ms"] / 1e3
+                    history[(case.impl, case.mode, case.d, case.causal)] = (case.scores, warm)
+                if record["error"] and (HAS_CUDA and (
+                        any(s in record["error"] for s in FATAL_CUDA) or cuda_is_broken())):
+                    broken = record["error"][:200]
+        data["cases"].append(record)
+        data["wall_seconds"] = round(time.perf_counter() - START, 2)
+        write_json(out_path, data)
+        print(f"[{i:3}/{len(cases)} {time.perf_counter() - START:6.1f}s] {case.label()} "
+              f"{describe(record)}", flush=True)
+    data["complete"] = all(c.get("median_ms") is not None or c.get("error")
+                           or (c.get("skipped") and not c["skipped"].startswith("wall budget"))
+                           for c in data["cases"])
+    data["wall_seconds"] = round(time.perf_counter() - START, 2)
+    write_json(out_path, data)
+    print_cold_starts(data["cases"])
+    measured = sum(c.get("median_ms") is not None for c in data["cases"])
+    errors = sum(bool(c.get("error")) for c in data["cases"])
+    skipped = sum(bool(c.get("skipped")) for c in data["cases"])
+    print(f"\n{measured} measured, {errors} errors, {skipped} skipped in "
+          f"{data['wall_seconds']:.0f} s -> {out_path}", flush=True)
+    return data
+
+
+def describe(record: dict) -> str:
+    if record.get("skipped"):
+        return f"skipped: {record['skipped']}"
+    if record.get("error"):
+        return f"ERROR {record['error'][:160]}"
+    memory = record.get("peak_memory_mb")
+    memory = f"peak {memory:9.1f} MB" if memory is not None else ""
+    return (f"{record['median_ms']:10.3f} ms {record['tflops']:8.2f} TFLOP/s {memory} "
+            f"first {record['first_call_ms'] / 1e3:6.2f} s"
+            + (" (resumed)" if record.get("resumed_from") else ""))
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

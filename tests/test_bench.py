@@ -1,0 +1,175 @@
+"""benchmarks/bench.py: the grid, the FLOP count, the budget, and a smoke run's JSON schema.
+
+The smoke run executes the script as a user would (`bench.py --smoke --out FILE`): on CPU every
+implementation that runs there goes through Triton's interpreter at a tiny size, which checks
+the plumbing (not the speed) in well under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks" / "bench.py"
+sys.path.insert(0, str(BENCH.parent))
+import bench  # noqa: E402
+
+TOP_LEVEL = {"schema": str, "date": str, "command": str, "argv": list, "gpu": str,
+             "device": dict, "smoke": bool, "versions": dict, "git": dict, "settings": dict,
+             "flop_convention": str, "cases": list, "wall_seconds": float, "complete": bool}
+CASE_FIELDS = {"impl": str, "mode": str, "B": int, "H": int, "N": int, "d": int,
+               "causal": bool, "dtype": str, "flops": float}
+MEASURED_FIELDS = ("median_ms", "tflops", "first_call_ms", "peak_memory_mb", "setup_memory_mb",
+                   "wall_s")
+
+
+def check_schema(data: dict) -> None:
+    for key, kind in TOP_LEVEL.items():
+        assert isinstance(data.get(key), kind), f"{key}: {data.get(key)!r} is not {kind.__name__}"
+    assert data["schema"] == bench.SCHEMA
+    for name in ("python", "torch", "triton", "jvp_attention"):
+        assert data["versions"][name], name
+    assert "jvp_flash_attention" in data["versions"]
+    assert "commit" in data["git"]
+    for case in data["cases"]:
+        for key, kind in CASE_FIELDS.items():
+            assert isinstance(case[key], kind), f"{key} of {case}"
+        assert case["mode"] in bench.IMPLS[case["impl"]]
+        outcome = [case.get("median_ms") is not None, bool(case.get("error")),
+                   bool(case.get("skipped"))]
+        assert sum(outcome) == 1, f"a case is measured, failed or skipped: {case}"
+        if case.get("median_ms") is not None:
+            for key in MEASURED_FIELDS:
+                assert key in case, f"{key} missing from {case}"
+            assert case["median_ms"] > 0 and case["first_call_ms"] > 0
+            expected = case["flops"] / (case["median_ms"] * 1e-3) / 1e12
+            assert case["tflops"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_smoke_run_writes_the_schema(tmp_path: Path) -> None:
+    out = tmp_path / "smoke.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(out)],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+                            check=False)
+    seconds = time.perf_counter() - start
+    assert result.returncode == 0, result.stdout + result.stderr
+    if not torch.cuda.is_available():
+        assert seconds < 60, f"the CPU smoke run took {seconds:.0f} s"
+    data = json.loads(out.read_text())
+    check_schema(data)
+    assert data["smoke"] and data["complete"]
+    assert "--smoke" in data["command"]
+    pairs = {(c["impl"], c["mode"]) for c in data["cases"]}
+    assert pairs == {(impl, mode) for impl, modes in bench.IMPLS.items() for mode in modes}
+    for case in data["cases"]:
+        assert not case.get("error"), case
+        if case["impl"] != "jfa":  # jvp-flash-attention is optional: skipped when missing
+            assert case.get("median_ms") is not None, case
+    assert re.search(r"^\[\s*1/\d+ ", result.stdout, re.MULTILINE), "progress per case"
+    assert "Cold start" in result.stdout
+
+
+def test_grid_keeps_tokens_and_width_fixed() -> None:
+    cases = bench.plan(bench.parse_args([]))
+    shapes = {(c.B, c.H, c.N, c.d) for c in cases}
+    assert len(shapes) == len(bench.GRID_N) * len(bench.GRID_D)
+    for B, H, N, d in shapes:
+        assert B * N == max(bench.GRID_TOKENS, N) and H * d == bench.GRID_WIDTH
+    per_shape = sum(len(modes) for modes in bench.IMPLS.values())
+    assert len(cases) == len(shapes) * 2 * per_shape
+    assert len({c.key for c in cases}) == len(cases)
+    # The headline shapes run first, then increasing N.
+    headline = [c for c in cases if c.tier == 0]
+    assert cases[: len(headline)] == headline
+    assert {(c.B, c.H, c.N, c.d) for c in headline} == set(bench.HEADLINE)
+    rest = [c.N for c in cases[len(headline):]]
+    assert rest == sorted(rest)
+
+
+def test_quick_and_filters() -> None:
+    quick = bench.plan(bench.parse_args(["--quick"]))
+    assert {(c.B, c.H, c.N, c.d) for c in quick} == set(bench.HEADLINE)
+    assert {c.causal for c in quick} == {False, True}
+    some = bench.plan(bench.parse_args(["--impl", "ours", "--mode", "fwd_jvp", "--n", "4k",
+                                        "16384", "--d", "128", "--causal", "1"]))
+    assert [(c.impl, c.mode, c.N, c.d, c.causal) for c in some] == [
+        ("ours", "fwd_jvp", 4096, 128, True), ("ours", "fwd_jvp", 16384, 128, True)]
+
+
+def test_flop_count() -> None:
+    forward = 4 * 4 * 16 * 4096 * 4096 * 128
+    assert bench.case_flops(4, 16, 4096, 4096, 128, False, "fwd") == forward
+    assert bench.case_flops(4, 16, 4096, 4096, 128, True, "fwd") == forward / 2
+    assert bench.case_flops(4, 16, 4096, 4096, 128, False, "fwd_jvp") == 3 * forward
+    assert bench.case_flops(4, 16, 4096, 4096, 128, False, "bwd") == 2.5 * forward
+    assert bench.case_flops(4, 16, 4096, 4096, 128, True, "bwd2") == 7.5 * forward / 2
+    from jvp_attention.autograd import sdpa_flops
+
+    assert sdpa_flops(4, 16, 4096, 4096, 128, 128) == forward
+
+
+def test_math_path_is_skipped_above_its_memory_estimate() -> None:
+    big = bench.Case("sdpa_math", "fwd_jvp", 1, 32, 16384, 64, False, "bf16")
+    with pytest.raises(bench.Skip, match="GB"):
+        bench.prepare_sdpa_math(big, "cuda", limit_bytes=100e9)
+    # FACTS.md: 83 GB at B1 H16 N16k d128 ran; the estimate lets it run.
+    assert bench.math_memory_estimate(
+        bench.Case("sdpa_math", "fwd_jvp", 1, 16, 16384, 128, False, "bf16")) < 100e9
+
+
+def test_wall_budget_records_what_it_skipped(tmp_path: Path) -> None:
+    out = tmp_path / "budget.json"
+    data = bench.main(["--smoke", "--max-seconds", "1e-6", "--autotune-rep-ms", "0",
+                       "--out", str(out)])
+    assert json.loads(out.read_text()) == data
+    check_schema(data)
+    assert not data["complete"]
+    assert all(c["skipped"].startswith("wall budget") for c in data["cases"])
+    # A resumed run keeps measured cases and runs the budget skips again.
+    measured = {**data["cases"][0], "skipped": None, "median_ms": 1.0}
+    previous = tmp_path / "previous.json"
+    previous.write_text(json.dumps({**data, "cases": [measured, *data["cases"][1:]]}))
+    done = bench.load_resume(previous)
+    assert list(done) == [bench.Case(**{k: measured[k] for k in CASE_FIELDS if k != "flops"}).key]
+
+
+def test_budget_prediction_scales_with_the_work() -> None:
+    small = bench.Case("ours", "bwd2", 1, 16, 16384, 128, False, "bf16")
+    large = bench.Case("ours", "bwd2", 1, 16, 32768, 128, False, "bf16")
+    history = {("ours", "bwd2", 128, False): (small.scores, 3.0)}
+    assert bench.predicted_seconds(large, history) == pytest.approx(2 * 3.0 * 4)
+    assert bench.predicted_seconds(bench.Case("jfa", "fwd", 1, 16, 4096, 128, False, "bf16"),
+                                   history) == 0.0
+
+
+def test_quick_autotune_reaches_every_autotuned_kernel() -> None:
+    from triton.runtime.autotuner import Autotuner
+
+    tuners = {f"{name}.{attr}": value for name, module in list(sys.modules.items())
+              if name.startswith("jvp_attention") for attr, value in vars(module).items()
+              if isinstance(value, Autotuner)}
+    before = {name: dict(vars(tuner)) for name, tuner in tuners.items()}
+    try:
+        patched = bench.use_quick_autotune(20.0)
+        assert set(patched) == set(tuners)
+        assert {"jvp_attention.forward._attention_forward", "jvp_attention.backward._backward_dq",
+                "jvp_attention.backward._backward_dkdv"} <= set(patched)
+    finally:  # leave the library's autotuners as they were for the other tests
+        for name, tuner in tuners.items():
+            vars(tuner).pop("do_bench", None)
+            if "do_bench" in before[name]:
+                tuner.do_bench = before[name]["do_bench"]
