@@ -68,6 +68,19 @@ def _key_block_ranges(start_m, n_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constex
 
 
 @triton.jit
+def _dot_rounded(a, b, acc, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+    """acc + a @ b for an fp32 tile `a` (probabilities, or products with them) and an input
+    tile `b`. The tensor cores need `a` in b's 16-bit dtype; with SPLIT, `a` is rounded as
+    hi + lo, two 16-bit tiles whose sum carries about twice the mantissa, at one more product."""
+    hi = a.to(b.dtype)
+    acc = tl.dot(hi, b, acc=acc, input_precision=DOT_PRECISION)
+    if SPLIT:
+        lo = (a - hi.to(tl.float32)).to(b.dtype)
+        acc = tl.dot(lo, b, acc=acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _online_softmax_step(s, m_i, CAN_BE_EMPTY: tl.constexpr):
     """One online-softmax step in log2 units: the new running max, the rescale factor alpha
     for the old state, and the block's unnormalised probabilities p~."""
@@ -84,14 +97,14 @@ def _online_softmax_step(s, m_i, CAN_BE_EMPTY: tl.constexpr):
 
 @triton.jit
 def _forward_key_block(
-    acc_o, acc_t, l_i, r_i, m_i, q, tq, rows, start_n,
+    acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
     k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
     tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
     mask_ptr, stride_mask_m, stride_mask_n,
     n_q, n_k, head_dim, value_dim, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Fold the key block starting at `start_n` into the softmax state (and the tangent state)."""
     cols = start_n + tl.arange(0, BLOCK_N)
@@ -103,21 +116,23 @@ def _forward_key_block(
     s = _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
                        IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
     m_new, alpha, p = _online_softmax_step(s, m_i, MASK_KIND != 0)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_new = l_i * alpha + tl.sum(p, 1)
     acc_o = acc_o * alpha[:, None]
-    acc_o = tl.dot(p.to(v.dtype), v, acc=acc_o, input_precision=DOT_PRECISION)
     if HAS_TANGENT:
         tk = _load_tile(tk_ptr, cols, dims, stride_tkn, stride_tkd, n_k, head_dim)
         tv = _load_tile(tv_ptr, cols, dims_v, stride_tvn, stride_tvd, n_k, value_dim)
         # Natural units: masked entries have p~ = 0, so their tS never matters.
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
-        p_ts = p * ts
-        r_i = r_i * alpha + tl.sum(p_ts, 1)
-        acc_t = acc_t * alpha[:, None]
-        acc_t = tl.dot(p_ts.to(v.dtype), v, acc=acc_t, input_precision=DOT_PRECISION)
-        acc_t = tl.dot(p.to(tv.dtype), tv, acc=acc_t, input_precision=DOT_PRECISION)
-    return acc_o, acc_t, l_i, r_i, m_new
+        # The running mu including this block; acc_t is kept centred on it.
+        mu_new = (mu_i * l_i * alpha + tl.sum(p * ts, 1)) / tl.where(l_new == 0.0, 1.0, l_new)
+        acc_t = acc_t * alpha[:, None] - (mu_new - mu_i)[:, None] * acc_o
+        p_centred = p * (ts - mu_new[:, None])
+        acc_t = _dot_rounded(p_centred, v, acc_t, DOT_PRECISION, SPLIT)
+        acc_t = _dot_rounded(p, tv, acc_t, DOT_PRECISION, SPLIT)
+        mu_i = mu_new
+    acc_o = _dot_rounded(p, v, acc_o, DOT_PRECISION, SPLIT)
+    return acc_o, acc_t, l_new, mu_i, m_new
 
 
 @triton.jit
@@ -134,7 +149,7 @@ def _attention_forward_kernel(
     n_q_bucket, n_k_bucket,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head)."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -159,26 +174,26 @@ def _attention_forward_kernel(
         acc_t = tl.zeros([1, 1], dtype=tl.float32)
     acc_o = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    r_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    mu_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
     full_end, end = _key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
-        acc_o, acc_t, l_i, r_i, m_i = _forward_key_block(
-            acc_o, acc_t, l_i, r_i, m_i, q, tq, rows, start_n,
+        acc_o, acc_t, l_i, mu_i, m_i = _forward_key_block(
+            acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
             k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
             tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION)
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT)
     for start_n in range(full_end, end, BLOCK_N):
-        acc_o, acc_t, l_i, r_i, m_i = _forward_key_block(
-            acc_o, acc_t, l_i, r_i, m_i, q, tq, rows, start_n,
+        acc_o, acc_t, l_i, mu_i, m_i = _forward_key_block(
+            acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
             k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
             tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION)
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
@@ -190,10 +205,9 @@ def _attention_forward_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + log2_l) * 0.6931471805599453)
     tl.store(lse_ptr + flat_rows, lse, mask=rows < n_q)
     if HAS_TANGENT:
-        mu = r_i * inv_l
-        t_o = acc_t * inv_l[:, None] - mu[:, None] * o
-        _store_rows(to_ptr, t_o, flat_rows, rows, dims_v, n_q, value_dim)
-        tl.store(mu_ptr + flat_rows, mu, mask=rows < n_q)
+        # acc_t is centred on the final mu: tO = acc_t / l, no cancellation left to do.
+        _store_rows(to_ptr, acc_t * inv_l[:, None], flat_rows, rows, dims_v, n_q, value_dim)
+        tl.store(mu_ptr + flat_rows, mu_i, mask=rows < n_q)
 
 
 def interpreting() -> bool:
@@ -242,13 +256,44 @@ def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int
     return attn_mask, ADDITIVE_MASK
 
 
-def kernel_meta(q: torch.Tensor, head_dim: int, value_dim: int) -> dict:
-    """Compile-time tile widths and dot precision shared by every kernel of the library."""
+PRECISIONS = ("accurate", "fast")
+_precision = {"mode": os.environ.get("JVP_ATTENTION_PRECISION", "accurate")}
+
+
+def set_precision(mode: str) -> None:
+    """Choose how 16-bit products are rounded (chapter 3 measures both).
+
+    Args:
+        mode: "accurate" (default): the fp32 operands of the tangent's and the backward's
+            16-bit products are split into hi + lo parts, which keeps their errors at the
+            level of PyTorch's fp32-accumulating math path, for about a third more matrix
+            products. "fast": one 16-bit rounding per product, as FlashAttention does. The
+            primal forward always rounds once: its error is at the floor already.
+            The environment variable JVP_ATTENTION_PRECISION sets the initial mode.
+    """
+    if mode not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {mode!r}")
+    _precision["mode"] = mode
+
+
+def accurate() -> bool:
+    """True when the "accurate" precision mode is on (see `set_precision`)."""
+    if _precision["mode"] not in PRECISIONS:
+        set_precision(_precision["mode"])  # raises for a bad JVP_ATTENTION_PRECISION
+    return _precision["mode"] == "accurate"
+
+
+def kernel_meta(q: torch.Tensor, head_dim: int, value_dim: int, split: bool = False) -> dict:
+    """Compile-time tile widths and product precision shared by every kernel of the library.
+
+    `split` asks for hi + lo rounding of the fp32 operands of 16-bit products (see
+    `_dot_rounded`); it is meaningless, and off, for fp32 inputs."""
     return {
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
         "BLOCK_DV": max(16, triton.next_power_of_2(value_dim)),
         # Match PyTorch's fp32 matmuls (no TF32); 16-bit inputs ignore this.
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "SPLIT": split and q.dtype != torch.float32,
     }
 
 
@@ -316,7 +361,7 @@ def flash_attention_forward(
             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
             scale * LOG2E, scale, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
-            **kernel_meta(q, head_dim, value_dim),
+            **kernel_meta(q, head_dim, value_dim, split=has_tangent and accurate()),
         )
     if not has_tangent:
         return AttentionOutputs(out, lse, None, None)

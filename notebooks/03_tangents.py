@@ -293,33 +293,54 @@ worst = max(a.ratio for table in rows.values() for a in table.values())
 print(f"worst ratio to the floor: {worst:.2f}")
 
 # %% [markdown]
-# ## Where the rounding happens
+# ## Where the rounding happens, and what the kernel does about it
 #
 # The kernel accumulates everything in fp32. Rounding to 16 bits happens in three places:
-# the output itself (unavoidable: the floor pays it too), $\tilde P$ before the $\tilde P V$
-# and $\tilde P\,t_V$ products, and $\tilde P \circ t_S$ before the $G$ product. PyTorch's math
-# path rounds far more often: $S$, $P$, $t_S$ and $t_P$ are each stored in 16 bits between
-# separate kernels, so our fused pass should be at or below the floor. In fp32 our products
-# use IEEE fp32, like PyTorch's, and both sit near $10^{-7}$.
+# the output itself (unavoidable: the floor pays it too, since PyTorch's math path now
+# computes in fp32 internally and rounds once at the end), $\tilde P$ before the
+# $\tilde P V$ and $\tilde P\,t_V$ products, and the tangent's probability-weighted scores
+# before the $G$ product. Two measures keep the tangent at the floor.
 #
-# One subtlety: the epilogue $t_O = (G + H)/\ell - \mu\,O$ subtracts two terms, and if the
-# tangent scores $t_S$ had a large common offset along a row, $G/\ell$ and $\mu O$ would be
-# large and nearly equal, and the rounding of $\tilde P \circ t_S$ would be amplified by the
-# cancellation. PyTorch rounds the centred $t_P = P \circ (t_S - \mu)$ instead. The next cell
-# measures this worst case by adding the same large vector to every key's tangent (which
-# shifts $t_S$ row-wise by $s\,Q\,c^\top$).
+# **Centring.** Chapter 1's online form accumulates $G = \sum \tilde P \circ t_S\,V$ and
+# subtracts $\mu O$ at the end. When a row's tangent scores share a large offset (a row
+# dominated by one key, as in the first rows of causal attention, or keys with a common
+# tangent direction), $G/\ell$ and $\mu O$ are large and nearly equal, and the 16-bit
+# rounding of $\tilde P \circ t_S$ survives the subtraction, amplified. The kernel instead
+# keeps its tangent accumulator *centred* on the running $\mu$: at each block it updates
+# $\mu' = (\alpha \ell \mu + \mathrm{rowsum}(\tilde P \circ t_S))/\ell'$, shifts the accumulator
+# by $-(\mu' - \mu)\,A$ (an fp32 correction with the output accumulator $A$), and adds
+# $(\tilde P \circ (t_S - \mu'))\,V$. What gets rounded is then $\tilde P \circ (t_S - \mu)$,
+# the same centred quantity PyTorch's formula $t_P = P \circ (t_S - \mu)$ rounds, and at the
+# end $t_O = \texttt{acc\_t}/\ell$ with nothing left to cancel. On the H200, before this
+# change, one fp16 causal case measured a ratio of 7.0 on $t_O$.
+#
+# **Split products** (`set_precision("accurate")`, the default). A 16-bit operand carries 11
+# (fp16) or 8 (bf16) significant bits. Writing the fp32 operand as $a = a_{hi} + a_{lo}$, two
+# 16-bit tiles, and computing $a_{hi}B + a_{lo}B$ (both products accumulate in fp32) carries
+# about twice the bits, for one more product. The JVP kernel does this for its three
+# probability products; the backward kernels (chapter 5) for all of theirs. The primal
+# forward keeps one rounding: its error is at the floor already for realistic lengths.
+# `set_precision("fast")` turns the splits off.
+#
+# The next cell measures the worst case for centring (the same large vector added to every
+# key's tangent, which shifts $t_S$ row-wise by $s\,Q\,c^\top$) and both precision modes.
 
 # %%
+from jvp_attention.forward import set_precision
+
 shift_rows = {}
 for dtype in [torch.float16, torch.bfloat16] if FULL_SIZE else [torch.float16]:
     q, k, v = (torch.randn(1, 4, N, 64, device=DEVICE, dtype=dtype) for _ in range(3))
     tq, tk, tv = (torch.randn_like(x) for x in (q, k, v))
     for offset in (0.0, 4.0):
-        tk_shifted = (tk.float() + offset).to(dtype)
-        tangents = (tq, tk_shifted, tv)
-        ours = flash_attention_forward(q, k, v, tangents=tangents)
-        mine = {"tangent_out": ours.tangent_out}
-        floor = math_path(q, k, v, tangents=tangents)
-        truth = float64_truth(q, k, v, tangents=tangents)
-        shift_rows[f"{str(dtype)[6:]:9} offset {offset}"] = accuracy_table(mine, floor, truth)
+        tangents = (tq, (tk.float() + offset).to(dtype), tv)
+        floor = math_path(q, k, v, is_causal=True, tangents=tangents)
+        truth = float64_truth(q, k, v, is_causal=True, tangents=tangents)
+        for mode in ("fast", "accurate"):
+            set_precision(mode)
+            ours = flash_attention_forward(q, k, v, is_causal=True, tangents=tangents)
+            mine = {"out": ours.out, "tangent_out": ours.tangent_out}
+            name = f"{str(dtype)[6:]:9} causal, offset {offset}, {mode}"
+            shift_rows[name] = accuracy_table(mine, floor, truth)
+set_precision("accurate")
 print(format_table(shift_rows))

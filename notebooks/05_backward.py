@@ -83,10 +83,12 @@ import triton.language as tl
 from jvp_attention.forward import (
     AUTOTUNE_KEYS,
     LOG2E,
+    _dot_rounded,
     _key_block_ranges,
     _load_tile,
     _masked_scores,
     _store_rows,
+    accurate,
     check_kernel_shapes,
     kernel_meta,
     mask_operand,
@@ -221,7 +223,7 @@ def _attention_backward_dkdv_kernel(
     n_q_bucket, n_k_bucket,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """dK, dV (and dtK, dtV) of one key block, summed over all query heads of its GQA group."""
     start_n = tl.program_id(0) * BLOCK_N
@@ -273,17 +275,13 @@ def _attention_backward_dkdv_kernel(
                 q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
                 head_mask, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
                 IS_CAUSAL, MASK_KIND, HAS_TANGENT, True, DOT_PRECISION)
-            p_t = tl.trans(p.to(q.dtype))
-            dts_t = tl.trans(dts.to(q.dtype))
-            acc_dv = tl.dot(p_t, do, acc=acc_dv, input_precision=DOT_PRECISION)
-            acc_dk = tl.dot(tl.trans(ds.to(q.dtype)), q, acc=acc_dk,
-                            input_precision=DOT_PRECISION)
+            acc_dv = _dot_rounded(tl.trans(p), do, acc_dv, DOT_PRECISION, SPLIT)
+            acc_dk = _dot_rounded(tl.trans(ds), q, acc_dk, DOT_PRECISION, SPLIT)
             if HAS_TANGENT:
-                acc_dv = tl.dot(tl.trans(tp.to(q.dtype)), dto, acc=acc_dv,
-                                input_precision=DOT_PRECISION)
-                acc_dtv = tl.dot(p_t, dto, acc=acc_dtv, input_precision=DOT_PRECISION)
-                acc_dk = tl.dot(dts_t, tq, acc=acc_dk, input_precision=DOT_PRECISION)
-                acc_dtk = tl.dot(dts_t, q, acc=acc_dtk, input_precision=DOT_PRECISION)
+                acc_dv = _dot_rounded(tl.trans(tp), dto, acc_dv, DOT_PRECISION, SPLIT)
+                acc_dtv = _dot_rounded(tl.trans(p), dto, acc_dtv, DOT_PRECISION, SPLIT)
+                acc_dk = _dot_rounded(tl.trans(dts), tq, acc_dk, DOT_PRECISION, SPLIT)
+                acc_dtk = _dot_rounded(tl.trans(dts), q, acc_dtk, DOT_PRECISION, SPLIT)
     key_rows = tl.program_id(1).to(tl.int64) * n_k + cols
     _store_rows(dk_ptr, acc_dk * scale, key_rows, cols, dims, n_k, head_dim)
     _store_rows(dv_ptr, acc_dv, key_rows, cols, dims_v, n_k, value_dim)
@@ -307,7 +305,7 @@ def _dq_key_block(
     mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Fold the key block starting at `start_n` into dQ (and dtQ)."""
     cols = start_n + tl.arange(0, BLOCK_N)
@@ -324,10 +322,10 @@ def _dq_key_block(
         q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
         mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
         IS_CAUSAL, MASK_KIND, HAS_TANGENT, CHECK_BOUNDS, DOT_PRECISION)
-    acc_dq = tl.dot(ds.to(k.dtype), k, acc=acc_dq, input_precision=DOT_PRECISION)
+    acc_dq = _dot_rounded(ds, k, acc_dq, DOT_PRECISION, SPLIT)
     if HAS_TANGENT:
-        acc_dq = tl.dot(dts.to(k.dtype), tk, acc=acc_dq, input_precision=DOT_PRECISION)
-        acc_dtq = tl.dot(dts.to(k.dtype), k, acc=acc_dtq, input_precision=DOT_PRECISION)
+        acc_dq = _dot_rounded(dts, tk, acc_dq, DOT_PRECISION, SPLIT)
+        acc_dtq = _dot_rounded(dts, k, acc_dtq, DOT_PRECISION, SPLIT)
     return acc_dq, acc_dtq
 
 
@@ -348,7 +346,7 @@ def _attention_backward_dq_kernel(
     n_q_bucket, n_k_bucket,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """dQ (and dtQ) of one query block of one (batch, head)."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -389,7 +387,7 @@ def _attention_backward_dq_kernel(
             tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION)
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT)
     for start_n in range(full_end, end, BLOCK_N):
         acc_dq, acc_dtq = _dq_key_block(
             acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
@@ -397,7 +395,7 @@ def _attention_backward_dq_kernel(
             tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION)
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT)
     flat_rows = stats + rows
     _store_rows(dq_ptr, acc_dq * scale, flat_rows, rows, dims, n_q, head_dim)
     if HAS_TANGENT:
@@ -472,7 +470,7 @@ def flash_attention_backward(
     dtq, dtk, dtv = ((torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv))
                      if has_tangent else (dq, dk, dv))
     mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k))
-    meta = kernel_meta(q, head_dim, value_dim)
+    meta = kernel_meta(q, head_dim, value_dim, split=accurate())
     strides = (*q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(),
                *tv.stride(), *(mask.stride() if mask is not None else (0, 0, 0, 0)),
                *grad_out.stride(), *dto.stride())
