@@ -11,6 +11,7 @@ import math
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from jvp_attention.backward import flash_attention_backward
@@ -121,6 +122,7 @@ class _Attention(torch.autograd.Function):
         ctx.is_causal, ctx.scale = is_causal, scale
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, attn_mask = ctx.saved_tensors
         dq, dk, dv = torch.ops.jvp_attention.backward(q, k, v, out, lse, grad_out, attn_mask,
@@ -149,6 +151,7 @@ class _FusedTangent(torch.autograd.Function):
         ctx.is_causal, ctx.scale = is_causal, scale
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_tangent_out, grad_lse, grad_mu):
         q, k, v, tq, tk, tv, out, lse, tangent_out, mu, attn_mask = ctx.saved_tensors
         if grad_out is None and grad_tangent_out is None:

@@ -225,13 +225,17 @@ def tile_configs(gpu_tiles: list[tuple[int, int, int, int]]) -> list[triton.Conf
 
 
 def prune_wide_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Drop tiles whose accumulators cannot fit in registers for wide heads or the tangent."""
+    """Drop tiles whose accumulators cannot fit in registers for wide heads, fp32 inputs or
+    the tangent; with JVP_ATTENTION_AUTOTUNE=0 keep only the first tile that fits."""
     width = max(named_args["head_dim"], named_args["value_dim"])
     budget = 128 * 128 if width <= 64 else 128 * 64
     if width > 128 or kwargs.get("HAS_TANGENT", False):
         budget //= 2
+    if named_args["q_ptr"].dtype == torch.float32:
+        budget //= 4  # fp32 tiles take twice the registers and shared memory, IEEE dots more
     kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= budget]
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    kept = kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    return kept if os.environ.get("JVP_ATTENTION_AUTOTUNE", "1") != "0" else kept[:1]
 
 
 AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",

@@ -80,6 +80,7 @@ import math
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from jvp_attention.backward import flash_attention_backward
@@ -168,6 +169,10 @@ def _empty_rows(q: Tensor) -> Tensor:
 # asks for it (a nested `jvp`), we raise rather than return a silently wrong zero.
 # `set_materialize_grads(False)` lets `backward` see `None` when nothing uses tO, and then the
 # plain backward runs at its plain cost.
+#
+# The backwards are `once_differentiable`: they run the kernels with autograd off, which is
+# also what lets `torch.func.grad` call them, and a third derivative (a gradient of the
+# backward) raises instead of silently returning zeros.
 
 # %% tags=["export"]
 def _zeros_like(x: Tensor) -> Tensor:
@@ -208,6 +213,7 @@ class _Attention(torch.autograd.Function):
         ctx.is_causal, ctx.scale = is_causal, scale
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, attn_mask = ctx.saved_tensors
         dq, dk, dv = torch.ops.jvp_attention.backward(q, k, v, out, lse, grad_out, attn_mask,
@@ -236,6 +242,7 @@ class _FusedTangent(torch.autograd.Function):
         ctx.is_causal, ctx.scale = is_causal, scale
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_tangent_out, grad_lse, grad_mu):
         q, k, v, tq, tk, tv, out, lse, tangent_out, mu, attn_mask = ctx.saved_tensors
         if grad_out is None and grad_tangent_out is None:

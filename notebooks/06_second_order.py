@@ -1,0 +1,232 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 6: backward through the tangent
+#
+# Some losses use the JVP output itself and need its gradient: Terminal Velocity Matching,
+# Jacobian or Lipschitz regularisers, consistency losses without a stop-gradient,
+# Hessian-vector products. After `o, t_o = torch.func.jvp(f, ...)`, a loss on $t_O$ must
+# backpropagate to $Q, K, V$ *and* to the tangents $t_Q, t_K, t_V$. PyTorch's math path
+# can do it by differentiating its own forward-AD graph, at $O(N^2)$ memory. Here it is a
+# flash-style pass at $O(N)$ memory, and it is the `HAS_TANGENT` specialisation of chapter
+# 5's two kernels: the same tiles, the same loops, more products per tile.
+#
+# ## The formulas
+#
+# Given cotangents $dO$ and $dt_O$, per tile (chapter 1 derived and checked these in
+# float64; $G$ here is the *backward* quantity $dt_O V^\top$, not the forward accumulator):
+#
+# $$G = dt_O\,V^\top,\qquad c_i = \mathrm{rowsum}(dt_O \circ O),\qquad
+# t_P = P \circ (t_S - \mu),$$
+#
+# $$dt_V = P^\top dt_O,\qquad dV = P^\top dO + t_P^\top dt_O,$$
+#
+# $$dP = dO\,V^\top + dt_O\,t_V^\top + G \circ (t_S - \mu) - c \circ t_S,\qquad
+# dt_S = P \circ (G - c),$$
+#
+# $$dS = P \circ (dP - \Delta_2),\qquad \Delta_2 = \mathrm{rowsum}(dO \circ O) +
+# \mathrm{rowsum}(dt_O \circ t_O) - \mu \circ c,$$
+#
+# $$dQ = s\,(dS\,K + dt_S\,t_K),\quad dK = s\,(dS^\top Q + dt_S^\top t_Q),\quad
+# dt_Q = s\,dt_S\,K,\quad dt_K = s\,dt_S^\top Q.$$
+#
+# Every row statistic comes from what the forward stored: LSE and $\mu$ from the JVP
+# kernel, $c$ and $\Delta_2$ from $O$, $t_O$, $\mu$ and the cotangents, by chapter 5's row
+# statistics kernel. So one pass over the tiles suffices, and nothing of size
+# $N_q \times N_k$ is stored. Per tile the kernels compute $S$, $t_S$ (two products), $dO V^\top$,
+# $dt_O t_V^\top$, $G$ and the six gradient products: twelve matrix products against the
+# plain backward's five.
+#
+# When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
+# target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward
+# runs: the second-order kernels cost nothing unless used.
+
+# %%
+import os
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+FULL_SIZE = DEVICE == "cuda"
+
+# %% [markdown]
+# ## Checking the kernels against chapter 1
+#
+# `reference_backward_tangent` applies the formulas above in float64. The kernels run in
+# float32 here, over causal and non-causal attention, lengths that are not multiples of any
+# tile, GQA (the group's sum happens inside the dK/dV program for all four key-side
+# gradients) and a key-padding mask.
+
+# %%
+from jvp_attention.backward import flash_attention_backward
+from jvp_attention.forward import flash_attention_forward, set_precision
+from jvp_attention.reference import reference_attention, reference_backward_tangent
+from jvp_attention.tangents import accuracy_table, float64_truth, format_table, math_path
+
+torch.manual_seed(0)
+N = 1000 if FULL_SIZE else 40
+NAMES = ("dq", "dk", "dv", "dtq", "dtk", "dtv")
+
+
+def random_inputs(batch, hq, hkv, n_q, n_k, d, dtype):
+    shapes = [(batch, hq, n_q, d), (batch, hkv, n_k, d), (batch, hkv, n_k, d)]
+    q, k, v = (torch.randn(s, device=DEVICE, dtype=dtype) for s in shapes)
+    tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+    grad_out, grad_tangent_out = (torch.randn(batch, hq, n_q, d, device=DEVICE, dtype=dtype)
+                                  for _ in range(2))
+    return q, k, v, tangents, grad_out, grad_tangent_out
+
+
+def second_order_grads(q, k, v, tangents, grad_out, grad_tangent_out, **options):
+    fwd = flash_attention_forward(q, k, v, tangents=tangents, **options)
+    return flash_attention_backward(q, k, v, fwd.out, fwd.lse, grad_out, tangents=tangents,
+                                    tangent_out=fwd.tangent_out, mu=fwd.mu,
+                                    grad_tangent_out=grad_tangent_out, **options)
+
+
+padding = torch.rand(1, 1, 1, N, device=DEVICE) > 0.3
+for name, shape, options in [
+    ("non-causal", (1, 2, 2, N, N + 9), {}),
+    ("causal", (1, 2, 2, N, N), {"is_causal": True}),
+    ("GQA 4:2, Nq != Nk", (1, 4, 2, N + 5, N // 2), {}),
+    ("key padding", (1, 2, 2, N, N), {"attn_mask": padding}),
+]:
+    q, k, v, tangents, grad_out, grad_tangent_out = random_inputs(*shape, 64, torch.float32)
+    ours = second_order_grads(q, k, v, tangents, grad_out, grad_tangent_out, **options)
+    wide = [x.double() for x in (q, k, v)]
+    wide_tangents = tuple(t.double() for t in tangents)
+    gqa = shape[1] != shape[2]
+    ref = reference_attention(*wide, tangents=wide_tangents, enable_gqa=gqa, **options)
+    truth = reference_backward_tangent(*wide, wide_tangents, ref.out, ref.lse, ref.tangent_out,
+                                       ref.mu, grad_out.double(), grad_tangent_out.double(),
+                                       enable_gqa=gqa, **options)
+    errors = "  ".join(f"{n} {(a.double() - b).abs().max().item():.1e}"
+                       for n, a, b in zip(NAMES, ours, truth, strict=True))
+    print(f"{name:18} {errors}")
+
+# %% [markdown]
+# ## Accuracy against PyTorch's math path
+#
+# The floor is the math path differentiated through its own JVP in the same dtype. In the
+# default "accurate" precision mode the kernels split every fp32 operand of a 16-bit product
+# into two 16-bit parts (chapter 3); "fast" rounds once. Ratios (our error / floor):
+
+# %%
+DTYPES = [torch.bfloat16, torch.float16] if FULL_SIZE else [torch.float16]
+rows = {}
+for dtype in DTYPES:
+    for causal in (False, True):
+        q, k, v, tangents, grad_out, grad_tangent_out = random_inputs(2, 4, 4, N, N, 64, dtype)
+        options = {"is_causal": causal, "tangents": tangents, "grad_out": grad_out,
+                   "grad_tangent_out": grad_tangent_out}
+        floor = math_path(q, k, v, **options)
+        truth = float64_truth(q, k, v, **options)
+        for mode in ("fast", "accurate"):
+            set_precision(mode)
+            ours = dict(zip(NAMES, second_order_grads(q, k, v, tangents, grad_out,
+                                                      grad_tangent_out, is_causal=causal),
+                            strict=True))
+            rows[f"{str(dtype)[6:]:9} causal={causal!s:5} {mode}"] = accuracy_table(
+                ours, floor, truth)
+set_precision("accurate")
+print(format_table(rows))
+
+# %% [markdown]
+# ## A Hessian-vector product through an attention model
+#
+# Reverse-over-forward: the directional derivative of a loss along $v$ is a JVP, and its
+# gradient is $H v$. Through our kernels the JVP is the fused forward pass and the gradient of
+# the tangent is this chapter's backward. We check it against the same computation on
+# PyTorch's math path, in float32, on a two-layer self-attention model.
+
+# %%
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import jvp_attention
+
+width, heads = 64, 4
+params = {name: torch.randn(width, width, device=DEVICE) / width**0.5
+          for name in ("wq1", "wk1", "wv1", "wq2", "wk2", "wv2")}
+x = torch.randn(2, N // 2, width, device=DEVICE)
+
+
+def model_loss(p):
+    h = x
+    for layer in ("1", "2"):
+        q, k, v = (h @ p[f"w{name}{layer}"] for name in "qkv")
+        q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+        h = h + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+    return h.square().mean()
+
+
+def hessian_vector_product(p, direction):
+    """H v = d/dp <grad L(p), v>: the gradient of the JVP of the loss along `direction`."""
+    def directional_derivative(p_):
+        return torch.func.jvp(model_loss, (p_,), (direction,))[1]
+    return torch.func.grad(directional_derivative)(p)
+
+
+direction = {name: torch.randn_like(w) for name, w in params.items()}
+with jvp_attention.sdpa(strict=True):
+    hvp_ours = hessian_vector_product(params, direction)
+with sdpa_kernel(SDPBackend.MATH):
+    hvp_math = hessian_vector_product(params, direction)
+for name in params:
+    rel = ((hvp_ours[name] - hvp_math[name]).abs().max() / hvp_math[name].abs().max()).item()
+    print(f"Hv[{name}]: relative difference to the math path {rel:.1e}")
+    assert rel < 1e-4
+
+# %% [markdown]
+# ## Time and memory at scale (GPU)
+#
+# B2 H16 N4096 d128 bf16: our second-order backward against PyTorch's math path, which has to
+# keep the $N \times N$ probabilities and their tangents of every head for its backward.
+
+# %%
+def second_order_cost(fn, *inputs):
+    """Milliseconds and peak memory (GB) of forward+JVP and the backward through both outputs."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out, tangent = fn(*inputs)
+    (out.float().square().mean() + tangent.float().square().mean()).backward()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+if FULL_SIZE:
+    shape = (2, 16, 4096, 128)
+    leaves = [torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+              for _ in range(6)]
+
+    def ours(q, k, v, tq, tk, tv):
+        return jvp_attention.attention_jvp(q, k, v, (tq, tk, tv))
+
+    def math(q, k, v, tq, tk, tv):
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.func.jvp(F.scaled_dot_product_attention, (q, k, v), (tq, tk, tv))
+
+    for name, fn in [("jvp_attention", ours), ("PyTorch math", math)]:
+        second_order_cost(fn, *leaves)  # warm-up (autotuning, allocator)
+        for x in leaves:
+            x.grad = None
+        ms, gb = second_order_cost(fn, *leaves)
+        print(f"{name:14} forward+JVP+second-order backward: {ms:8.1f} ms, peak {gb:6.2f} GB")
+else:
+    print("skipped on CPU: the timing needs a GPU")
