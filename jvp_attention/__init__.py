@@ -7,9 +7,11 @@ Public API:
     attention: SDPA-compatible attention that works under torch.func.jvp / forward_ad.
     attention_jvp: the same fused pass with explicit tangents (torch.compile friendly).
     sdpa: a context manager routing F.scaled_dot_product_attention to `attention`.
+    set_precision: "accurate" (default) or "fast" rounding of 16-bit products.
 """
 
 from jvp_attention.autograd import attention, attention_jvp, sdpa
+from jvp_attention.forward import set_precision
 from jvp_attention.reference import AttentionOutputs, reference_attention, tiled_attention
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "attention_jvp",
     "reference_attention",
     "sdpa",
+    "set_precision",
     "tiled_attention",
 ]
 __version__ = "0.1.0"
