@@ -1,0 +1,161 @@
+"""Execute percent-format notebooks into .ipynb files with their outputs, with no Jupyter.
+
+    python tools/execute_notebooks.py OUT_DIR notebooks/01_reference.py [...]
+
+The GPU machine has no Jupyter stack and no network, so this runs each notebook's code cells
+in one namespace in this process, records what they print (stdout, stderr), the value of a
+final bare expression, errors, and every matplotlib figure a cell leaves open (as PNG), and
+writes an nbformat-4 notebook per source. The cells' sources are the notebook's own, so
+`tests/test_docs.py` can check that an executed notebook still matches its source.
+Stops a notebook at its first error (recorded in the output), like nbconvert does.
+"""
+
+import ast
+import base64
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+CELL_MARKER = "# %%"
+
+
+def parse_percent(text: str) -> list[dict]:
+    """Split a jupytext percent file into cells: {"type", "source", "tags"}."""
+    cells, current = [], None
+    for line in text.splitlines():
+        if line.startswith(CELL_MARKER):
+            if current is not None:
+                cells.append(current)
+            header = line[len(CELL_MARKER):].strip()
+            kind = "markdown" if header.startswith("[markdown]") else "code"
+            tags = []
+            if "tags=" in header:
+                tags = json.loads(header.split("tags=", 1)[1].split("]")[0] + "]")
+            current = {"type": kind, "lines": [], "tags": tags}
+        elif current is not None:
+            current["lines"].append(line)
+    if current is not None:
+        cells.append(current)
+    for number, cell in enumerate(cells):
+        cell["id"] = f"cell-{number}"
+        lines = cell.pop("lines")
+        while lines and not lines[-1].strip():
+            lines.pop()
+        while lines and not lines[0].strip():
+            lines.pop(0)
+        if cell["type"] == "markdown":
+            lines = [line[2:] if line.startswith("# ") else line.lstrip("#") for line in lines]
+        cell["source"] = "\n".join(lines)
+    return cells
+
+
+def _stream(name: str, text: str) -> dict:
+    return {"output_type": "stream", "name": name, "text": text}
+
+
+def _figures() -> list[dict]:
+    """PNG outputs of every open matplotlib figure, which are then closed."""
+    if "matplotlib.pyplot" not in sys.modules:
+        return []
+    plt = sys.modules["matplotlib.pyplot"]
+    outputs = []
+    for number in plt.get_fignums():
+        buffer = io.BytesIO()
+        plt.figure(number).savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+        data = base64.b64encode(buffer.getvalue()).decode()
+        outputs.append({"output_type": "display_data", "metadata": {},
+                        "data": {"image/png": data, "text/plain": "<Figure>"}})
+    plt.close("all")
+    return outputs
+
+
+def run_cell(source: str, namespace: dict, count: int) -> tuple[list[dict], bool]:
+    """Execute one code cell; return its outputs and whether it succeeded."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    outputs, ok, value = [], True, None
+    try:
+        tree = ast.parse(source)
+        last = tree.body[-1] if tree.body else None
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            if isinstance(last, ast.Expr):
+                exec(compile(ast.Module(tree.body[:-1], []), "<cell>", "exec"), namespace)
+                value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), namespace)
+            else:
+                exec(compile(tree, "<cell>", "exec"), namespace)
+    except Exception as error:  # recorded in the notebook, like Jupyter shows it
+        ok = False
+        outputs.append({"output_type": "error", "ename": type(error).__name__,
+                        "evalue": str(error),
+                        "traceback": traceback.format_exc().splitlines()})
+    if stdout.getvalue():
+        outputs.insert(0, _stream("stdout", stdout.getvalue()))
+    if stderr.getvalue():
+        outputs.insert(1 if stdout.getvalue() else 0, _stream("stderr", stderr.getvalue()))
+    outputs.extend(_figures())
+    if value is not None:
+        outputs.append({"output_type": "execute_result", "execution_count": count,
+                        "metadata": {}, "data": {"text/plain": repr(value)}})
+    return outputs, ok
+
+
+def execute(path: Path, out_dir: Path) -> bool:
+    """Execute one notebook; write OUT_DIR/<name>.ipynb; return True if no cell failed."""
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    cells = parse_percent(path.read_text())
+    namespace = {"__name__": "__main__"}
+    nb_cells, count, ok = [], 0, True
+    cwd = os.getcwd()
+    os.chdir(path.parent)  # notebooks run from their own folder, as under Jupyter
+    start = time.perf_counter()
+    try:
+        for cell in cells:
+            metadata = {"tags": cell["tags"]} if cell["tags"] else {}
+            if cell["type"] == "markdown":
+                nb_cells.append({"cell_type": "markdown", "id": cell["id"],
+                                 "metadata": metadata, "source": cell["source"]})
+                continue
+            count += 1
+            outputs = []
+            if ok:
+                outputs, ok = run_cell(cell["source"], namespace, count)
+            nb_cells.append({"cell_type": "code", "id": cell["id"],
+                             "execution_count": count if outputs or ok else None,
+                             "metadata": metadata, "outputs": outputs,
+                             "source": cell["source"]})
+    finally:
+        os.chdir(cwd)
+    notebook = {
+        "cells": nb_cells,
+        "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python",
+                                    "name": "python3"},
+                     "language_info": {"name": "python"},
+                     "jvp_attention": {"source": f"notebooks/{path.name}",
+                                       "seconds": round(time.perf_counter() - start, 1)}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / (path.stem + ".ipynb")).write_text(json.dumps(notebook, indent=1) + "\n")
+    return ok
+
+
+def main() -> int:
+    out_dir, paths = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
+    failed = []
+    for path in paths:
+        start = time.perf_counter()
+        ok = execute(path.resolve(), out_dir)
+        print(f"{path.name}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - start:.0f} s",
+              flush=True)
+        if not ok:
+            failed.append(path.name)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
