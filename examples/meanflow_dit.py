@@ -287,7 +287,7 @@ def one_step_samples(net: nn.Module, noise: torch.Tensor) -> torch.Tensor:
 # Which attention runs the model's SDPA calls
 # ---------------------------------------------------------------------------------------------
 
-ATTENTIONS = ("jvp_attention", "math", "jvp_flash_attention")
+ATTENTIONS = ("jvp_attention", "jvp_attention_fast", "math", "jvp_flash_attention")
 
 
 def jvp_flash_attention_available() -> str | None:
@@ -321,10 +321,29 @@ def _jvp_flash_attention_sdpa():
         F.scaled_dot_product_attention = previous
 
 
+@contextlib.contextmanager
+def _fast_precision():
+    """jvp_attention's "fast" precision (one 16-bit rounding per product, as FlashAttention
+    does) inside the block; the default "accurate" mode splits operands into hi + lo."""
+    from jvp_attention.forward import accurate
+
+    before = "accurate" if accurate() else "fast"
+    jvp_attention.set_precision("fast")
+    try:
+        with jvp_attention.sdpa(strict=True):
+            yield
+    finally:
+        jvp_attention.set_precision(before)
+
+
 def attention_context(attention: str):
-    """A context in which the model's SDPA calls run on `attention` (one of ATTENTIONS)."""
+    """A context in which the model's SDPA calls run on `attention`, one of ATTENTIONS:
+    "jvp_attention" (our kernels, default precision), "jvp_attention_fast" (our kernels in
+    "fast" precision), "math" (PyTorch's math path), "jvp_flash_attention"."""
     if attention == "jvp_attention":
         return jvp_attention.sdpa(strict=True)
+    if attention == "jvp_attention_fast":
+        return _fast_precision()
     if attention == "math":
         return sdpa_kernel(SDPBackend.MATH)
     if attention == "jvp_flash_attention":
@@ -530,6 +549,9 @@ def environment() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     info["triton_interpret"] = os.environ.get("TRITON_INTERPRET", "0")
+    with contextlib.suppress(ImportError, AttributeError):
+        from jvp_attention.forward import accurate
+        info["jvp_attention_precision"] = "accurate" if accurate() else "fast"
     return info
 
 
@@ -638,6 +660,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if dtype == "float32":  # true fp32 everywhere, so fp32 comparisons can be tight
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     dit = DiTConfig(image_size=args.image_size, patch_size=args.patch_size, width=args.width,
                     depth=args.depth, heads=args.heads)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,

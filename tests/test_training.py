@@ -29,10 +29,12 @@ TINY = ["--image-size", "8", "--patch-size", "2", "--width", "32", "--depth", "2
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("meanflow_dit", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("meanflow_dit", module)
-    spec.loader.exec_module(module)
+    """examples/meanflow_dit.py as a module (examples/ is not a package)."""
+    if "meanflow_dit" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("meanflow_dit", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["meanflow_dit"] = module
+        spec.loader.exec_module(module)
     return sys.modules["meanflow_dit"]
 
 
@@ -114,8 +116,10 @@ def test_benchmark_records_every_attention():
                         "float32", image_sizes=(8,), warmup=1, repeats=1)
     by_attention = {row["attention"]: row for row in rows}
     assert set(by_attention) == set(mf.ATTENTIONS)
-    for attention in ("jvp_attention", "math"):
+    for attention in ("jvp_attention", "jvp_attention_fast", "math"):
         assert by_attention[attention]["step_ms"] > 0, by_attention[attention]
+    from jvp_attention.forward import accurate
+    assert accurate()  # "jvp_attention_fast" restored the default precision
     flash = by_attention["jvp_flash_attention"]
     if mf.jvp_flash_attention_available() is not None:
         assert flash["skipped"].startswith("not importable")
