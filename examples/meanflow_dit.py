@@ -16,6 +16,7 @@ a data-parallel check. `notebooks/09_training.py` tells the story with it.
     python examples/meanflow_dit.py --steps 400                      # train on one device
     python examples/meanflow_dit.py --bench                          # the step-time table
     torchrun --nproc_per_node=2 examples/meanflow_dit.py --ddp       # 2 ranks == 1 rank?
+    torchrun --nproc_per_node=2 examples/meanflow_dit.py --fsdp      # the same with FSDP2
 
 Each writes a JSON file (see --out). examples/README.md has the commands used on the H200s.
 """
@@ -565,9 +566,20 @@ def write_json(path: Path, payload: dict) -> Path:
 # Data parallel: 2 ranks give the loss trajectory of 1 rank with the same global batch
 # ---------------------------------------------------------------------------------------------
 
-def ddp_check(dit: DiTConfig, config: TrainConfig, out: Path, rtol: float) -> dict | None:
-    """Under torchrun: train with DDP over all ranks, then (rank 0) the same run in one
-    process with the whole global batch, and compare the per-step losses. Rank 0 writes
+def shard_fsdp2(model: MeanFlow) -> nn.Module:
+    """FSDP2: each DiT block, then the rest of the model, as one `fully_shard` unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.net.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def ddp_check(dit: DiTConfig, config: TrainConfig, out: Path, rtol: float,
+              wrapper: str = "ddp") -> dict | None:
+    """Under torchrun: train data-parallel over all ranks (`wrapper` "ddp":
+    DistributedDataParallel, or "fsdp": FSDP2's `fully_shard`), then (rank 0) the same run in
+    one process with the whole global batch, and compare the per-step losses. Rank 0 writes
     `out` and returns the result; other ranks return None."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -581,9 +593,12 @@ def ddp_check(dit: DiTConfig, config: TrainConfig, out: Path, rtol: float) -> di
     try:
         torch.manual_seed(config.seed)
         model = MeanFlow(dit, config.adaptive_p).to(device)
-        ddp = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
-                                      else None)
-        parallel = train(ddp, dit, config, device, rank=rank, world=world)
+        if wrapper == "fsdp":
+            model = shard_fsdp2(model)
+        else:
+            model = DistributedDataParallel(
+                model, device_ids=[local_rank] if device.type == "cuda" else None)
+        parallel = train(model, dit, config, device, rank=rank, world=world)
         dist.barrier()
         result = None
         if rank == 0:
@@ -592,6 +607,7 @@ def ddp_check(dit: DiTConfig, config: TrainConfig, out: Path, rtol: float) -> di
             diffs = [abs(a - b) / abs(b) for a, b in zip(parallel["loss"], single["loss"],
                                                          strict=True)]
             result = {
+                "wrapper": wrapper,
                 "world_size": world,
                 "backend": dist.get_backend(),
                 "model": asdict(dit),
@@ -607,7 +623,7 @@ def ddp_check(dit: DiTConfig, config: TrainConfig, out: Path, rtol: float) -> di
                 "passed": max(diffs) <= rtol,
             }
             write_json(out, result)
-            print(f"DDP over {world} ranks vs 1 process, {config.steps} steps, global batch "
+            print(f"{wrapper.upper()} over {world} ranks vs 1 process, {config.steps} steps, global batch "
                   f"{config.batch_size}: first-step relative difference "
                   f"{diffs[0]:.1e}, largest {max(diffs):.1e} (tolerance {rtol:.0e}) -> "
                   f"{'passed' if result['passed'] else 'FAILED'}; "
@@ -629,6 +645,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--ddp", action="store_true",
                       help="data-parallel check (run under torchrun): DDP vs one process")
+    mode.add_argument("--fsdp", action="store_true",
+                      help="the same check with FSDP2 (fully_shard per block) instead of DDP")
     mode.add_argument("--bench", action="store_true",
                       help="step time and peak memory on the three attentions at 256, 1024 and "
                            "4096 tokens (image sizes 32, 64, 128 with patch 2)")
@@ -670,14 +688,15 @@ def main(argv=None) -> int:
                          attention=args.attention)
     tag = "h200" if cuda and "H200" in torch.cuda.get_device_name() else ("cuda" if cuda
                                                                            else "cpu")
-    if args.ddp:
+    if args.ddp or args.fsdp:
+        wrapper = "fsdp" if args.fsdp else "ddp"
         world = int(os.environ.get("WORLD_SIZE", "0"))
         if world < 1:
-            raise SystemExit("--ddp runs under torchrun: torchrun --nproc_per_node=2 "
-                             "examples/meanflow_dit.py --ddp")
+            raise SystemExit(f"--{wrapper} runs under torchrun: torchrun --nproc_per_node=2 "
+                             f"examples/meanflow_dit.py --{wrapper}")
         rtol = args.rtol if args.rtol is not None else (1e-4 if dtype == "float32" else 2e-2)
-        out = args.out or RESULTS / f"ddp_{tag}x{world}.json"
-        result = ddp_check(dit, config, out, rtol)
+        out = args.out or RESULTS / f"{wrapper}_{tag}x{world}.json"
+        result = ddp_check(dit, config, out, rtol, wrapper)
         return 0 if result is None or result["passed"] else 1
     device = torch.device("cuda" if cuda else "cpu")
     if args.bench:

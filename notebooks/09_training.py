@@ -410,5 +410,6 @@ plt.show()
 # forward) in `DistributedDataParallel`. Each rank takes its slice of the same global batch;
 # DDP averages the gradients, which equals the gradient of the whole batch's mean loss. Rank
 # 0 then trains the same model in one process on the whole batch and compares the two loss
-# trajectories step by step; `tests/test_training.py` runs the same check with two CPU
-# processes over gloo.
+# trajectories step by step. `--fsdp` does the same with FSDP2 (`fully_shard` on each DiT
+# block): the JVP runs through the gathered parameters unchanged. `tests/test_training.py`
+# runs both checks with two CPU processes over gloo.

@@ -3,8 +3,8 @@
 - One training step with `jvp_attention.sdpa()` (the kernels, in Triton's interpreter when
   there is no GPU) gives the math path's loss, per-sample errors and gradients.
 - The data of a global step do not depend on how many ranks share it.
-- `--ddp` under torchrun with two gloo processes follows the single-process loss trajectory
-  (the CPU tiled path, without the interpreter, keeps it fast).
+- `--ddp` (and `--fsdp`, FSDP2) under torchrun with two gloo processes follows the
+  single-process loss trajectory (the CPU tiled path, without the interpreter, keeps it fast).
 - The benchmark records every attention, and skips jvp-flash-attention with a note when it
   does not import.
 """
@@ -93,18 +93,20 @@ def test_global_batch_is_shared_by_any_number_of_ranks():
     assert not torch.equal(mf.global_batch(4, 8, 8, seed=1)[0], x)
 
 
-def test_ddp_two_ranks_match_one(tmp_path: Path):
-    out = tmp_path / "ddp.json"
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_two_ranks_match_one(tmp_path: Path, wrapper: str):
+    out = tmp_path / f"{wrapper}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(SCRIPT), "--ddp", *TINY, "--steps", "4",
+               "--nproc_per_node=2", str(SCRIPT), f"--{wrapper}", *TINY, "--steps", "4",
                "--batch-size", "8", "--dtype", "float32", "--warmup", "1", "--out", str(out)]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
+    assert report["wrapper"] == wrapper
     assert report["world_size"] == 2 and report["backend"] == "gloo"
     assert len(report["loss_ddp"]) == len(report["loss_single"]) == 4
     assert report["passed"] and report["max_rel_diff"] < 1e-4, report
