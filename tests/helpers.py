@@ -1,0 +1,592 @@
+"""Shared helpers of the kernel tests (test_forward, test_backward, test_second_order, test_api).
+
+* `Spec` names one attention problem (shape, heads, mask kind, causal, layout, cotangents) and
+  `make_problem` builds its tensors reproducibly, on any device, in any dtype.
+* `kernel_forward`, `kernel_backward`, `kernel_second_order` run the Triton launchers with their
+  outputs *poisoned*: every `torch.empty` / `torch.empty_like` the launcher allocates starts as
+  NaN (or another value), so an entry a kernel forgets to write cannot pass as a number.
+* `expected_forward`, `expected_backward`, `expected_second_order` give the float64 truth and
+  the *floor*: PyTorch's math path in the inputs' dtype (`jvp_attention.tangents.math_path`);
+  for LSE and mu, which PyTorch does not return, the same math accumulated in float32.
+* `assert_accurate` is the accuracy rule of every test: for each quantity,
+
+      max |ours - truth|  <=  FLOOR_FACTOR * floor + eps,
+      eps = EPS_ROUNDINGS[device][dtype] * unit_roundoff(dtype) * max(1, scale),
+
+  that is, at most twice PyTorch's own error plus a few roundings at the problem's scale, where
+  `scale` is the largest entry among the true tensors checked together (out and tangent_out;
+  or all the gradients) and the operands (inputs, tangents, cotangents) and, for the fp32 row
+  statistics lse and mu, their own largest entry.
+  The failure message names the quantity, dtype and shape and by how much the allowance was
+  missed. `test_forward.py::test_the_accuracy_rule_catches_a_small_error` proves the rule can
+  fail.
+
+Why eps, and why at the problem's scale rather than each tensor's own:
+* On CPU, PyTorch's math path upcasts fp16/bf16 inputs to fp32 and rounds only its outputs
+  (measured: its fp16 error equals the rounding of the float64 truth, entry for entry), so the
+  CPU floor of a 16-bit result is half an ulp, which no kernel that rounds P (and P * tS) to 16
+  bits before its matrix products can reach; on the GPU the math path rounds S, P, tS and tP
+  between its kernels and the floor is honest.
+* A row that sees a single key (causal row 0, Nk = 1) has P = 1 and an exactly zero score
+  gradient: dQ, dK (and dtQ, dtK) are 0 in float64 and in PyTorch, whose softmax backward
+  computes p * (g - p * g) = 0 exactly, but the kernels form dP - Delta from two differently
+  rounded sums, leaving one rounding of |dO||V| (times |K|): small at the scale of the other
+  gradients, infinite relative to a zero floor. With a head dim of 1 or 2 every result is
+  smaller than the products the kernels round, hence the operands in the scale.
+* Where PyTorch's math path is NaN throughout (second-order dK on problems with a row that sees
+  no key) there is no floor; it is taken as 0.
+
+Numbers behind the constants (2026-11-30). CPU grid: the most any quantity needed was 3.4
+roundings in fp32 and 1.5 in fp16; EPS_ROUNDINGS is about twice that. H200 (the gpu-marked
+tests): every 16-bit output and gradient was within 1.72x of PyTorch's error (median 1.0), so
+eps is nearly 0 there; fp32 reached 2.08x (second-order dK, at 86 % of an allowance with 8
+roundings, so the GPU fp32 eps is 16); the row statistics against the fp32 floor reached 8.5x
+(mu at N = 16384: 8.5e-7 absolute), hence ROW_STATISTICS_ROUNDINGS.
+
+Set `JVP_ACCURACY_LOG=/path/file.jsonl` to append one JSON line per checked quantity (test,
+device, dtype, shape, quantity, error, floor, ratio, allowed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from unittest import mock
+
+import torch
+
+from jvp_attention.backward import flash_attention_backward
+from jvp_attention.forward import flash_attention_forward
+from jvp_attention.reference import reference_attention
+from jvp_attention.tangents import accuracy_table, float64_truth, math_path
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# bf16 `tl.dot` is wrong in Triton's interpreter (it multiplies the raw bits): GPU only.
+CPU_DTYPES = (torch.float32, torch.float16)
+GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+FLOOR_FACTOR = 2.0
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+# eps in roundings of the dtype at max(1, scale); see the module docstring.
+EPS_ROUNDINGS = {
+    "cpu": {torch.float32: 8.0, torch.float16: 3.0},
+    "cuda": {torch.float32: 16.0, torch.float16: 0.05, torch.bfloat16: 0.05},
+}
+# lse and mu (fp32) against a dense fp32 reference whose matrix products sum pairwise, while
+# the kernel accumulates them online over Nk keys: at Nk = 16384 mu needed 12 roundings.
+ROW_STATISTICS_ROUNDINGS = 32.0
+# On the GPU the problems are large, every floor is an honest measurement, and the largest of
+# millions of random operands would only loosen eps: the scale there is the results' alone.
+OPERANDS_IN_SCALE = {"cpu": True, "cuda": False}
+FORWARD_NAMES = ("out", "lse", "tangent_out", "mu")
+ROW_STATISTICS = ("lse", "mu")
+GRAD_NAMES = ("dq", "dk", "dv")
+SECOND_ORDER_NAMES = ("dq", "dk", "dv", "dtq", "dtk", "dtv")
+MASK_KINDS = ("none", "keypad", "bool", "additive", "additive4d", "empty_rows",
+              "empty_rows_additive", "empty_batch", "bool_transposed")
+
+
+# --- problems -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One attention problem, before it has tensors.
+
+    layout: "contiguous" (B, H, N, D) tensors, or "bnhd": (B, N, H, D) storage viewed through
+        `.transpose(1, 2)`, the layout a projection followed by `.view(B, N, H, D)` gives.
+    cotangent: how dO (and dtO) look: "random", "expanded" (a stride-0 tensor of ones, what
+        autograd passes for `out.sum()`), "bnhd" (random, transposed storage), or
+        "tangent_only" (dO is stride-0 zeros: a loss on the tangent output alone).
+    """
+
+    batch: int = 1
+    hq: int = 2
+    hkv: int = 2
+    nq: int = 17
+    nk: int = 17
+    d: int = 16
+    dv: int | None = None
+    mask: str = "none"
+    causal: bool = False
+    scale: float | None = None
+    layout: str = "contiguous"
+    cotangent: str = "random"
+
+    @property
+    def value_dim(self) -> int:
+        return self.d if self.dv is None else self.dv
+
+    @property
+    def id(self) -> str:
+        parts = [f"B{self.batch}", f"H{self.hq}:{self.hkv}", f"{self.nq}x{self.nk}", f"d{self.d}"]
+        if self.dv is not None:
+            parts.append(f"dv{self.dv}")
+        if self.mask != "none":
+            parts.append(self.mask)
+        parts.append("causal" if self.causal else "full")
+        if self.scale is not None:
+            parts.append(f"scale{self.scale}")
+        if self.layout != "contiguous":
+            parts.append(self.layout)
+        if self.cotangent != "random":
+            parts.append(f"dO-{self.cotangent}")
+        return "-".join(parts)
+
+    def with_(self, **changes) -> Spec:
+        return replace(self, **changes)
+
+
+@dataclass
+class Problem:
+    """Tensors of a `Spec`: inputs, their tangents, the mask, and the cotangents."""
+
+    spec: Spec
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    attn_mask: torch.Tensor | None
+    grad_out: torch.Tensor
+    grad_tangent_out: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def options(self) -> dict:
+        """The keyword arguments of the launchers (attn_mask, is_causal, scale)."""
+        return {"attn_mask": self.attn_mask, "is_causal": self.spec.causal,
+                "scale": self.spec.scale}
+
+    @property
+    def reference_options(self) -> dict:
+        return {**self.options, "enable_gqa": self.spec.hq != self.spec.hkv}
+
+    @property
+    def operands(self) -> tuple[torch.Tensor, ...]:
+        """Everything the kernels multiply: inputs, tangents and cotangents."""
+        return (self.q, self.k, self.v, *self.tangents, self.grad_out, self.grad_tangent_out)
+
+    @property
+    def label(self) -> str:
+        return f"{dtype_name(self.dtype)} {self.spec.id}"
+
+    def visible(self) -> torch.Tensor:
+        """(B, Hq, Nq, Nk) bool: which key each query row sees (mask and causal band)."""
+        s = self.spec
+        seen = torch.ones(s.batch, s.hq, s.nq, s.nk, dtype=torch.bool, device=self.q.device)
+        if self.attn_mask is not None:
+            mask = self.attn_mask
+            seen = seen & (mask if mask.dtype == torch.bool else mask != -math.inf)
+        if s.causal:
+            seen = seen & torch.ones(s.nq, s.nk, dtype=torch.bool, device=seen.device).tril()
+        return seen
+
+    def empty_rows(self) -> torch.Tensor:
+        """(B, Hq, Nq) bool: the query rows that see no key."""
+        return ~self.visible().any(-1)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _make_mask(spec: Spec, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask of each kind, built on CPU. Kinds without "empty" keep key 0 visible on every
+    row (so only the causal band, never the mask, can hide everything from a row)."""
+    b, h, nq, nk = spec.batch, spec.hq, spec.nq, spec.nk
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen)
+
+    if spec.mask == "none":
+        return None
+    if spec.mask == "keypad":  # (B, 1, 1, Nk): sequence b has length nk - b * nk // (B + 1)
+        lengths = torch.tensor([max(1, nk - i * nk // (b + 1)) for i in range(b)])
+        return (torch.arange(nk) < lengths[:, None])[:, None, None, :]
+    if spec.mask == "empty_batch":  # (B, 1, 1, Nk): the last sequence has no key at all
+        lengths = torch.tensor([nk] * (b - 1) + [0])
+        return (torch.arange(nk) < lengths[:, None])[:, None, None, :]
+    if spec.mask in ("bool", "bool_transposed"):  # (Nq, Nk), 70 % visible
+        keep = rand(nq, nk) < 0.7
+        keep[:, 0] = True
+        # The same values, stored (Nk, Nq) and viewed transposed: a non-contiguous mask.
+        return keep.mT.contiguous().mT if spec.mask == "bool_transposed" else keep
+    if spec.mask == "additive":  # (Nq, Nk): random biases, a quarter of them -inf
+        bias = torch.randn(nq, nk, generator=gen).masked_fill(rand(nq, nk) < 0.25, -math.inf)
+        bias[:, 0] = 0.5
+        return bias.to(dtype)
+    if spec.mask == "additive4d":  # (B, Hq, Nq, Nk): a bias per batch and head
+        bias = 2 * torch.randn(b, h, nq, nk, generator=gen)
+        bias = bias.masked_fill(rand(b, h, nq, nk) < 0.2, -math.inf)
+        bias[..., 0] = -1.0
+        return bias.to(dtype)
+    if spec.mask == "empty_rows":  # (B, Hq, Nq, Nk) bool: rows 0, nq // 2 of head 0 see nothing
+        keep = rand(b, h, nq, nk) < 0.6
+        keep[..., 0] = True
+        keep[:, 0, [0, nq // 2]] = False
+        return keep
+    if spec.mask == "empty_rows_additive":  # (Nq, Nk) float: the last row is all -inf
+        bias = torch.randn(nq, nk, generator=gen)
+        bias[-1] = -math.inf
+        return bias.to(dtype)
+    raise ValueError(f"unknown mask kind {spec.mask!r}")
+
+
+def make_problem(spec: Spec, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 device: str | torch.device = DEVICE) -> Problem:
+    """Random inputs, tangents, mask and cotangents of `spec`, the same for a given seed."""
+    device = torch.device(device)
+    gen = torch.Generator(device).manual_seed(seed)
+    mask_gen = torch.Generator().manual_seed(seed + 1)
+    s = spec
+
+    def randn(b, h, n, d, layout):
+        if layout == "bnhd":
+            x = torch.randn(b, n, h, d, generator=gen, device=device, dtype=torch.float32)
+            return x.to(dtype).transpose(1, 2)
+        return torch.randn(b, h, n, d, generator=gen, device=device,
+                           dtype=torch.float32).to(dtype)
+
+    shapes = [(s.batch, s.hq, s.nq, s.d), (s.batch, s.hkv, s.nk, s.d),
+              (s.batch, s.hkv, s.nk, s.value_dim)]
+    q, k, v = (randn(*shape, s.layout) for shape in shapes)
+    tangents = tuple(randn(*shape, s.layout) for shape in shapes)
+    out_shape = (s.batch, s.hq, s.nq, s.value_dim)
+    if s.cotangent == "expanded":
+        grad_out = torch.ones((), device=device, dtype=dtype).expand(out_shape)
+        grad_tangent_out = torch.full((), 0.5, device=device, dtype=dtype).expand(out_shape)
+    else:
+        layout = "bnhd" if s.cotangent == "bnhd" else "contiguous"
+        grad_out = randn(*out_shape, layout)
+        grad_tangent_out = randn(*out_shape, layout)
+        if s.cotangent == "tangent_only":
+            grad_out = torch.zeros((), device=device, dtype=dtype).expand(out_shape)
+    mask = _make_mask(spec, mask_gen, dtype)
+    mask = None if mask is None else mask.to(device)
+    return Problem(spec, q, k, v, tangents, mask, grad_out, grad_tangent_out)
+
+
+# --- poisoned launches --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def poisoned_allocations(value: float = math.nan) -> Iterator[None]:
+    """Make every floating `torch.empty` / `torch.empty_like` start filled with `value`.
+
+    The launchers allocate their outputs with these; the contents of an empty tensor are
+    undefined, so filling them is always legal, and a kernel that skips an entry then leaves a
+    NaN (or, for a determinism check, a different value) behind."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(x):
+        return x.fill_(value) if x.is_floating_point() else x
+
+    def poisoned_empty(*args, **kwargs):
+        return poison(empty(*args, **kwargs))
+
+    def poisoned_empty_like(*args, **kwargs):
+        return poison(empty_like(*args, **kwargs))
+
+    with mock.patch.object(torch, "empty", poisoned_empty), \
+            mock.patch.object(torch, "empty_like", poisoned_empty_like):
+        yield
+
+
+def kernel_forward(p: Problem, with_tangents: bool = True,
+                   poison: float = math.nan) -> dict[str, torch.Tensor]:
+    """The fused forward on `p`: out, lse (and tangent_out, mu)."""
+    with poisoned_allocations(poison):
+        result = flash_attention_forward(p.q, p.k, p.v, **p.options,
+                                         tangents=p.tangents if with_tangents else None)
+    names = FORWARD_NAMES if with_tangents else FORWARD_NAMES[:2]
+    return {name: getattr(result, name) for name in names}
+
+
+def kernel_backward(p: Problem, poison: float = math.nan) -> dict[str, torch.Tensor]:
+    """dq, dk, dv of `p` from the kernels' own forward (saved out and lse)."""
+    fwd = flash_attention_forward(p.q, p.k, p.v, **p.options)
+    with poisoned_allocations(poison):
+        grads = flash_attention_backward(p.q, p.k, p.v, fwd.out, fwd.lse, p.grad_out,
+                                         p.attn_mask, p.spec.causal, p.spec.scale)
+    return dict(zip(GRAD_NAMES, grads, strict=True))
+
+
+def kernel_second_order(p: Problem, poison: float = math.nan) -> dict[str, torch.Tensor]:
+    """dq, dk, dv, dtq, dtk, dtv of the loss <dO, out> + <dtO, tangent_out>, from the
+    kernels' own forward with tangents."""
+    fwd = flash_attention_forward(p.q, p.k, p.v, **p.options, tangents=p.tangents)
+    with poisoned_allocations(poison):
+        grads = flash_attention_backward(
+            p.q, p.k, p.v, fwd.out, fwd.lse, p.grad_out, p.attn_mask, p.spec.causal,
+            p.spec.scale, tangents=p.tangents, tangent_out=fwd.tangent_out, mu=fwd.mu,
+            grad_tangent_out=p.grad_tangent_out)
+    return dict(zip(SECOND_ORDER_NAMES, grads, strict=True))
+
+
+# --- truth and floor ----------------------------------------------------------------------
+
+
+def _chunks(p: Problem, max_scores: int) -> list[tuple[int, int]]:
+    """(batch, kv_head) blocks small enough that the references' (Nq, Nk) score matrices of
+    one block hold at most `max_scores` entries; [(-1, -1)] means: all at once."""
+    s = p.spec
+    if s.batch * s.hq * s.nq * s.nk <= max_scores:
+        return [(-1, -1)]
+    return [(b, g) for b in range(s.batch) for g in range(s.hkv)]
+
+
+def _slice(p: Problem, b: int, g: int) -> dict:
+    """The inputs of batch b and kv head g (with its query heads) as reference arguments."""
+    if b < 0:
+        return {"q": p.q, "k": p.k, "v": p.v, "tangents": p.tangents,
+                "grad_out": p.grad_out, "grad_tangent_out": p.grad_tangent_out,
+                "attn_mask": p.attn_mask}
+    group = p.spec.hq // p.spec.hkv
+    heads_q, heads_kv = slice(g * group, (g + 1) * group), slice(g, g + 1)
+
+    def pick(x, heads):
+        return x[b:b + 1, heads]
+
+    tq, tk, tv = p.tangents
+    mask = p.attn_mask
+    if mask is not None:
+        mask = mask.expand(p.spec.batch, p.spec.hq, p.spec.nq, p.spec.nk)[b:b + 1, heads_q]
+    return {"q": pick(p.q, heads_q), "k": pick(p.k, heads_kv), "v": pick(p.v, heads_kv),
+            "tangents": (pick(tq, heads_q), pick(tk, heads_kv), pick(tv, heads_kv)),
+            "grad_out": pick(p.grad_out, heads_q),
+            "grad_tangent_out": pick(p.grad_tangent_out, heads_q), "attn_mask": mask}
+
+
+def _assemble(p: Problem, parts: dict, names) -> dict[str, torch.Tensor]:
+    """Put per-(batch, kv head) results back into full tensors."""
+    if list(parts) == [(-1, -1)]:
+        return parts[(-1, -1)]
+    s = p.spec
+    return {name: torch.cat([torch.cat([parts[(b, g)][name] for g in range(s.hkv)], dim=1)
+                             for b in range(s.batch)], dim=0)
+            for name in names if name in parts[(0, 0)]}
+
+
+def _run_chunked(p: Problem, compute, names, max_scores: int) -> dict[str, torch.Tensor]:
+    parts = {}
+    for b, g in _chunks(p, max_scores):
+        parts[(b, g)] = {n: x for n, x in compute(_slice(p, b, g)).items() if n in names}
+    return _assemble(p, parts, names)
+
+
+MAX_SCORES = 2**27  # entries of (B, Hq, Nq, Nk) the references materialise at once
+
+
+def _options(p: Problem, chunk: dict) -> dict:
+    return {"attn_mask": chunk["attn_mask"], "is_causal": p.spec.causal,
+            "scale": p.spec.scale, "enable_gqa": p.spec.hq != p.spec.hkv}
+
+
+def expected_forward(p: Problem, with_tangents: bool = True,
+                     max_scores: int = MAX_SCORES) -> tuple[dict, dict]:
+    """(truth, floor) of out, lse (and tangent_out, mu)."""
+    names = FORWARD_NAMES if with_tangents else FORWARD_NAMES[:2]
+
+    def truth(c):
+        t = None if not with_tangents else tuple(x.double() for x in c["tangents"])
+        ref = reference_attention(c["q"].double(), c["k"].double(), c["v"].double(),
+                                  tangents=t, **_options(p, c))
+        return {n: getattr(ref, n) for n in names}
+
+    def floor(c):
+        t = c["tangents"] if with_tangents else None
+        low = math_path(c["q"], c["k"], c["v"], tangents=t, **_options(p, c))
+        ref32 = reference_attention(c["q"], c["k"], c["v"], tangents=t, **_options(p, c))
+        return {**low, "lse": ref32.lse, "mu": ref32.mu}
+
+    return (_run_chunked(p, truth, names, max_scores),
+            _run_chunked(p, floor, names, max_scores))
+
+
+def expected_backward(p: Problem, max_scores: int = MAX_SCORES) -> tuple[dict, dict]:
+    """(truth, floor) of dq, dk, dv for the cotangent p.grad_out."""
+    def truth(c):
+        return float64_truth(c["q"], c["k"], c["v"], grad_out=c["grad_out"], **_options(p, c))
+
+    def floor(c):
+        return math_path(c["q"], c["k"], c["v"], grad_out=c["grad_out"], **_options(p, c))
+
+    return (_run_chunked(p, truth, GRAD_NAMES, max_scores),
+            _run_chunked(p, floor, GRAD_NAMES, max_scores))
+
+
+def expected_second_order(p: Problem, max_scores: int = MAX_SCORES) -> tuple[dict, dict]:
+    """(truth, floor) of the six gradients for the cotangents (p.grad_out, p.grad_tangent_out)."""
+    def run(c, fn):
+        return fn(c["q"], c["k"], c["v"], tangents=c["tangents"], grad_out=c["grad_out"],
+                  grad_tangent_out=c["grad_tangent_out"], **_options(p, c))
+
+    return (_run_chunked(p, lambda c: run(c, float64_truth), SECOND_ORDER_NAMES, max_scores),
+            _run_chunked(p, lambda c: run(c, math_path), SECOND_ORDER_NAMES, max_scores))
+
+
+# --- the accuracy rule --------------------------------------------------------------------
+
+
+def allowed_error(dtype: torch.dtype, floor: float, scale: float,
+                  device: str = DEVICE, row_statistic: bool = False) -> float:
+    """FLOOR_FACTOR * floor + eps for a result of `dtype`; see the module docstring."""
+    roundings = ROW_STATISTICS_ROUNDINGS if row_statistic else EPS_ROUNDINGS[device][dtype]
+    eps = roundings * UNIT_ROUNDOFF[dtype] * max(1.0, scale)
+    return FLOOR_FACTOR * floor + eps
+
+
+def _without_matching_infinities(ours: torch.Tensor, truth: torch.Tensor, name: str,
+                                 label: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSE is -inf on rows that see no key: demand the same -inf entries, then compare the
+    rest (as zeros there)."""
+    inf_ours, inf_truth = ours == -math.inf, truth == -math.inf
+    if not torch.equal(inf_ours, inf_truth):
+        raise AssertionError(
+            f"{name} [{label}]: -inf (rows that see no key) at {int(inf_ours.sum())} entries, "
+            f"the truth has {int(inf_truth.sum())}; first mismatch at "
+            f"{tuple((inf_ours != inf_truth).nonzero()[0].tolist())}")
+    return ours.masked_fill(inf_ours, 0.0), truth.masked_fill(inf_truth, 0.0)
+
+
+def assert_accurate(ours: dict[str, torch.Tensor], truth: dict[str, torch.Tensor],
+                    floor: dict[str, torch.Tensor], dtype: torch.dtype, label: str,
+                    what: str = "", operands: tuple[torch.Tensor, ...] = ()) -> dict:
+    """Every quantity of `ours` is finite and within `allowed_error` of the float64 truth.
+
+    `operands`: the inputs (and tangents, cotangents) of the computation; their largest entry
+    joins the scale of eps (see the module docstring).
+
+    Returns the accuracy table; logs it when JVP_ACCURACY_LOG is set."""
+    ours, truth, floor = dict(ours), dict(truth), dict(floor)
+    for name in ("lse",):
+        if name in ours:
+            ours[name], truth[name] = _without_matching_infinities(ours[name], truth[name],
+                                                                   name, label)
+            floor[name] = floor[name].masked_fill(floor[name] == -math.inf, 0.0)
+    for name, x in ours.items():
+        assert x.shape == truth[name].shape, (
+            f"{name} [{label}]: shape {tuple(x.shape)}, expected {tuple(truth[name].shape)}")
+        assert x.dtype == (torch.float32 if name in ("lse", "mu") else dtype), (
+            f"{name} [{label}]: dtype {x.dtype}")
+    table = accuracy_table(ours, floor, truth)
+    # The scale of eps: the largest true entry among the check's tensors (the gradients
+    # together, out and tangent_out together); lse and mu, row statistics, have their own.
+    scale = {name: _max_abs(truth[name]) for name in ours}
+    shared = max([0.0] + [v for n, v in scale.items() if n not in ROW_STATISTICS])
+    if operands and OPERANDS_IN_SCALE[operands[0].device.type]:
+        shared = max([shared] + [_max_abs(x) for x in operands])
+    failures = []
+    for name, acc in table.items():
+        x = ours[name]
+        floor_error = acc.floor
+        note = ""
+        if not math.isfinite(floor_error):  # PyTorch gave NaN everywhere: no floor to use
+            floor_error, note = 0.0, " (PyTorch's math path is NaN throughout: floor taken as 0)"
+        allowed = allowed_error(x.dtype, floor_error,
+                                scale[name] if name in ROW_STATISTICS else shared,
+                                x.device.type, row_statistic=name in ROW_STATISTICS)
+        _log(label, what, dtype, name, acc, allowed)
+        bad = (~x.isfinite()).sum().item()
+        if bad:
+            where = tuple((~x.isfinite()).nonzero()[0].tolist())
+            failures.append(f"{name}: {bad} of {x.numel()} entries are not finite "
+                            f"(first at {where}: {x[where].item()})")
+        elif not acc.error <= allowed:
+            eps = allowed - FLOOR_FACTOR * floor_error
+            failures.append(
+                f"{name}: max error {acc.error:.3e} > allowed {allowed:.3e} = "
+                f"{FLOOR_FACTOR:g} x floor {floor_error:.3e} + eps {eps:.2e}{note}; "
+                f"{acc.error / allowed:.2f}x the allowance, {acc.ratio:.2f}x PyTorch's error")
+    assert not failures, f"{what} [{label}]:\n  " + "\n  ".join(failures)
+    return table
+
+
+def _max_abs(x: torch.Tensor) -> float:
+    return x.abs().max().item() if x.numel() else 0.0
+
+
+def _log(label: str, what: str, dtype: torch.dtype, name: str, acc, allowed: float) -> None:
+    path = os.environ.get("JVP_ACCURACY_LOG")
+    if not path:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    record = {"test": test, "what": what, "device": DEVICE, "dtype": dtype_name(dtype),
+              "shape": label.split(" ", 1)[-1], "quantity": name, "error": acc.error,
+              "floor": acc.floor, "ratio": acc.ratio, "allowed": allowed}
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def assert_empty_rows_are_zero(p: Problem, results: dict[str, torch.Tensor]) -> None:
+    """Rows that see no key: zero out/tangent_out/mu/dq/dtq and lse = -inf, never NaN."""
+    empty = p.empty_rows()
+    if not empty.any():
+        return
+    for name, x in results.items():
+        if name in ("out", "tangent_out", "dq", "dtq"):
+            rows = x[empty]
+            assert not rows.isnan().any() and not rows.any(), (
+                f"{name} [{p.label}]: rows that see no key must be 0, got max "
+                f"|{name}| = {rows.abs().max().item():.3e} there")
+        elif name == "mu":
+            assert not x[empty].any(), f"mu [{p.label}]: must be 0 on rows that see no key"
+        elif name == "lse":
+            assert (x[empty] == -math.inf).all(), f"lse [{p.label}]: must be -inf there"
+
+
+def fuzz_spec(batch, hkv, group, nq, nk, d, dv, causal, mask) -> Spec:
+    """A Spec from fuzzed numbers; masks that need more than one batch fall back to keypad."""
+    if mask == "empty_batch" and batch < 2:
+        mask = "keypad"
+    return Spec(batch=batch, hq=hkv * group, hkv=hkv, nq=nq, nk=nk, d=d,
+                dv=None if dv == d else dv, mask=mask, causal=causal)
+
+
+# --- the CPU grid -------------------------------------------------------------------------
+
+# Lengths 1, 17, 33, 40 are not multiples of the interpreter's 32 x 16 tile; Nq > Nk appears
+# with and without causal (top-left causal: rows past Nk see every key). Each case runs
+# causal and not, in fp32 and fp16, so every mask is also combined with causal.
+CPU_CASES = [
+    Spec(hq=1, hkv=1, nq=1, nk=1, d=16),
+    Spec(nq=1, nk=17, d=16, mask="keypad", batch=2),
+    Spec(nq=17, nk=33, d=64),
+    Spec(nq=33, nk=17, d=40),
+    Spec(hq=2, hkv=1, nq=40, nk=1, d=16),
+    Spec(hq=4, hkv=2, nq=40, nk=40, d=64),
+    Spec(hq=4, hkv=1, nq=17, nk=40, d=72),
+    Spec(batch=2, nq=33, nk=40, d=64, mask="keypad"),
+    Spec(nq=40, nk=33, d=80, mask="bool"),
+    Spec(hq=2, hkv=1, nq=33, nk=33, d=64, mask="additive"),
+    Spec(batch=2, nq=17, nk=40, d=16, mask="additive4d"),
+    Spec(hq=4, hkv=2, nq=33, nk=17, d=40, mask="empty_rows"),
+    Spec(nq=17, nk=33, d=64, mask="empty_rows_additive"),
+    Spec(batch=2, hq=1, hkv=1, nq=17, nk=17, d=16, mask="empty_batch"),
+    Spec(nq=33, nk=33, d=72, mask="bool_transposed"),
+    Spec(hq=2, hkv=1, nq=40, nk=17, d=80, dv=48),
+    Spec(nq=17, nk=33, d=40, dv=72),
+    Spec(nq=33, nk=40, d=64, dv=32, scale=0.3),
+    Spec(batch=2, hq=1, hkv=1, nq=33, nk=33, d=64, layout="bnhd", cotangent="bnhd"),
+    Spec(batch=2, hq=2, hkv=1, nq=17, nk=40, d=40, mask="keypad", layout="bnhd",
+         scale=0.25, cotangent="expanded"),
+    Spec(nq=40, nk=40, d=16, scale=1.5, cotangent="expanded"),
+    Spec(hq=4, hkv=2, nq=33, nk=17, d=64, mask="bool", cotangent="tangent_only"),
+]
+
+
+def cpu_grid(cases=CPU_CASES, dtypes=CPU_DTYPES):
+    """pytest params: every case, causal and not, in every dtype; ids read like the Spec."""
+    import pytest
+
+    return [pytest.param(case.with_(causal=causal), dtype,
+                         id=f"{dtype_name(dtype)}-{case.with_(causal=causal).id}")
+            for case in cases for causal in (False, True) for dtype in dtypes]

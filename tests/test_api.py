@@ -1,0 +1,580 @@
+"""The public API (`jvp_attention.attention`, `attention_jvp`, `sdpa`) under every PyTorch
+transform it promises: plain backward, forward_ad dual tensors, torch.func.jvp (and a loss on
+its primal and tangent outputs), vmap, torch.compile, the SDPA drop-in, and its errors.
+
+Each transform's results are held to the same rule as the kernels (tests/helpers.py): within
+twice PyTorch's math-path error of the float64 truth.
+"""
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.autograd.forward_ad as forward_ad
+import torch.nn.functional as F
+from helpers import (
+    DEVICE,
+    SECOND_ORDER_NAMES,
+    Problem,
+    Spec,
+    assert_accurate,
+    dtype_name,
+    expected_backward,
+    expected_forward,
+    expected_second_order,
+    make_problem,
+)
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import jvp_attention.autograd as api
+from jvp_attention import attention, attention_jvp, sdpa
+
+SPECS = [
+    Spec(batch=2, hq=4, hkv=2, nq=17, nk=33, d=40, mask="keypad", causal=True),
+    Spec(nq=33, nk=17, d=64, dv=32, mask="additive", scale=0.3),
+    Spec(nq=17, nk=17, d=16, mask="empty_rows", layout="bnhd", cotangent="expanded"),
+]
+ids = [s.id for s in SPECS]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE)
+
+
+def sdpa64(q, k, v, **kwargs):
+    """PyTorch's math attention in float64 (the backend that supports every transform)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kwargs)
+
+
+def options(p: Problem) -> dict:
+    """`attention`'s keyword arguments for problem p."""
+    return {"attn_mask": p.attn_mask, "is_causal": p.spec.causal, "scale": p.spec.scale,
+            "enable_gqa": p.spec.hq != p.spec.hkv}
+
+
+def leaves(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [x.detach().clone().requires_grad_() for x in tensors]
+
+
+def only(d: dict, *names: str) -> dict:
+    return {n: d[n] for n in names}
+
+
+# --- torch.compile (once: it takes ~40 s on CPU) ------------------------------------------
+
+
+def test_torch_compile_fullgraph_forward_backward_and_attention_jvp() -> None:
+    """One graph, no breaks, for `attention` (forward + backward) and for `attention_jvp`
+    (forward + backward through the tangent); the results equal eager mode's."""
+    torch._dynamo.reset()
+    p = make_problem(Spec(hq=4, hkv=2, nq=17, nk=24, d=16, mask="bool", causal=True),
+                     torch.float32)
+
+    def plain(q, k, v):
+        return attention(q, k, v, **options(p))
+
+    def fused(q, k, v, tq, tk, tv):
+        return attention_jvp(q, k, v, (tq, tk, tv), **options(p))
+
+    for fn, inputs in ((plain, (p.q, p.k, p.v)), (fused, (p.q, p.k, p.v, *p.tangents))):
+        results = []
+        for candidate in (fn, torch.compile(fn, fullgraph=True)):
+            xs = leaves(*inputs)
+            outputs = candidate(*xs)
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            sum((o * torch.randn_like(o, generator=torch.Generator().manual_seed(i))).sum()
+                for i, o in enumerate(outputs)).backward()
+            results.append([*outputs, *(x.grad for x in xs)])
+        for i, (eager, compiled) in enumerate(zip(*results, strict=True)):
+            torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6,
+                                       msg=lambda m, i=i, fn=fn: f"{fn.__name__} #{i}: {m}")
+
+
+# --- plain backward -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=ids)
+def test_backward_matches_float64(spec: Spec) -> None:
+    p = make_problem(spec, torch.float32)
+    q, k, v = leaves(p.q, p.k, p.v)
+    out = attention(q, k, v, **options(p))
+    out.backward(p.grad_out)
+    truth, floor = expected_forward(p, with_tangents=False)
+    assert_accurate({"out": out.detach()}, only(truth, "out"), only(floor, "out"),
+                    p.dtype, p.label, "attention", p.operands)
+    truth, floor = expected_backward(p)
+    assert_accurate({"dq": q.grad, "dk": k.grad, "dv": v.grad}, truth, floor, p.dtype,
+                    p.label, "attention backward", p.operands)
+
+
+def test_matches_sdpa_on_its_own_arguments() -> None:
+    """SDPA's signature and semantics: 1-D mask, integer scale, GQA, causal with Nq != Nk."""
+    q, k, v = (randn(*shape) for shape in ((2, 4, 9, 16), (2, 2, 12, 16), (2, 2, 12, 8)))
+    mask = torch.arange(12, device=DEVICE) < 10
+    for kwargs in ({"attn_mask": mask}, {"scale": 2}, {"is_causal": True},
+                   {"attn_mask": torch.randn(9, 12, device=DEVICE)}):
+        ours = attention(q, k, v, enable_gqa=True, **kwargs)
+        if kwargs.get("attn_mask") is mask:  # PyTorch's own SDPA rejects a 1-D mask with GQA
+            kwargs = {"attn_mask": mask.expand(9, 12)}
+        want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5, msg=str(kwargs))
+
+
+# --- forward mode -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=ids)
+def test_forward_ad_dual_tensors(spec: Spec) -> None:
+    p = make_problem(spec, torch.float32)
+    with forward_ad.dual_level():
+        duals = [forward_ad.make_dual(x, t) for x, t in zip((p.q, p.k, p.v), p.tangents,
+                                                            strict=True)]
+        out, tangent_out = forward_ad.unpack_dual(attention(*duals, **options(p)))
+    truth, floor = expected_forward(p)
+    names = ("out", "tangent_out")
+    assert_accurate({"out": out, "tangent_out": tangent_out}, only(truth, *names),
+                    only(floor, *names), p.dtype, p.label, "forward_ad", p.operands)
+
+
+def test_forward_ad_with_some_inputs_dual() -> None:
+    """Only the value carries a tangent: the others count as zero tangents."""
+    p = make_problem(SPECS[0], torch.float32)
+    with forward_ad.dual_level():
+        out = attention(p.q, p.k, forward_ad.make_dual(p.v, p.tangents[2]), **options(p))
+        tangent_out = forward_ad.unpack_dual(out).tangent
+    p.tangents = (torch.zeros_like(p.q), torch.zeros_like(p.k), p.tangents[2])
+    truth, floor = expected_forward(p)
+    assert_accurate({"tangent_out": tangent_out}, only(truth, "tangent_out"),
+                    only(floor, "tangent_out"), p.dtype, p.label, "forward_ad, v only", p.operands)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+@pytest.mark.parametrize("spec", SPECS, ids=ids)
+def test_torch_func_jvp(spec: Spec, dtype: torch.dtype) -> None:
+    p = make_problem(spec, dtype)
+    out, tangent_out = torch.func.jvp(lambda q, k, v: attention(q, k, v, **options(p)),
+                                      (p.q, p.k, p.v), p.tangents)
+    truth, floor = expected_forward(p)
+    names = ("out", "tangent_out")
+    assert_accurate({"out": out, "tangent_out": tangent_out}, only(truth, *names),
+                    only(floor, *names), dtype, p.label, "torch.func.jvp", p.operands)
+
+
+def test_torch_func_jvp_of_the_query_alone() -> None:
+    """k and v closed over (constants): their tangents are zero."""
+    p = make_problem(SPECS[1], torch.float32)
+    _, tangent_out = torch.func.jvp(lambda q: attention(q, p.k, p.v, **options(p)), (p.q,),
+                                    (p.tangents[0],))
+    p.tangents = (p.tangents[0], torch.zeros_like(p.k), torch.zeros_like(p.v))
+    truth, floor = expected_forward(p)
+    assert_accurate({"tangent_out": tangent_out}, only(truth, "tangent_out"),
+                    only(floor, "tangent_out"), p.dtype, p.label, "jvp in q alone", p.operands)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=ids)
+def test_jvp_then_loss_on_the_primal_output(spec: Spec) -> None:
+    """The consistency-model pattern: jvp inside the forward, a loss on the primal only."""
+    p = make_problem(spec, torch.float32)
+    xs = leaves(p.q, p.k, p.v, *p.tangents)
+    out, _ = torch.func.jvp(lambda q, k, v: attention(q, k, v, **options(p)), tuple(xs[:3]),
+                            tuple(xs[3:]))
+    out.backward(p.grad_out)
+    truth, floor = expected_backward(p)
+    assert_accurate(dict(zip(("dq", "dk", "dv"), (x.grad for x in xs[:3]), strict=True)),
+                    truth, floor, p.dtype, p.label, "jvp, loss on out", p.operands)
+    for x in xs[3:]:
+        assert x.grad is None or not x.grad.any(), "tangents get no gradient from out"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+@pytest.mark.parametrize("spec", SPECS, ids=ids)
+def test_jvp_then_loss_on_primal_and_tangent(spec: Spec, dtype: torch.dtype) -> None:
+    """A loss on (out, tangent_out) after torch.func.jvp: all six gradients."""
+    p = make_problem(spec, dtype)
+    xs = leaves(p.q, p.k, p.v, *p.tangents)
+    out, tangent_out = torch.func.jvp(lambda q, k, v: attention(q, k, v, **options(p)),
+                                      tuple(xs[:3]), tuple(xs[3:]))
+    torch.autograd.backward((out, tangent_out), (p.grad_out, p.grad_tangent_out))
+    truth, floor = expected_second_order(p)
+    assert_accurate(dict(zip(SECOND_ORDER_NAMES, (x.grad for x in xs), strict=True)), truth,
+                    floor, dtype, p.label, "jvp, loss on out and tangent_out", p.operands)
+
+
+def test_loss_on_the_tangent_only() -> None:
+    p = make_problem(SPECS[0].with_(cotangent="tangent_only"), torch.float32)
+    xs = leaves(p.q, p.k, p.v, *p.tangents)
+    _, tangent_out = torch.func.jvp(lambda q, k, v: attention(q, k, v, **options(p)),
+                                    tuple(xs[:3]), tuple(xs[3:]))
+    tangent_out.backward(p.grad_tangent_out)
+    truth, floor = expected_second_order(p)
+    assert_accurate(dict(zip(SECOND_ORDER_NAMES, (x.grad for x in xs), strict=True)), truth,
+                    floor, p.dtype, p.label, "jvp, loss on tangent_out only", p.operands)
+
+
+@pytest.mark.parametrize("spec", SPECS[:2], ids=ids[:2])
+def test_attention_jvp_equals_torch_func_jvp(spec: Spec) -> None:
+    """The explicit-tangent API runs the same fused kernels: bitwise the same outputs and
+    gradients as torch.func.jvp through `attention`."""
+    p = make_problem(spec, torch.float32)
+    results = []
+    for use_func in (True, False):
+        xs = leaves(p.q, p.k, p.v, *p.tangents)
+        if use_func:
+            outs = torch.func.jvp(lambda q, k, v: attention(q, k, v, **options(p)),
+                                  tuple(xs[:3]), tuple(xs[3:]))
+        else:
+            outs = attention_jvp(*xs[:3], tuple(xs[3:]), **options(p))
+        torch.autograd.backward(outs, (p.grad_out, p.grad_tangent_out))
+        results.append([o.detach() for o in outs] + [x.grad for x in xs])
+    names = ("out", "tangent_out", *SECOND_ORDER_NAMES)
+    for name, a, b in zip(names, *results, strict=True):
+        assert torch.equal(a, b), f"{name}: attention_jvp differs from torch.func.jvp"
+
+
+# --- forward over forward -----------------------------------------------------------------
+
+
+def _nested(attend, q, k, v, tangents, outer_tangent, which):
+    """d/de of the inner jvp's output `which` (0: out, 1: tangent_out) at q + e * uq."""
+    def inner(q_):
+        return torch.func.jvp(lambda a, b, c: attend(a, b, c), (q_, k, v), tangents)[which]
+
+    return torch.func.jvp(inner, (q,), (outer_tangent,))[1]
+
+
+FORWARD_OVER_FORWARD_BUG = (
+    "BUG: a jvp of a jvp returns wrong numbers silently. _AttentionWithTangent.jvp raises only "
+    "when the tangent *inputs* (tq, tk, tv) carry an outer tangent; when only q does, it "
+    "returns the inner tangent tO as the outer tangent of out (ignoring gq) and zeros as the "
+    "outer tangent of tO. Expected NotImplementedError (or the right number).")
+
+
+@pytest.mark.xfail(strict=True, reason=FORWARD_OVER_FORWARD_BUG)
+@pytest.mark.parametrize("which", [0, 1], ids=["of-out", "of-tangent_out"])
+def test_forward_over_forward_raises_or_is_right(which: int) -> None:
+    """A jvp of a jvp is not supported; it must raise NotImplementedError, never return a
+    wrong number. (If it returns, the number must be the float64 truth's.) Here: the outer
+    jvp differentiates the inner jvp's out (or tangent_out) along a direction of q."""
+    p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
+    outer = torch.randn_like(p.q)
+    want = _nested(sdpa64, p.q.double(), p.k.double(), p.v.double(),
+                   tuple(t.double() for t in p.tangents), outer.double(), which)
+    try:
+        got = _nested(attention, p.q, p.k, p.v, p.tangents, outer, which)
+    except NotImplementedError as error:
+        assert "forward-over-forward" in str(error)
+        return
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"nested jvp returned a wrong number: {m}")
+
+
+def test_forward_over_reverse_raises() -> None:
+    """jvp of a gradient (a Hessian-vector product, forward over reverse) is not supported:
+    it must raise, not return a wrong number."""
+    p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
+
+    def grad_q(q):
+        return torch.func.grad(lambda x: attention(x, p.k, p.v).square().sum())(q)
+
+    with pytest.raises(NotImplementedError):
+        torch.func.jvp(grad_q, (p.q,), (p.tangents[0],))
+
+
+DOUBLE_BACKWARD_BUG = (
+    "BUG: double backward (create_graph=True, e.g. a gradient penalty) silently drops "
+    "attention's second derivative: the backward custom op has no autograd formula and its "
+    "output is treated as a constant, so d/dq of (|dq|^2 + |q|^2) comes back as exactly 2q. "
+    "Expected an error (e.g. @once_differentiable on the Functions' backward) or the right "
+    "number.")
+
+
+@pytest.mark.xfail(strict=True, reason=DOUBLE_BACKWARD_BUG)
+def test_double_backward_raises_or_is_right() -> None:
+    p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
+
+    def penalty_grad(attend, q, k, v):
+        q = q.detach().requires_grad_()
+        (dq,) = torch.autograd.grad(attend(q, k, v).square().sum(), q, create_graph=True)
+        return torch.autograd.grad(dq.square().sum() + q.square().sum(), q)[0]
+
+    want = penalty_grad(sdpa64, p.q.double(), p.k.double(), p.v.double())
+    try:
+        got = penalty_grad(attention, p.q, p.k, p.v)
+    except RuntimeError:
+        return  # refusing is fine
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"double backward returned a wrong number: {m}")
+
+
+# --- vmap, leading dims -------------------------------------------------------------------
+
+
+def test_vmap_over_a_leading_dim() -> None:
+    torch.manual_seed(0)
+    q, k, v = (randn(3, *shape) for shape in ((2, 4, 17, 16), (2, 2, 9, 16), (2, 2, 9, 8)))
+    got = torch.func.vmap(lambda a, b, c: attention(a, b, c, enable_gqa=True))(q, k, v)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    # Unbatched keys and values (in_dims None): broadcast over vmap's dimension.
+    got = torch.func.vmap(lambda a: attention(a, k[0], v[0], enable_gqa=True))(q)
+    want = F.scaled_dot_product_attention(q.double(), k[0].double(), v[0].double(),
+                                          enable_gqa=True)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_of_jvp_over_a_batch_of_tangents() -> None:
+    """Several tangent directions at once (a batched JVP), as vmap(jvp) gives."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
+    tqs = torch.randn(3, *q.shape, device=DEVICE)
+
+    def tangent(tq):
+        return torch.func.jvp(lambda a: attention(a, k, v), (q,), (tq,))[1]
+
+    got = torch.func.vmap(tangent)(tqs)
+    for i in range(3):
+        want = torch.func.jvp(lambda a: sdpa64(a, k, v), (q.double(),), (tqs[i].double(),))[1]
+        torch.testing.assert_close(got[i].double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 17, 16), (4, 17, 16)], ids=["5d", "3d"])
+def test_any_leading_dims(shape) -> None:
+    """(..., H, N, D) with two leading dims, and with none; forward, jvp and backward."""
+    torch.manual_seed(2)
+    q, k, v, tq, tk, tv = (torch.randn(shape, device=DEVICE) for _ in range(6))
+    mask = torch.rand(shape[-2], shape[-2], device=DEVICE) < 0.8
+    mask[:, 0] = True
+    xs = leaves(q, k, v, tq, tk, tv)
+    out, tangent_out = torch.func.jvp(lambda a, b, c: attention(a, b, c, attn_mask=mask),
+                                      tuple(xs[:3]), tuple(xs[3:]))
+    assert out.shape == shape
+    (out.square().sum() + tangent_out.sum()).backward()
+    ref = leaves(*(x.double() for x in (q, k, v, tq, tk, tv)))
+    with sdpa_kernel(SDPBackend.MATH):
+        ref_out, ref_tangent = torch.func.jvp(
+            lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=mask),
+            tuple(ref[:3]), tuple(ref[3:]))
+    (ref_out.square().sum() + ref_tangent.sum()).backward()
+    for name, a, b in zip(("out", "tangent_out", *SECOND_ORDER_NAMES), [out, tangent_out, *xs],
+                          [ref_out, ref_tangent, *ref], strict=True):
+        a = a.grad if isinstance(a, torch.Tensor) and a.is_leaf else a
+        b = b.grad if isinstance(b, torch.Tensor) and b.is_leaf else b
+        torch.testing.assert_close(a.detach().double(), b.detach(), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+# --- the SDPA drop-in ---------------------------------------------------------------------
+
+
+def test_sdpa_routes_calls_to_attention() -> None:
+    from torch.nn.functional import scaled_dot_product_attention as bound_early
+
+    q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
+    with mock.patch.object(api, "attention", wraps=api.attention) as spy, sdpa():
+        routed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert spy.call_count == 1
+        early = bound_early(q, k, v, is_causal=True)  # through the TorchFunctionMode
+        assert spy.call_count == 2
+    assert F.scaled_dot_product_attention is api._TORCH_SDPA, "sdpa() must restore SDPA"
+    want = attention(q, k, v, is_causal=True)
+    assert torch.equal(routed, want) and torch.equal(early, want)
+
+
+def test_sdpa_transformer_encoder_layer_under_jvp_matches_math_path() -> None:
+    torch.manual_seed(3)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0,
+                                             batch_first=True, device=DEVICE)
+    x, tx = torch.randn(2, 17, 32, device=DEVICE), torch.randn(2, 17, 32, device=DEVICE)
+    with mock.patch.object(api, "attention", wraps=api.attention) as spy, sdpa():
+        y, ty = torch.func.jvp(layer, (x,), (tx,))
+    assert spy.call_count == 1, "nn.MultiheadAttention's SDPA call must reach jvp_attention"
+    layer64 = layer.double()
+    with sdpa_kernel(SDPBackend.MATH):
+        y64, ty64 = torch.func.jvp(layer64, (x.double(),), (tx.double(),))
+        y32, ty32 = torch.func.jvp(layer.float(), (x,), (tx,))
+    floor = {"out": y32, "tangent_out": ty32}
+    assert_accurate({"out": y, "tangent_out": ty}, {"out": y64, "tangent_out": ty64}, floor,
+                    torch.float32, "float32 TransformerEncoderLayer(32, 4) x (2, 17, 32)",
+                    "sdpa() + torch.func.jvp")
+
+
+def test_sdpa_falls_through_for_what_it_cannot_take() -> None:
+    q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
+    with mock.patch.object(api, "attention", wraps=api.attention) as spy, sdpa():
+        torch.manual_seed(0)
+        dropped = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        wide = F.scaled_dot_product_attention(*(randn(1, 2, 5, 264) for _ in range(3)))
+        if api._uses_kernels(q):  # float64 is the kernels' only refusal by dtype
+            F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert spy.call_count == 0
+    torch.manual_seed(0)
+    assert torch.equal(dropped, api._TORCH_SDPA(q, k, v, dropout_p=0.5))
+    assert wide.shape == (1, 2, 5, 264)
+
+
+def test_sdpa_strict_raises() -> None:
+    q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
+    with sdpa(strict=True):
+        with pytest.raises(NotImplementedError, match="dropout_p"):
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        with pytest.raises(ValueError, match="head dim"):
+            F.scaled_dot_product_attention(*(randn(1, 2, 5, 264) for _ in range(3)))
+    assert F.scaled_dot_product_attention is api._TORCH_SDPA
+
+
+# --- bad inputs ---------------------------------------------------------------------------
+
+Q, K, V = (torch.randn(2, 4, 9, 16, device=DEVICE) for _ in range(3))
+
+
+def mask(*shape, dtype=torch.bool):
+    return torch.ones(*shape, dtype=dtype, device=DEVICE)
+
+
+BAD_INPUTS = {
+    "query-not-a-tensor": (lambda: attention(Q.tolist(), K, V), TypeError, "query"),
+    "rank-2": (lambda: attention(Q[0, 0], K[0, 0], V[0, 0]), ValueError, "rank"),
+    "rank-mismatch": (lambda: attention(Q, K[0], V[0]), ValueError, "query, key and value"),
+    "batch-mismatch": (lambda: attention(Q, K[:1], V[:1]), ValueError, "leading"),
+    "head-dim-mismatch": (lambda: attention(Q, K[..., :8], V), ValueError, "head dim"),
+    "key-value-length": (lambda: attention(Q, K, V[:, :, :5]), ValueError, "key .* value"),
+    "heads-without-enable_gqa": (lambda: attention(Q, K[:, :2], V[:, :2]), ValueError,
+                                 "enable_gqa"),
+    "gqa-not-divisible": (lambda: attention(Q, K[:, :3], V[:, :3], enable_gqa=True),
+                          ValueError, "multiple"),
+    "dtype-mismatch": (lambda: attention(Q, K.half(), V), TypeError, "dtype"),
+    "mask-not-broadcastable": (lambda: attention(Q, K, V, attn_mask=mask(3, 9, 9)),
+                               ValueError, "attn_mask"),
+    "mask-too-many-dims": (lambda: attention(Q, K, V, attn_mask=mask(1, 1, 1, 1, 9)),
+                           ValueError, "attn_mask"),
+    "mask-int": (lambda: attention(Q, K, V, attn_mask=mask(9, 9, dtype=torch.int64)),
+                 TypeError, "attn_mask"),
+    "mask-float64": (lambda: attention(Q, K, V, attn_mask=mask(9, 9, dtype=torch.float64)),
+                     TypeError, "attn_mask"),
+    "head-dim-over-256": (lambda: attention(*(randn(1, 1, 4, 264) for _ in range(3))),
+                          ValueError, "head dim"),
+    "value-dim-over-256": (lambda: attention(Q, K, randn(2, 4, 9, 300)), ValueError,
+                           "head dim"),
+    "dropout": (lambda: attention(Q, K, V, dropout_p=0.1), NotImplementedError, "dropout_p"),
+    "is_causal-not-bool": (lambda: attention(Q, K, V, is_causal=1), TypeError, "is_causal"),
+    "is_causal-tensor": (lambda: attention(Q, K, V, is_causal=torch.tensor(True)), TypeError,
+                         "is_causal"),
+    "scale-not-a-number": (lambda: attention(Q, K, V, scale="0.1"), TypeError, "scale"),
+    "jvp-tangent-shape": (lambda: attention_jvp(Q, K, V, (Q, K[:, :, :5], V)), ValueError,
+                          "tangent of key"),
+    "jvp-tangent-dtype": (lambda: attention_jvp(Q, K, V, (Q, K, V.half())), ValueError,
+                          "tangent of value"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_raises_naming_the_argument(name: str) -> None:
+    call, error, pattern = BAD_INPUTS[name]
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_float64_is_refused_by_the_kernels() -> None:
+    if not api._uses_kernels(Q):
+        pytest.skip("runs only where the kernels run (GPU, or CPU under the interpreter)")
+    with pytest.raises(TypeError, match="float64"):
+        attention(Q.double(), K.double(), V.double())
+
+
+@pytest.mark.gpu
+def test_device_mismatch_raises() -> None:
+    with pytest.raises(ValueError, match="device"):
+        attention(Q.cuda(), K.cpu(), V.cuda())
+    with pytest.raises(ValueError, match="device"):
+        attention(Q.cuda(), K.cuda(), V.cuda(), attn_mask=torch.ones(9, 9, dtype=torch.bool))
+
+
+# --- the CPU fallback (no kernels) --------------------------------------------------------
+
+
+@pytest.fixture
+def without_kernels(monkeypatch):
+    """What a CPU machine without TRITON_INTERPRET runs: chapter 1's tiled attention,
+    differentiated by PyTorch itself."""
+    monkeypatch.setattr(api, "_uses_kernels", lambda query: False)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=ids)
+def test_cpu_fallback_matches(spec: Spec, without_kernels) -> None:
+    p = make_problem(spec, torch.float32, device="cpu")
+    with mock.patch.object(api, "flash_attention_forward") as kernel:
+        xs = leaves(p.q, p.k, p.v, *p.tangents)
+        out, tangent_out = torch.func.jvp(lambda q, k, v: attention(q, k, v, **options(p)),
+                                          tuple(xs[:3]), tuple(xs[3:]))
+        torch.autograd.backward((out, tangent_out), (p.grad_out, p.grad_tangent_out))
+        fused_out, fused_tangent = attention_jvp(p.q, p.k, p.v, p.tangents, **options(p))
+    assert kernel.call_count == 0, "the fallback must not launch kernels"
+    truth, floor = expected_forward(p)
+    names = ("out", "tangent_out")
+    for what, result in (("jvp", (out, tangent_out)), ("attention_jvp", (fused_out,
+                                                                        fused_tangent))):
+        assert_accurate(dict(zip(names, (r.detach() for r in result), strict=True)),
+                        only(truth, *names), only(floor, *names), p.dtype, p.label,
+                        f"fallback {what}", p.operands)
+    truth, floor = expected_second_order(p)
+    assert_accurate(dict(zip(SECOND_ORDER_NAMES, (x.grad for x in xs), strict=True)), truth,
+                    floor, p.dtype, p.label, "fallback gradients", p.operands)
+
+
+def test_cpu_fallback_takes_float64(without_kernels) -> None:
+    q, k, v = (torch.randn(1, 2, 9, 16, dtype=torch.float64, device=DEVICE) for _ in range(3))
+    torch.testing.assert_close(attention(q, k, v, is_causal=True),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+# --- GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_name)
+def test_jvp_then_loss_on_both_gpu(dtype: torch.dtype) -> None:
+    """The training pattern at a realistic size, through the public API."""
+    p = make_problem(Spec(batch=2, hq=8, hkv=2, nq=1000, nk=1000, d=128, mask="keypad",
+                          causal=True, layout="bnhd"), dtype, device="cuda")
+    xs = leaves(p.q, p.k, p.v, *p.tangents)
+    out, tangent_out = torch.func.jvp(lambda q, k, v: attention(q, k, v, **options(p)),
+                                      tuple(xs[:3]), tuple(xs[3:]))
+    torch.autograd.backward((out, tangent_out), (p.grad_out, p.grad_tangent_out))
+    truth, floor = expected_forward(p)
+    names = ("out", "tangent_out")
+    assert_accurate({"out": out.detach(), "tangent_out": tangent_out.detach()},
+                    only(truth, *names), only(floor, *names), dtype, p.label, "api jvp", p.operands)
+    truth, floor = expected_second_order(p)
+    assert_accurate(dict(zip(SECOND_ORDER_NAMES, (x.grad for x in xs), strict=True)), truth,
+                    floor, dtype, p.label, "api jvp + loss on both", p.operands)
+
+
+@pytest.mark.gpu
+def test_attention_on_the_second_gpu() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs: checks that kernels launch on the inputs' device")
+    p = make_problem(Spec(batch=1, hq=4, hkv=2, nq=1000, nk=1000, d=64, mask="keypad",
+                          causal=True), torch.bfloat16, device="cuda:1")
+    torch.cuda.set_device(0)
+    xs = leaves(p.q, p.k, p.v, *p.tangents)
+    out, tangent_out = torch.func.jvp(lambda q, k, v: attention(q, k, v, **options(p)),
+                                      tuple(xs[:3]), tuple(xs[3:]))
+    torch.autograd.backward((out, tangent_out), (p.grad_out, p.grad_tangent_out))
+    assert out.device == tangent_out.device == torch.device("cuda:1")
+    truth, floor = expected_second_order(p)
+    assert_accurate(dict(zip(SECOND_ORDER_NAMES, (x.grad for x in xs), strict=True)), truth,
+                    floor, p.dtype, p.label, "cuda:1 jvp + loss on both", p.operands)
+    truth, floor = expected_forward(p)
+    names = ("out", "tangent_out")
+    assert_accurate({"out": out.detach(), "tangent_out": tangent_out.detach()},
+                    only(truth, *names), only(floor, *names), p.dtype, p.label, "cuda:1 jvp",
+                    p.operands)

@@ -1,0 +1,130 @@
+"""The backward kernels (`flash_attention_backward` without tangents): dQ, dK, dV against the
+float64 reference, within twice PyTorch's own error (see tests/helpers.py).
+
+The kernels differentiate their own forward (its saved O and LSE), as autograd would use them.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+from helpers import (
+    DEVICE,
+    MASK_KINDS,
+    Spec,
+    assert_accurate,
+    assert_empty_rows_are_zero,
+    cpu_grid,
+    dtype_name,
+    expected_backward,
+    fuzz_spec,
+    kernel_backward,
+    make_problem,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def check_backward(spec: Spec, dtype: torch.dtype, seed: int = 0, device: str = DEVICE) -> None:
+    """dq, dk, dv accurate, finite everywhere, and dq zero on rows that see no key."""
+    p = make_problem(spec, dtype, seed, device)
+    truth, floor = expected_backward(p)
+    ours = kernel_backward(p)
+    assert_accurate(ours, truth, floor, dtype, p.label, "backward", p.operands)
+    assert_empty_rows_are_zero(p, ours)
+
+
+@pytest.mark.parametrize("spec, dtype", cpu_grid())
+def test_backward_grid(spec: Spec, dtype: torch.dtype) -> None:
+    check_backward(spec, dtype)
+
+
+@pytest.mark.parametrize("spec", [
+    Spec(hq=2, hkv=1, nq=33, nk=17, d=40, mask="empty_rows", causal=True),
+    Spec(batch=2, hq=2, hkv=1, nq=17, nk=40, d=64, layout="bnhd", cotangent="expanded"),
+], ids=lambda s: s.id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+def test_backward_is_deterministic_and_writes_every_gradient(spec: Spec, dtype) -> None:
+    """No atomics: two runs whose outputs start as different garbage agree bit for bit."""
+    p = make_problem(spec, dtype, seed=4)
+    first, second = kernel_backward(p, poison=math.nan), kernel_backward(p, poison=7.0)
+    for name in first:
+        assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
+
+
+def test_gqa_gradients_sum_over_the_group() -> None:
+    """dK, dV of a shared key/value head equal the sum over its query heads' gradients taken
+    with the heads repeated (the in-kernel GQA sum against an explicit one)."""
+    p = make_problem(Spec(hq=4, hkv=2, nq=33, nk=17, d=16, causal=True), torch.float32)
+    grouped = kernel_backward(p)
+    p.k, p.v = (x.repeat_interleave(2, dim=1) for x in (p.k, p.v))
+    p.spec = p.spec.with_(hkv=4)
+    repeated = kernel_backward(p)
+    torch.testing.assert_close(grouped["dq"], repeated["dq"], rtol=0, atol=1e-6)
+    for name in ("dk", "dv"):
+        summed = repeated[name].unflatten(1, (2, 2)).sum(2)
+        torch.testing.assert_close(grouped[name], summed, rtol=1e-5, atol=1e-6)
+
+
+FUZZ_EXAMPLES = int(os.environ.get("JVP_FUZZ_EXAMPLES", "100"))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batch=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2]),
+       nq=st.integers(1, 40), nk=st.integers(1, 40), d=st.integers(1, 80),
+       dv=st.integers(1, 80), causal=st.booleans(), mask=st.sampled_from(MASK_KINDS),
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**16))
+def test_backward_fuzz(batch, hkv, group, nq, nk, d, dv, causal, mask, dtype, seed) -> None:
+    check_backward(fuzz_spec(batch, hkv, group, nq, nk, d, dv, causal, mask), dtype, seed)
+
+
+# --- GPU: realistic sizes (one dtype and causal setting per case; see test_forward.py) ---
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+GPU_CASES = [
+    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64), F16),
+    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), BF16),
+    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), F32),
+    (Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad", causal=True,
+          cotangent="expanded"), BF16),
+    (Spec(batch=1, hq=4, hkv=1, nq=1000, nk=4250, d=96, mask="keypad"), F16),
+    (Spec(batch=2, hq=4, hkv=4, nq=1000, nk=1000, d=192, dv=128, mask="additive4d",
+          causal=True), BF16),
+    (Spec(batch=1, hq=4, hkv=4, nq=1000, nk=1000, d=256, mask="empty_rows"), F16),
+    (Spec(batch=1, hq=2, hkv=2, nq=8191, nk=8191, d=128, mask="bool", layout="bnhd",
+          cotangent="bnhd"), BF16),
+    (Spec(batch=2, hq=4, hkv=2, nq=4250, nk=1000, d=64, mask="empty_batch", causal=True,
+          scale=0.2), F32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec, dtype", [
+    pytest.param(spec, dtype, id=f"{dtype_name(dtype)}-{spec.id}") for spec, dtype in GPU_CASES])
+def test_backward_gpu(spec: Spec, dtype: torch.dtype) -> None:
+    check_backward(spec, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_gpu_16k(causal: bool) -> None:
+    check_backward(Spec(batch=1, hq=4, hkv=4, nq=16384, nk=16384, d=128, causal=causal),
+                   torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+def test_backward_gpu_is_deterministic() -> None:
+    p = make_problem(Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad",
+                          causal=True, cotangent="expanded"), torch.bfloat16, device="cuda")
+    first, second = kernel_backward(p, poison=math.nan), kernel_backward(p, poison=7.0)
+    for name in first:
+        assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"

@@ -1,0 +1,216 @@
+"""The fused forward kernel (`flash_attention_forward`): O and LSE, and with tangents tO and mu,
+against the float64 reference, within twice PyTorch's own error (see tests/helpers.py).
+
+On CPU the kernel runs in Triton's interpreter on tiny shapes (fp32 and fp16); the tests
+marked `gpu` repeat the grid at realistic sizes in fp16, bf16 and fp32.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+from helpers import (
+    CPU_CASES,
+    DEVICE,
+    MASK_KINDS,
+    Spec,
+    assert_accurate,
+    assert_empty_rows_are_zero,
+    cpu_grid,
+    dtype_name,
+    expected_forward,
+    fuzz_spec,
+    kernel_forward,
+    make_problem,
+    poisoned_allocations,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tensors are tiny: one intra-op thread is faster than a contended pool (and xdist
+    already runs one process per core)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def check_forward(spec: Spec, dtype: torch.dtype, seed: int = 0, device: str = DEVICE,
+                  with_plain: bool = True) -> None:
+    """The whole forward contract on one problem: accuracy of every output with and without
+    tangents, zeros (not NaN) on rows that see no key, and every output entry written."""
+    p = make_problem(spec, dtype, seed, device)
+    truth, floor = expected_forward(p)
+    ours = kernel_forward(p)
+    assert_accurate(ours, truth, floor, dtype, p.label, "forward with tangents",
+                    p.operands)
+    assert_empty_rows_are_zero(p, ours)
+    if with_plain:  # HAS_TANGENT=False is a separately compiled kernel: check it too
+        plain = kernel_forward(p, with_tangents=False)
+        names = ("out", "lse")
+        assert_accurate(plain, {n: truth[n] for n in names}, {n: floor[n] for n in names},
+                        dtype, p.label, "forward without tangents", p.operands)
+        assert_empty_rows_are_zero(p, plain)
+
+
+# --- the CPU grid -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, dtype", cpu_grid())
+def test_forward_grid(spec: Spec, dtype: torch.dtype) -> None:
+    check_forward(spec, dtype)
+
+
+def test_grid_covers_every_feature() -> None:
+    """Guards the grid itself against losing a case the brief asks for."""
+    masks = {s.mask for s in CPU_CASES}
+    assert masks == set(MASK_KINDS)
+    lengths = {n for s in CPU_CASES for n in (s.nq, s.nk)}
+    assert {1, 17, 33, 40} <= lengths
+    assert any(s.nq > s.nk for s in CPU_CASES) and any(s.nq < s.nk for s in CPU_CASES)
+    assert {(4, 2), (4, 1), (2, 2)} <= {(s.hq, s.hkv) for s in CPU_CASES}
+    assert {16, 40, 64, 72, 80} <= {s.d for s in CPU_CASES}
+    assert any(s.dv is not None and s.dv != s.d for s in CPU_CASES)
+    assert {"bnhd"} <= {s.layout for s in CPU_CASES}
+    assert {"expanded", "bnhd", "tangent_only"} <= {s.cotangent for s in CPU_CASES}
+    assert any(s.scale is not None for s in CPU_CASES)
+
+
+# --- properties of the kernel beyond accuracy ---------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [
+    Spec(hq=2, hkv=1, nq=33, nk=17, d=40, mask="empty_rows", causal=True),
+    Spec(batch=2, nq=17, nk=40, d=64, mask="additive4d", layout="bnhd"),
+], ids=lambda s: s.id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+def test_forward_is_deterministic_and_writes_every_output(spec: Spec, dtype) -> None:
+    """Two runs whose outputs start as different garbage (NaN, then 7.0) agree bit for bit:
+    the kernel writes every entry, and writes it the same way each time."""
+    p = make_problem(spec, dtype, seed=3)
+    first, second = kernel_forward(p, poison=math.nan), kernel_forward(p, poison=7.0)
+    for name in first:
+        assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
+
+
+def test_the_accuracy_rule_catches_a_small_error() -> None:
+    """The tolerance has teeth: the kernel's own result, off by 1e-2 in one entry, fails."""
+    for dtype in (torch.float32, torch.float16):
+        p = make_problem(Spec(hq=4, hkv=2, nq=17, nk=33, d=64, mask="keypad", batch=2), dtype)
+        truth, floor = expected_forward(p)
+        ours = kernel_forward(p)
+        assert_accurate(ours, truth, floor, dtype, p.label)
+        for name in ours:
+            off = dict(ours)
+            off[name] = ours[name].clone()
+            off[name][0, 0, 0, ...] += 1e-2
+            with pytest.raises(AssertionError, match=f"{name}: max error"):
+                assert_accurate(off, truth, floor, dtype, p.label)
+
+
+def test_poison_reaches_the_launchers() -> None:
+    """The launchers allocate through `torch.empty(_like)` of the torch module they import:
+    inside `poisoned_allocations` those return NaN, so an entry no kernel writes stays NaN."""
+    import jvp_attention.backward
+    import jvp_attention.forward
+
+    original = torch.empty, torch.empty_like
+    with poisoned_allocations():
+        assert jvp_attention.forward.torch.empty(3, 2).isnan().all()
+        assert jvp_attention.backward.torch.empty_like(torch.zeros(4)).isnan().all()
+        assert jvp_attention.forward.torch.empty(3, dtype=torch.int32).dtype == torch.int32
+    assert (torch.empty, torch.empty_like) == original, "the patch must be undone"
+
+
+def test_large_scores_do_not_overflow() -> None:
+    """Scores of +-1e3 (an unnormalised model): the online softmax must stay exact."""
+    p = make_problem(Spec(hq=2, hkv=1, nq=33, nk=40, d=16, scale=60.0), torch.float32, seed=5)
+    truth, floor = expected_forward(p)
+    assert_accurate(kernel_forward(p), truth, floor, torch.float32, p.label)
+
+
+def test_shifted_key_tangent_keeps_the_tangent_accurate() -> None:
+    """A large common offset on tK shifts tS row-wise; the epilogue tO = G/l - mu O then
+    cancels two large terms (notebook 03). fp32 must still be within the rule."""
+    p = make_problem(Spec(nq=40, nk=40, d=64), torch.float32, seed=6)
+    tq, tk, tv = p.tangents
+    p.tangents = (tq, tk + 4.0, tv)
+    truth, floor = expected_forward(p)
+    assert_accurate(kernel_forward(p), truth, floor, torch.float32, p.label)
+
+
+# --- fuzzing ------------------------------------------------------------------------------
+
+FUZZ_EXAMPLES = int(os.environ.get("JVP_FUZZ_EXAMPLES", "100"))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batch=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2]),
+       nq=st.integers(1, 40), nk=st.integers(1, 40), d=st.integers(1, 80),
+       dv=st.integers(1, 80), causal=st.booleans(), mask=st.sampled_from(MASK_KINDS),
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**16))
+def test_forward_fuzz(batch, hkv, group, nq, nk, d, dv, causal, mask, dtype, seed) -> None:
+    spec = fuzz_spec(batch, hkv, group, nq, nk, d, dv, causal, mask)
+    check_forward(spec, dtype, seed, with_plain=False)
+
+
+# --- GPU: realistic sizes -----------------------------------------------------------------
+# One dtype and causal setting per case (every combination would compile and autotune a
+# kernel per case: minutes on the GPU); together they cover fp16/bf16/fp32, causal or not,
+# N = 1000/4250/8191 (and 16384 below), Nq != Nk, GQA and MQA, every mask kind, head dims
+# 64/96/128/192/256 with d_v != d_qk, the (B, N, H, D) layout and an explicit scale.
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+GPU_CASES = [
+    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64), F16),
+    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), BF16),
+    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), F32),
+    (Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad", causal=True), BF16),
+    (Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128), F16),
+    (Spec(batch=1, hq=4, hkv=1, nq=1000, nk=4250, d=96, mask="keypad"), F32),
+    (Spec(batch=2, hq=4, hkv=4, nq=1000, nk=1000, d=192, dv=128, mask="additive4d",
+          causal=True), BF16),
+    (Spec(batch=1, hq=4, hkv=4, nq=1000, nk=1000, d=256, mask="empty_rows"), F16),
+    (Spec(batch=1, hq=2, hkv=2, nq=8191, nk=8191, d=128, mask="bool", layout="bnhd"), BF16),
+    (Spec(batch=2, hq=4, hkv=2, nq=4250, nk=1000, d=64, mask="empty_batch", causal=True,
+          scale=0.2), F16),
+    (Spec(batch=1, hq=4, hkv=4, nq=1000, nk=1000, d=128, mask="additive"), BF16),
+]
+
+
+def gpu_params(cases):
+    return [pytest.param(spec, dtype, id=f"{dtype_name(dtype)}-{spec.id}")
+            for spec, dtype in cases]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec, dtype", gpu_params(GPU_CASES))
+def test_forward_gpu(spec: Spec, dtype: torch.dtype) -> None:
+    check_forward(spec, dtype, device="cuda", with_plain=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_gpu_16k(causal: bool) -> None:
+    """N = 16384, B1 H4 d128: the references run one head at a time (2 GB of float64 scores)."""
+    check_forward(Spec(batch=1, hq=4, hkv=4, nq=16384, nk=16384, d=128, causal=causal),
+                  torch.bfloat16, device="cuda", with_plain=False)
+
+
+@pytest.mark.gpu
+def test_forward_gpu_without_tangents() -> None:
+    check_forward(Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad",
+                       causal=True), torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+def test_forward_gpu_is_deterministic() -> None:
+    p = make_problem(Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad",
+                          causal=True), torch.bfloat16, device="cuda")
+    first, second = kernel_forward(p, poison=math.nan), kernel_forward(p, poison=7.0)
+    for name in first:
+        assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
