@@ -95,6 +95,7 @@ def speed_table(batch: int, heads: int, n: int, d: int, dtype: torch.dtype, repe
 
 
 def main() -> int:
+    torch.manual_seed(0)
     where = (f"GPU: {torch.cuda.get_device_name()}" if GPU else
              "no CUDA GPU: the Triton kernels run in Triton's CPU interpreter, at small sizes; "
              "timings below are the interpreter's, not the kernels'")

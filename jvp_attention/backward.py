@@ -27,12 +27,25 @@ from jvp_attention.forward import (
 
 
 @triton.jit
+def _load_fp32_rows(ptr, residual_ptr, head_rows, rows, dims, n_rows, n_dims,
+                    HAS_RESIDUAL: tl.constexpr):
+    """Rows of a contiguous forward output in fp32, with its rounding residual added back."""
+    x = _load_tile(ptr + head_rows * n_dims, rows, dims, n_dims, 1, n_rows, n_dims)
+    x = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        x += _load_tile(residual_ptr + head_rows * n_dims, rows, dims, n_dims, 1, n_rows,
+                        n_dims).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _row_statistics_kernel(
-    o_ptr, do_ptr, to_ptr, dto_ptr, mu_ptr, delta_ptr, c_ptr,
+    o_ptr, do_ptr, to_ptr, dto_ptr, mu_ptr, delta_ptr, c_ptr, o_residual_ptr, to_residual_ptr,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dtob, stride_dtoh, stride_dtom, stride_dtod,
     n_heads, n_rows, value_dim,
-    HAS_TANGENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_TANGENT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """delta = rowsum(dO*O); with the tangent, c = rowsum(dtO*O) and
     delta += rowsum(dtO*tO) - mu*c."""
@@ -41,19 +54,19 @@ def _row_statistics_kernel(
     bh = tl.program_id(1).to(tl.int64)
     batch, head = bh // n_heads, bh % n_heads
     head_rows = bh * n_rows
-    o = _load_tile(o_ptr + head_rows * value_dim, rows, dims, value_dim, 1, n_rows, value_dim)
-    o = o.to(tl.float32)
+    o = _load_fp32_rows(o_ptr, o_residual_ptr, head_rows, rows, dims, n_rows, value_dim,
+                        HAS_RESIDUAL)
     do = _load_tile(do_ptr + batch * stride_dob + head * stride_doh, rows, dims,
                     stride_dom, stride_dod, n_rows, value_dim)
     delta = tl.sum(do.to(tl.float32) * o, 1)
     if HAS_TANGENT:
-        t_o = _load_tile(to_ptr + head_rows * value_dim, rows, dims, value_dim, 1, n_rows,
-                         value_dim)
+        t_o = _load_fp32_rows(to_ptr, to_residual_ptr, head_rows, rows, dims, n_rows,
+                              value_dim, HAS_RESIDUAL)
         dto = _load_tile(dto_ptr + batch * stride_dtob + head * stride_dtoh, rows, dims,
                          stride_dtom, stride_dtod, n_rows, value_dim).to(tl.float32)
         c = tl.sum(dto * o, 1)
         mu = tl.load(mu_ptr + head_rows + rows, mask=rows < n_rows, other=0.0)
-        delta += tl.sum(dto * t_o.to(tl.float32), 1) - mu * c
+        delta += tl.sum(dto * t_o, 1) - mu * c
         tl.store(c_ptr + head_rows + rows, c, mask=rows < n_rows)
     tl.store(delta_ptr + head_rows + rows, delta, mask=rows < n_rows)
 
@@ -322,6 +335,8 @@ def flash_attention_backward(
     tangent_out: torch.Tensor | None = None,
     mu: torch.Tensor | None = None,
     grad_tangent_out: torch.Tensor | None = None,
+    out_residual: torch.Tensor | None = None,
+    tangent_out_residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of attention on (B, H, N, D) tensors, from the forward's saved outputs.
 
@@ -333,6 +348,9 @@ def flash_attention_backward(
         tangents, tangent_out, mu, grad_tangent_out: For the backward through the tangent
             (chapter 6): the forward's tangents (tq, tk, tv), its tO and mu, and the
             cotangent of tO. With `grad_tangent_out=None` the plain backward runs.
+        out_residual, tangent_out_residual: The forward's rounding residuals
+            (`flash_attention_forward(..., residuals=True)`): with them the row statistics
+            use the fp32 outputs, which keeps 16-bit gradients at PyTorch's accuracy.
 
     Returns:
         (dq, dk, dv), or (dq, dk, dv, dtq, dtk, dtv) when `grad_tangent_out` is given.
@@ -350,6 +368,10 @@ def flash_attention_backward(
     mu = mu if has_tangent else lse
     delta = torch.empty_like(lse)
     c = torch.empty_like(lse) if has_tangent else delta
+    residual = out if out_residual is None else out_residual
+    if has_tangent and out_residual is not None and tangent_out_residual is None:
+        raise ValueError("pass tangent_out_residual along with out_residual")
+    t_residual = tangent_out_residual if has_tangent and out_residual is not None else residual
     dq = torch.empty((batch, n_heads, n_q, head_dim), device=q.device, dtype=q.dtype)
     dk = torch.empty((batch, n_kv_heads, n_k, head_dim), device=q.device, dtype=k.dtype)
     dv = torch.empty((batch, n_kv_heads, n_k, value_dim), device=q.device, dtype=v.dtype)
@@ -366,9 +388,10 @@ def flash_attention_backward(
     mask_arg = q if mask is None else mask
     with on_device(q):
         _row_statistics_kernel[(triton.cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
-            out, grad_out, t_out, dto, mu, delta, c, *grad_out.stride(), *dto.stride(),
-            n_heads, n_q, value_dim, HAS_TANGENT=has_tangent, BLOCK_M=_ROW_BLOCK,
-            BLOCK_DV=meta["BLOCK_DV"])
+            out, grad_out, t_out, dto, mu, delta, c, residual, t_residual,
+            *grad_out.stride(), *dto.stride(), n_heads, n_q, value_dim,
+            HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
+            BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"])
         _backward_dkdv[lambda m: (triton.cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_out, dto, lse, delta, mu, c,
             dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches, **meta)

@@ -35,6 +35,17 @@ def _store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims):
 
 
 @triton.jit
+def _store_rounded(ptr, residual_ptr, x, flat_rows, rows, dims, n_rows, n_dims,
+                   STORE_RESIDUAL: tl.constexpr):
+    """Store fp32 `x` rounded to the output dtype and, with STORE_RESIDUAL, the rounding
+    residual x - round(x) (in the same dtype) for the backward's row statistics."""
+    _store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims)
+    if STORE_RESIDUAL:
+        rounded = x.to(ptr.dtype.element_ty).to(tl.float32)
+        _store_rows(residual_ptr, x - rounded, flat_rows, rows, dims, n_rows, n_dims)
+
+
+@triton.jit
 def _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
                    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                    CHECK_BOUNDS: tl.constexpr):
@@ -138,6 +149,7 @@ def _forward_key_block(
 @triton.jit
 def _attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, o_ptr, to_ptr, lse_ptr, mu_ptr,
+    o_residual_ptr, to_residual_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -150,6 +162,7 @@ def _attention_forward_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    STORE_RESIDUAL: tl.constexpr,
 ):
     """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head)."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -200,13 +213,15 @@ def _attention_forward_kernel(
     o = acc_o * inv_l[:, None]
     flat_rows = tl.program_id(1).to(tl.int64) * n_q + rows
     dims_v = tl.arange(0, BLOCK_DV)
-    _store_rows(o_ptr, o, flat_rows, rows, dims_v, n_q, value_dim)
+    _store_rounded(o_ptr, o_residual_ptr, o, flat_rows, rows, dims_v, n_q, value_dim,
+                   STORE_RESIDUAL)
     log2_l = tl.log2(tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + log2_l) * 0.6931471805599453)
     tl.store(lse_ptr + flat_rows, lse, mask=rows < n_q)
     if HAS_TANGENT:
         # acc_t is centred on the final mu: tO = acc_t / l, no cancellation left to do.
-        _store_rows(to_ptr, acc_t * inv_l[:, None], flat_rows, rows, dims_v, n_q, value_dim)
+        _store_rounded(to_ptr, to_residual_ptr, acc_t * inv_l[:, None], flat_rows, rows, dims_v,
+                       n_q, value_dim, STORE_RESIDUAL)
         tl.store(mu_ptr + flat_rows, mu_i, mask=rows < n_q)
 
 
@@ -325,7 +340,8 @@ def flash_attention_forward(
     is_causal: bool = False,
     scale: float | None = None,
     tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> AttentionOutputs:
+    residuals: bool = False,
+) -> AttentionOutputs | tuple[AttentionOutputs, tuple[torch.Tensor, torch.Tensor | None]]:
     """Run the fused forward kernel on (B, H, N, D) tensors.
 
     Args:
@@ -336,10 +352,13 @@ def flash_attention_forward(
         is_causal: Top-left causal mask (query i sees keys j <= i), combinable with attn_mask.
         scale: Softmax scale; defaults to 1/sqrt(Dqk).
         tangents: Optional (tq, tk, tv) shaped like (q, k, v): also compute tO and mu.
+        residuals: Also return the rounding residuals of out (and tangent_out), the parts
+            of their fp32 values that the output dtype dropped, for an accurate backward.
 
     Returns:
         AttentionOutputs(out, lse, tangent_out, mu); lse and mu are fp32 (B, Hq, Nq);
-        tangent_out and mu are None without tangents.
+        tangent_out and mu are None without tangents. With `residuals`, a pair
+        (outputs, (out_residual, tangent_out_residual)).
     """
     check_kernel_shapes(q, k, v)
     batch, n_heads, n_q, head_dim = q.shape
@@ -351,6 +370,8 @@ def flash_attention_forward(
     tq, tk, tv = tangents if has_tangent else (q, k, v)
     t_out = torch.empty_like(out) if has_tangent else out
     mu = torch.empty_like(lse) if has_tangent else lse
+    out_res = torch.empty_like(out) if residuals else out
+    t_out_res = torch.empty_like(out) if residuals and has_tangent else out_res
     mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k))
     mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
 
@@ -360,13 +381,16 @@ def flash_attention_forward(
     with on_device(q):
         _attention_forward[grid](
             q, k, v, tq, tk, tv, q if mask is None else mask, out, t_out, lse, mu,
-            *q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(), *tv.stride(),
+            out_res, t_out_res, *q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(), *tv.stride(),
             *mask_strides,
             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
             scale * LOG2E, scale, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
+            STORE_RESIDUAL=residuals,
             **kernel_meta(q, head_dim, value_dim, split=has_tangent and accurate()),
         )
-    if not has_tangent:
-        return AttentionOutputs(out, lse, None, None)
-    return AttentionOutputs(out, lse, t_out, mu)
+    outputs = AttentionOutputs(out, lse, t_out if has_tangent else None,
+                               mu if has_tangent else None)
+    if residuals:
+        return outputs, (out_res, t_out_res if has_tangent else None)
+    return outputs

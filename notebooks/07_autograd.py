@@ -84,7 +84,7 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from jvp_attention.backward import flash_attention_backward
-from jvp_attention.forward import flash_attention_forward, interpreting
+from jvp_attention.forward import accurate, flash_attention_forward, interpreting
 from jvp_attention.reference import tiled_attention
 
 Tensor = torch.Tensor
@@ -94,55 +94,85 @@ _FIXED_STRIDES = (torch.Tag.needs_fixed_stride_order,)
 
 @torch.library.custom_op("jvp_attention::forward", mutates_args=(), tags=_FIXED_STRIDES)
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                scale: float) -> tuple[Tensor, Tensor]:
-    result = flash_attention_forward(q, k, v, attn_mask, is_causal, scale)
-    return result.out, result.lse
+                scale: float, residual: bool) -> tuple[Tensor, Tensor, Tensor]:
+    if not residual:
+        result = flash_attention_forward(q, k, v, attn_mask, is_causal, scale)
+        return result.out, result.lse, _NO_RESIDUAL(q)
+    result, (out_residual, _) = flash_attention_forward(q, k, v, attn_mask, is_causal, scale,
+                                                        residuals=True)
+    return result.out, result.lse, out_residual
 
 
 @_forward_op.register_fake
-def _(q, k, v, attn_mask, is_causal, scale):
-    return _empty_out(q, v), _empty_rows(q)
+def _(q, k, v, attn_mask, is_causal, scale, residual):
+    return _empty_out(q, v), _empty_rows(q), _empty_out(q, v) if residual else _NO_RESIDUAL(q)
 
 
 @torch.library.custom_op("jvp_attention::forward_jvp", mutates_args=(), tags=_FIXED_STRIDES)
 def _forward_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv: Tensor,
-                    attn_mask: Tensor | None, is_causal: bool,
-                    scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    result = flash_attention_forward(q, k, v, attn_mask, is_causal, scale, (tq, tk, tv))
-    return result.out, result.tangent_out, result.lse, result.mu
+                    attn_mask: Tensor | None, is_causal: bool, scale: float,
+                    residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    tangents = (tq, tk, tv)
+    if not residual:
+        result = flash_attention_forward(q, k, v, attn_mask, is_causal, scale, tangents)
+        return (result.out, result.tangent_out, result.lse, result.mu, _NO_RESIDUAL(q),
+                _NO_RESIDUAL(q))
+    result, residuals = flash_attention_forward(q, k, v, attn_mask, is_causal, scale, tangents,
+                                                residuals=True)
+    return result.out, result.tangent_out, result.lse, result.mu, *residuals
 
 
 @_forward_jvp_op.register_fake
-def _(q, k, v, tq, tk, tv, attn_mask, is_causal, scale):
-    return _empty_out(q, v), _empty_out(q, v), _empty_rows(q), _empty_rows(q)
+def _(q, k, v, tq, tk, tv, attn_mask, is_causal, scale, residual):
+    out_like = _empty_out(q, v) if residual else _NO_RESIDUAL(q)
+    return (_empty_out(q, v), _empty_out(q, v), _empty_rows(q), _empty_rows(q), out_like,
+            out_like.new_empty(out_like.shape))
 
 
 @torch.library.custom_op("jvp_attention::backward", mutates_args=(), tags=_FIXED_STRIDES)
-def _backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_out: Tensor,
-                 attn_mask: Tensor | None, is_causal: bool,
-                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return flash_attention_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale)
+def _backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 out_residual: Tensor, grad_out: Tensor, attn_mask: Tensor | None,
+                 is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return flash_attention_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale,
+                                    out_residual=_residual_or_none(out_residual))
 
 
 @_backward_op.register_fake
-def _(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale):
+def _(q, k, v, out, lse, out_residual, grad_out, attn_mask, is_causal, scale):
     return tuple(x.new_empty(x.shape) for x in (q, k, v))  # contiguous, like the kernels'
 
 
 @torch.library.custom_op("jvp_attention::backward_tangent", mutates_args=(), tags=_FIXED_STRIDES)
 def _backward_tangent_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv: Tensor,
                          out: Tensor, lse: Tensor, tangent_out: Tensor, mu: Tensor,
+                         out_residual: Tensor, tangent_out_residual: Tensor,
                          grad_out: Tensor, grad_tangent_out: Tensor, attn_mask: Tensor | None,
                          is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor,
                                                                  Tensor, Tensor, Tensor]:
-    return flash_attention_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale,
-                                    (tq, tk, tv), tangent_out, mu, grad_tangent_out)
+    return flash_attention_backward(
+        q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, (tq, tk, tv), tangent_out,
+        mu, grad_tangent_out, _residual_or_none(out_residual),
+        _residual_or_none(tangent_out_residual))
 
 
 @_backward_tangent_op.register_fake
-def _(q, k, v, tq, tk, tv, out, lse, tangent_out, mu, grad_out, grad_tangent_out, attn_mask,
-      is_causal, scale):
+def _(q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual, tangent_out_residual,
+      grad_out, grad_tangent_out, attn_mask, is_causal, scale):
     return tuple(x.new_empty(x.shape) for x in (q, k, v, q, k, v))
+
+
+def _NO_RESIDUAL(q: Tensor) -> Tensor:  # noqa: N802 - reads as a constant at the call sites
+    """The placeholder for "no rounding residual": an empty tensor."""
+    return q.new_empty((0,))
+
+
+def _residual_or_none(residual: Tensor) -> Tensor | None:
+    return residual if residual.numel() else None
+
+
+def _wants_residual(q: Tensor) -> bool:
+    """Keep the outputs' rounding residuals for the backward: 16-bit inputs, accurate mode."""
+    return q.dtype != torch.float32 and accurate()
 
 
 def _empty_out(q: Tensor, v: Tensor) -> Tensor:
@@ -201,24 +231,24 @@ class _Attention(torch.autograd.Function):
         return _vmap_by_folding(_Attention, info, in_dims, *args)
 
     @staticmethod
-    def forward(q, k, v, attn_mask, is_causal, scale):
-        return torch.ops.jvp_attention.forward(q, k, v, attn_mask, is_causal, scale)
+    def forward(q, k, v, attn_mask, is_causal, scale, residual):
+        return torch.ops.jvp_attention.forward(q, k, v, attn_mask, is_causal, scale, residual)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, attn_mask, is_causal, scale = inputs
-        out, lse = output
-        ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+        q, k, v, attn_mask, is_causal, scale, _ = inputs
+        out, lse, out_residual = output
+        ctx.mark_non_differentiable(lse, out_residual)
+        ctx.save_for_backward(q, k, v, out, lse, out_residual, attn_mask)
         ctx.is_causal, ctx.scale = is_causal, scale
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, attn_mask = ctx.saved_tensors
-        dq, dk, dv = torch.ops.jvp_attention.backward(q, k, v, out, lse, grad_out, attn_mask,
-                                                      ctx.is_causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+    def backward(ctx, grad_out, grad_lse, grad_residual):
+        q, k, v, out, lse, out_residual, attn_mask = ctx.saved_tensors
+        dq, dk, dv = torch.ops.jvp_attention.backward(q, k, v, out, lse, out_residual, grad_out,
+                                                      attn_mask, ctx.is_causal, ctx.scale)
+        return dq, dk, dv, None, None, None, None
 
 
 class _FusedTangent(torch.autograd.Function):
@@ -227,36 +257,39 @@ class _FusedTangent(torch.autograd.Function):
         return _vmap_by_folding(_FusedTangent, info, in_dims, *args)
 
     @staticmethod
-    def forward(q, k, v, tq, tk, tv, attn_mask, is_causal, scale):
+    def forward(q, k, v, tq, tk, tv, attn_mask, is_causal, scale, residual):
         return torch.ops.jvp_attention.forward_jvp(q, k, v, tq, tk, tv, attn_mask, is_causal,
-                                                   scale)
+                                                   scale, residual)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, tq, tk, tv, attn_mask, is_causal, scale = inputs
-        out, tangent_out, lse, mu = output
-        ctx.mark_non_differentiable(lse, mu)
+        q, k, v, tq, tk, tv, attn_mask, is_causal, scale, _ = inputs
+        out, tangent_out, lse, mu, out_residual, tangent_out_residual = output
+        ctx.mark_non_differentiable(lse, mu, out_residual, tangent_out_residual)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, tq, tk, tv, out, lse, tangent_out, mu, attn_mask)
+        ctx.save_for_backward(q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual,
+                              tangent_out_residual, attn_mask)
         ctx.save_for_forward(tangent_out)
         ctx.is_causal, ctx.scale = is_causal, scale
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, grad_tangent_out, grad_lse, grad_mu):
-        q, k, v, tq, tk, tv, out, lse, tangent_out, mu, attn_mask = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_tangent_out, *_):
+        (q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual, tangent_out_residual,
+         attn_mask) = ctx.saved_tensors
         if grad_out is None and grad_tangent_out is None:
-            return (None,) * 9
+            return (None,) * 10
         if grad_out is None:
             grad_out = _zeros_like(out)
         if grad_tangent_out is None:
-            dq, dk, dv = torch.ops.jvp_attention.backward(q, k, v, out, lse, grad_out,
-                                                          attn_mask, ctx.is_causal, ctx.scale)
-            return dq, dk, dv, None, None, None, None, None, None
+            dq, dk, dv = torch.ops.jvp_attention.backward(q, k, v, out, lse, out_residual,
+                                                          grad_out, attn_mask, ctx.is_causal,
+                                                          ctx.scale)
+            return dq, dk, dv, None, None, None, None, None, None, None
         grads = torch.ops.jvp_attention.backward_tangent(
-            q, k, v, tq, tk, tv, out, lse, tangent_out, mu, grad_out, grad_tangent_out,
-            attn_mask, ctx.is_causal, ctx.scale)
-        return (*grads, None, None, None)
+            q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual, tangent_out_residual,
+            grad_out, grad_tangent_out, attn_mask, ctx.is_causal, ctx.scale)
+        return (*grads, None, None, None, None)
 
 
 class _AttentionWithTangent(_FusedTangent):
@@ -273,7 +306,7 @@ class _AttentionWithTangent(_FusedTangent):
         (tangent_out,) = ctx.saved_tensors
         # A copy, not the output itself: forward AD refuses a tangent that is also an output
         # with a tangent of its own, and the copy keeps tO's autograd history for chapter 6.
-        return tangent_out.clone(), _zeros_like(tangent_out), None, None
+        return tangent_out.clone(), _zeros_like(tangent_out), None, None, None, None
 
 
 # %% [markdown]
@@ -425,9 +458,10 @@ def attention(
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     tangents = _tangents_of(q, k, v)
     if tangents is None:
-        out, _ = _Attention.apply(q, k, v, mask, is_causal, scale)
+        out, _, _ = _Attention.apply(q, k, v, mask, is_causal, scale, _wants_residual(q))
     else:
-        out, _, _, _ = _AttentionWithTangent.apply(q, k, v, *tangents, mask, is_causal, scale)
+        out = _AttentionWithTangent.apply(q, k, v, *tangents, mask, is_causal, scale,
+                                          _wants_residual(q))[0]
     return out.reshape(*query.shape[:-1], value.shape[-1])
 
 
@@ -471,7 +505,8 @@ def attention_jvp(
     q, k, v, mask = _as_4d(query, key, value, attn_mask)
     tq, tk, tv = (t.reshape(x.shape) for t, x in zip(tangents, (q, k, v), strict=True))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, tangent_out, _, _ = _FusedTangent.apply(q, k, v, tq, tk, tv, mask, is_causal, scale)
+    out, tangent_out = _FusedTangent.apply(q, k, v, tq, tk, tv, mask, is_causal, scale,
+                                           _wants_residual(q))[:2]
     shape = (*query.shape[:-1], value.shape[-1])
     return out.reshape(shape), tangent_out.reshape(shape)
 
