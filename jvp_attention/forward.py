@@ -244,7 +244,9 @@ def prune_wide_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -
     the tangent; with JVP_ATTENTION_AUTOTUNE=0 keep only the first tile that fits."""
     width = max(named_args["head_dim"], named_args["value_dim"])
     budget = 128 * 128 if width <= 64 else 128 * 64
-    if width > 128 or kwargs.get("HAS_TANGENT", False):
+    if width > 128:
+        budget //= 4
+    if kwargs.get("HAS_TANGENT", False):
         budget //= 2
     if named_args["q_ptr"].dtype == torch.float32:
         budget //= 4  # fp32 tiles take twice the registers and shared memory, IEEE dots more
@@ -258,7 +260,7 @@ AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
 
 _attention_forward = triton.autotune(
     configs=tile_configs([(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3),
-                          (64, 64, 4, 3), (64, 128, 4, 2), (64, 32, 4, 2)]),
+                          (64, 64, 4, 3), (64, 128, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)]),
     key=AUTOTUNE_KEYS,
     prune_configs_by={"early_config_prune": prune_wide_tiles},
 )(_attention_forward_kernel)

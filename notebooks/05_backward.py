@@ -423,7 +423,7 @@ def _attention_backward_dq_kernel(
 
 # %% tags=["export"]
 _BACKWARD_TILES = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2),
-                   (32, 64, 4, 3)]
+                   (32, 64, 4, 3), (32, 32, 4, 1)]
 _backward_dkdv = triton.autotune(
     configs=tile_configs(_BACKWARD_TILES), key=AUTOTUNE_KEYS,
     prune_configs_by={"early_config_prune": prune_wide_tiles},

@@ -80,7 +80,8 @@ import math
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.overrides import TorchFunctionMode
 
 from jvp_attention.backward import flash_attention_backward
@@ -210,6 +211,43 @@ def _zeros_like(x: Tensor) -> Tensor:
     return x.new_zeros(()).expand_as(x)
 
 
+class _RefuseDoubleBackward(torch.autograd.Function):
+    """Passes gradients through; differentiating them again raises."""
+
+    @staticmethod
+    def forward(n_anchors, *tensors):
+        return tuple(g.detach() for g in tensors[n_anchors:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(
+            "jvp_attention has no derivative of its backward pass (double backward, e.g. "
+            "create_graph=True for a gradient penalty, or a gradient of a gradient). The "
+            "supported second-order case is the backward through the tangent output of jvp.")
+
+
+def _differentiable_once(backward):
+    """Run a Function's backward with autograd off (the kernels are not differentiable). If
+    its result could be differentiated again (create_graph=True, nested torch.func.grad), tie
+    the gradients to the saved inputs through a node that raises when that happens, instead
+    of letting them pass as constants and give a silently wrong second derivative."""
+    def run(ctx, *grad_outputs):
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        anchors = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+        anchors += [g for g in grad_outputs if isinstance(g, Tensor) and g.requires_grad]
+        if not torch.is_grad_enabled() or not anchors:
+            return grads
+        present = [g for g in grads if g is not None]
+        tied = iter(_RefuseDoubleBackward.apply(len(anchors), *anchors, *present))
+        return tuple(None if g is None else next(tied) for g in grads)
+    return run
+
+
 def _fold_vmap_dim(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
     """Merge vmap's batch dimension into the leading batch dimension of a (B, H, N, D) tensor."""
     if not isinstance(x, Tensor):
@@ -243,7 +281,7 @@ class _Attention(torch.autograd.Function):
         ctx.is_causal, ctx.scale = is_causal, scale
 
     @staticmethod
-    @once_differentiable
+    @_differentiable_once
     def backward(ctx, grad_out, grad_lse, grad_residual):
         q, k, v, out, lse, out_residual, attn_mask = ctx.saved_tensors
         dq, dk, dv = torch.ops.jvp_attention.backward(q, k, v, out, lse, out_residual, grad_out,
@@ -273,7 +311,7 @@ class _FusedTangent(torch.autograd.Function):
         ctx.is_causal, ctx.scale = is_causal, scale
 
     @staticmethod
-    @once_differentiable
+    @_differentiable_once
     def backward(ctx, grad_out, grad_tangent_out, *_):
         (q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual, tangent_out_residual,
          attn_mask) = ctx.saved_tensors
@@ -521,6 +559,12 @@ def _as_4d(query, key, value, attn_mask):
     return q, k, v, mask.reshape(-1, *mask.shape[-3:])
 
 
+def _forward_transforms() -> int:
+    """How many torch.func.jvp transforms are active around this call."""
+    return sum(interpreter.key() == TransformType.Jvp
+               for interpreter in retrieve_all_functorch_interpreters())
+
+
 def _tangents_of(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     """The forward-mode tangents of q, k, v (zeros where one has none), or None if none has."""
     if torch.compiler.is_compiling():
@@ -528,6 +572,10 @@ def _tangents_of(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tenso
     tangents = [forward_ad.unpack_dual(x).tangent for x in (q, k, v)]
     if all(t is None for t in tangents):
         return None
+    if _forward_transforms() > 1:
+        raise NotImplementedError(
+            "jvp_attention computes first-order forward derivatives only; a jvp of a jvp "
+            "(forward-over-forward) is not supported. Use reverse-over-forward instead.")
     return tuple(_zeros_like(x) if t is None else t for x, t in zip((q, k, v), tangents,
                                                                     strict=True))
 

@@ -251,14 +251,7 @@ def _nested(attend, q, k, v, tangents, outer_tangent, which):
     return torch.func.jvp(inner, (q,), (outer_tangent,))[1]
 
 
-FORWARD_OVER_FORWARD_BUG = (
-    "BUG: a jvp of a jvp returns wrong numbers silently. _AttentionWithTangent.jvp raises only "
-    "when the tangent *inputs* (tq, tk, tv) carry an outer tangent; when only q does, it "
-    "returns the inner tangent tO as the outer tangent of out (ignoring gq) and zeros as the "
-    "outer tangent of tO. Expected NotImplementedError (or the right number).")
 
-
-@pytest.mark.xfail(strict=True, reason=FORWARD_OVER_FORWARD_BUG)
 @pytest.mark.parametrize("which", [0, 1], ids=["of-out", "of-tangent_out"])
 def test_forward_over_forward_raises_or_is_right(which: int) -> None:
     """A jvp of a jvp is not supported; it must raise NotImplementedError, never return a
@@ -289,15 +282,7 @@ def test_forward_over_reverse_raises() -> None:
         torch.func.jvp(grad_q, (p.q,), (p.tangents[0],))
 
 
-DOUBLE_BACKWARD_BUG = (
-    "BUG: double backward (create_graph=True, e.g. a gradient penalty) silently drops "
-    "attention's second derivative: the backward custom op has no autograd formula and its "
-    "output is treated as a constant, so d/dq of (|dq|^2 + |q|^2) comes back as exactly 2q. "
-    "Expected an error (e.g. @once_differentiable on the Functions' backward) or the right "
-    "number.")
 
-
-@pytest.mark.xfail(strict=True, reason=DOUBLE_BACKWARD_BUG)
 def test_double_backward_raises_or_is_right() -> None:
     p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
 
