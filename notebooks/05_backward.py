@@ -157,8 +157,19 @@ def _row_statistics_kernel(
 #   key columns past the end are masked to $-\infty$ in the boundary tiles (a zero-padded
 #   key could otherwise meet a very negative LSE and overflow).
 #
-# $P$ and $dS$ are rounded to the input dtype right before the products that consume them,
-# as in the forward; all accumulation is fp32.
+# $P$ and $dS$ are rounded to the input dtype right before the products that consume them;
+# all accumulation is fp32. In the default "accurate" precision mode (chapter 3) each such
+# operand is split into two 16-bit parts, $a = a_{hi} + a_{lo}$, one more product each.
+#
+# One more source of error hides in $\Delta = \mathrm{rowsum}(dO \circ O)$. Computed from the
+# *stored* 16-bit $O$, it is off by $O$'s rounding, and $dS = P \circ (dP - \Delta)$ subtracts
+# two nearly equal numbers wherever one key dominates a row (the first rows of causal
+# attention, peaked attention in trained models): that rounding comes back amplified in
+# $dQ$ and $dK$. On the H200, before the fix below, causal bf16 gradients measured up to 1.9x
+# (first order) and 2.3x (second order) the floor while non-causal ones sat at 1.0x. The
+# forward therefore also writes the *rounding residual* $O - \mathrm{round}(O)$ (one more
+# output-sized 16-bit tensor, kept for the backward), and the row-statistics kernel adds it
+# back: $\Delta$ is then computed from $O$ to about 16 more bits.
 
 # %% tags=["export"]
 @triton.jit
@@ -562,6 +573,37 @@ for dtype in (torch.float32, torch.float16):
         errors = backward_errors(*shape, dtype, **options)
         print(f"{str(dtype):14} {name:18} max|d(dQ, dK, dV)| "
               + "  ".join(f"{e:.1e}" for e in errors))
+
+# %% [markdown]
+# ## Accuracy against PyTorch's math path
+#
+# Ratios of our error to the floor (PyTorch's math path in the same dtype, both against
+# float64), in the two precision modes. "accurate" uses split products and the rounding
+# residual of $O$; "fast" rounds once and uses the stored $O$, as FlashAttention does.
+
+# %%
+from jvp_attention.forward import set_precision
+from jvp_attention.tangents import accuracy_table, float64_truth, format_table, math_path
+
+rows = {}
+for dtype in [torch.bfloat16, torch.float16] if FULL_SIZE else [torch.float16]:
+    for causal in (False, True):
+        q, k, v, grad_out = (torch.randn(2, 4, N, 64, device=DEVICE, dtype=dtype)
+                             for _ in range(4))
+        floor = math_path(q, k, v, is_causal=causal, grad_out=grad_out)
+        truth = float64_truth(q, k, v, is_causal=causal, grad_out=grad_out)
+        for mode in ("fast", "accurate"):
+            set_precision(mode)
+            fwd, (out_residual, _) = flash_attention_forward(q, k, v, is_causal=causal,
+                                                             residuals=True)
+            grads = flash_attention_backward(
+                q, k, v, fwd.out, fwd.lse, grad_out, is_causal=causal,
+                out_residual=out_residual if mode == "accurate" else None)
+            ours = dict(zip(("dq", "dk", "dv"), grads, strict=True))
+            rows[f"{str(dtype)[6:]:9} causal={causal!s:5} {mode}"] = accuracy_table(
+                ours, floor, truth)
+set_precision("accurate")
+print(format_table(rows))
 
 # %% [markdown]
 # No atomics means determinism: the same inputs give bitwise the same gradients.

@@ -90,10 +90,14 @@ def random_inputs(batch, hq, hkv, n_q, n_k, d, dtype):
 
 
 def second_order_grads(q, k, v, tangents, grad_out, grad_tangent_out, **options):
-    fwd = flash_attention_forward(q, k, v, tangents=tangents, **options)
+    """The six gradients from our kernels, with the forward's rounding residuals of O and
+    tO (chapter 5), as the autograd layer passes them."""
+    fwd, (out_res, t_out_res) = flash_attention_forward(q, k, v, tangents=tangents,
+                                                        residuals=True, **options)
     return flash_attention_backward(q, k, v, fwd.out, fwd.lse, grad_out, tangents=tangents,
                                     tangent_out=fwd.tangent_out, mu=fwd.mu,
-                                    grad_tangent_out=grad_tangent_out, **options)
+                                    grad_tangent_out=grad_tangent_out, out_residual=out_res,
+                                    tangent_out_residual=t_out_res, **options)
 
 
 padding = torch.rand(1, 1, 1, N, device=DEVICE) > 0.3
@@ -121,7 +125,9 @@ for name, shape, options in [
 #
 # The floor is the math path differentiated through its own JVP in the same dtype. In the
 # default "accurate" precision mode the kernels split every fp32 operand of a 16-bit product
-# into two 16-bit parts (chapter 3); "fast" rounds once. Ratios (our error / floor):
+# into two 16-bit parts (chapter 3); "fast" rounds once. Both use the rounding residuals of
+# $O$ and $t_O$ here: $c$ and $\Delta_2$ cancel like chapter 5's $\Delta$. Ratios (our error /
+# floor):
 
 # %%
 DTYPES = [torch.bfloat16, torch.float16] if FULL_SIZE else [torch.float16]
