@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # 1. The math of attention and its JVP, checked in float64
+# # Chapter 1: the math of attention and its JVP, checked in float64
 #
 # Consistency models, MeanFlow and their relatives differentiate a transformer *forward*:
 # they call `torch.func.jvp` through it. PyTorch's fused attention backends refuse forward-mode
