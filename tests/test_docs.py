@@ -5,12 +5,16 @@ chapter in Debian's headless Chromium (/usr/bin/chromium), driven by Playwright,
 downloads a browser of its own. It checks that the math is typeset by the vendored KaTeX, that
 every image loads, that nothing is fetched from another host and that the console stays free
 of errors. With SAVE_SCREENSHOTS=1 it also saves docs/screenshots/landing.png and chapter.png.
+
+A chapter is shown from its executed copy docs/executed/NN_name.ipynb when there is one (with
+the outputs of a GPU run), else from notebooks/NN_name.py; either way its page links the .py.
 """
 
 from __future__ import annotations
 
 import functools
 import http.server
+import json
 import os
 import re
 import subprocess
@@ -20,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import jupytext
+import nbformat
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,20 +40,19 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
 ]
 CHAPTERS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.py"))
+EXECUTED = REPO / "docs" / "executed"
 # A tag that loads something from another host: http://, https:// or protocol-relative //.
 REMOTE_LOAD = re.compile(
     r"<(?:script|link|img|iframe|source)\b[^>]*\b(?:src|href)=\"(?:https?:)?//"
 )
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The site, built with `mkdocs build --strict` (any warning fails the build)."""
-    site_dir = tmp_path_factory.mktemp("site")
+def build_site(site_dir: Path, **env: str) -> Path:
+    """`mkdocs build --strict` into `site_dir` (any warning fails the build)."""
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
         cwd=REPO,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1", **env},
         capture_output=True,
         text=True,
         check=False,
@@ -56,11 +61,70 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return site_dir
 
 
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as the repository builds it."""
+    return build_site(tmp_path_factory.mktemp("site"))
+
+
 def test_site_builds_with_every_chapter(site: Path) -> None:
     for page in ["index.html", "install/index.html", "api/index.html"]:
         assert (site / page).is_file(), page
     for notebook in CHAPTERS:
         assert (site / "notebooks" / notebook.stem / "index.html").is_file(), notebook.name
+
+
+def test_every_chapter_page_links_its_source(site: Path) -> None:
+    for notebook in CHAPTERS:
+        stem = notebook.stem
+        page = (site / "notebooks" / stem / "index.html").read_text()
+        assert 'class="admonition info chapter-source"' in page, f"{stem}: no source note"
+        assert f'href="{stem}.py"' in page, f"{stem}: no link to its source"
+        assert (site / "notebooks" / stem / f"{stem}.py").read_text() == notebook.read_text()
+        if (EXECUTED / f"{stem}.ipynb").is_file():
+            assert f'href="{stem}.ipynb"' in page, f"{stem}: no link to its executed notebook"
+            assert (site / "notebooks" / stem / f"{stem}.ipynb").is_file()
+        else:
+            assert "not yet executed for the site" in page, f"{stem}: says nothing of outputs"
+
+
+def test_executed_copy_replaces_the_chapter(tmp_path: Path) -> None:
+    """With docs/executed/NN_name.ipynb, the chapter shows that notebook and its outputs."""
+    if not CHAPTERS:
+        pytest.skip("skipped: notebooks/ has no chapter yet")
+    chapter, marker = CHAPTERS[0], "an output from the executed copy"
+    notebook = jupytext.read(chapter)
+    code = next(cell for cell in notebook.cells if cell.cell_type == "code")
+    code.outputs = [nbformat.v4.new_output("stream", name="stdout", text=marker + "\n")]
+    code.execution_count = 1
+    notebook.metadata["jvp_attention"] = {
+        "source": f"notebooks/{chapter.name}",
+        "seconds": 12.3,
+        "device": "Test GPU 9000",
+        "date": "2000-01-02",
+    }
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    jupytext.write(notebook, executed / f"{chapter.stem}.ipynb")
+    site = build_site(tmp_path / "site", JVP_ATTENTION_EXECUTED=str(executed))
+
+    folder = site / "notebooks" / chapter.stem
+    page = (folder / "index.html").read_text()
+    assert marker in page, "the chapter page does not show the executed notebook's output"
+    assert "on Test GPU 9000" in page and "2000-01-02" in page, "no provenance of the outputs"
+    assert (folder / f"{chapter.stem}.py").read_text() == chapter.read_text()
+    shown = json.loads((folder / f"{chapter.stem}.ipynb").read_text())
+    assert shown["metadata"]["jvp_attention"]["device"] == "Test GPU 9000"
+    home = (site / "index.html").read_text()
+    links = [home.find(f'href="notebooks/{notebook.stem}/"') for notebook in CHAPTERS]
+    assert -1 not in links and links == sorted(links), "the chapters left their reading order"
+    title = jupytext.read(chapter).cells[0].source.splitlines()[0].removeprefix("# ")
+    assert f"<title>{title}" in page.replace("&amp;", "&"), "the chapter lost its title"
+    for other in CHAPTERS[1:]:
+        assert (
+            "not yet executed for the site"
+            in (site / "notebooks" / other.stem / "index.html").read_text()
+        ), f"{other.stem} is not shown from its source"
 
 
 def test_site_loads_nothing_from_other_hosts(site: Path) -> None:
@@ -161,8 +225,11 @@ def check_page(context: object, url: str, screenshot: str) -> None:
         target = REPO / "docs" / "screenshots" / screenshot
         target.parent.mkdir(parents=True, exist_ok=True)
         height = min(page.evaluate("document.documentElement.scrollHeight"), SCREENSHOT_MAX_PX)
-        clip = {"x": 0, "y": 0, "width": 1280, "height": height}
-        page.screenshot(path=str(target), full_page=True, clip=clip)
+        # A viewport as tall as the shot, rather than a full-page capture, which scrolls and
+        # makes the theme start hiding its navigation tabs.
+        page.set_viewport_size({"width": 1280, "height": height})
+        page.wait_for_timeout(1_000)  # the theme's transitions
+        page.screenshot(path=str(target))
     page.close()
 
 
