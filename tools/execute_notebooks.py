@@ -5,8 +5,9 @@
 The GPU machine has no Jupyter stack and no network, so this runs each notebook's code cells
 in one namespace in this process, records what they print (stdout, stderr), the value of a
 final bare expression, errors, and every matplotlib figure a cell leaves open (as PNG), and
-writes an nbformat-4 notebook per source. The cells' sources are the notebook's own, so
-`tests/test_docs.py` can check that an executed notebook still matches its source.
+writes an nbformat-4 notebook per source, with the machine it ran on in its metadata. The
+cells' sources are the notebook's own, so `tests/test_executed.py` can check that an executed
+notebook still matches its source.
 Stops a notebook at its first error (recorded in the output), like nbconvert does.
 """
 
@@ -103,6 +104,18 @@ def run_cell(source: str, namespace: dict, count: int) -> tuple[list[dict], bool
     return outputs, ok
 
 
+def _machine() -> dict:
+    """Where the outputs came from: the GPU (if any), library versions, the date."""
+    import datetime
+
+    import torch
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat()}
+
+
 def execute(path: Path, out_dir: Path) -> bool:
     """Execute one notebook; write OUT_DIR/<name>.ipynb; return True if no cell failed."""
     os.environ.setdefault("MPLBACKEND", "Agg")
@@ -135,7 +148,8 @@ def execute(path: Path, out_dir: Path) -> bool:
                                     "name": "python3"},
                      "language_info": {"name": "python"},
                      "jvp_attention": {"source": f"notebooks/{path.name}",
-                                       "seconds": round(time.perf_counter() - start, 1)}},
+                                       "seconds": round(time.perf_counter() - start, 1),
+                                       **_machine()}},
         "nbformat": 4,
         "nbformat_minor": 5,
     }
