@@ -99,11 +99,19 @@ def test_no_error_outputs(executed: Path) -> None:
     )
 
 
+# Chapters whose outputs do not depend on the machine (float64 math on small shapes): a CPU
+# run is as good as a GPU run for them. Every other chapter's outputs must come from a GPU.
+CPU_IS_ENOUGH = {"01_reference"}
+
+
 @pytest.mark.parametrize("executed", NOTEBOOKS)
 def test_records_the_gpu_it_ran_on(executed: Path) -> None:
     recorded = json.loads(executed.read_text())["metadata"].get("jvp_attention", {})
     device = str(recorded.get("device", ""))
-    assert device and device.lower() != "cpu", (
+    if executed.stem in CPU_IS_ENOUGH:
+        assert device, f"{executed.name}: its metadata does not name the machine it ran on"
+        return
+    assert device and not device.lower().startswith("cpu"), (
         f"{executed.name}: its metadata does not name the GPU it ran on "
         f"(metadata.jvp_attention.device); the site's outputs must come from a GPU run made "
         f"with the command in docs/install.md (Executed notebooks), which records it"

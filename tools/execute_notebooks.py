@@ -111,7 +111,7 @@ def _machine() -> dict:
     import torch
     import triton
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no CUDA device)"
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat()}
 
