@@ -64,6 +64,7 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
+import jvp_attention.forward as forward_module
 from jvp_attention.backward import flash_attention_backward
 from jvp_attention.forward import flash_attention_forward
 from jvp_attention.reference import reference_attention
@@ -310,25 +311,61 @@ def kernel_forward(p: Problem, with_tangents: bool = True,
     return {name: getattr(result, name) for name in names}
 
 
-def kernel_backward(p: Problem, poison: float = math.nan) -> dict[str, torch.Tensor]:
+def _kernel_forward_for_backward(p: Problem, tangents, residuals: bool):
+    """The forward whose saved outputs a backward uses, with its rounding residuals (the
+    autograd layer's path: the row statistics then use the fp32 outputs) or without."""
+    if residuals:
+        return flash_attention_forward(p.q, p.k, p.v, **p.options, tangents=tangents,
+                                       residuals=True)
+    return flash_attention_forward(p.q, p.k, p.v, **p.options, tangents=tangents), (None, None)
+
+
+def kernel_backward(p: Problem, poison: float = math.nan,
+                    residuals: bool = True) -> dict[str, torch.Tensor]:
     """dq, dk, dv of `p` from the kernels' own forward (saved out and lse)."""
-    fwd = flash_attention_forward(p.q, p.k, p.v, **p.options)
+    fwd, (out_residual, _) = _kernel_forward_for_backward(p, None, residuals)
     with poisoned_allocations(poison):
         grads = flash_attention_backward(p.q, p.k, p.v, fwd.out, fwd.lse, p.grad_out,
-                                         p.attn_mask, p.spec.causal, p.spec.scale)
+                                         p.attn_mask, p.spec.causal, p.spec.scale,
+                                         out_residual=out_residual)
     return dict(zip(GRAD_NAMES, grads, strict=True))
 
 
-def kernel_second_order(p: Problem, poison: float = math.nan) -> dict[str, torch.Tensor]:
+def kernel_second_order(p: Problem, poison: float = math.nan,
+                        residuals: bool = True) -> dict[str, torch.Tensor]:
     """dq, dk, dv, dtq, dtk, dtv of the loss <dO, out> + <dtO, tangent_out>, from the
     kernels' own forward with tangents."""
-    fwd = flash_attention_forward(p.q, p.k, p.v, **p.options, tangents=p.tangents)
+    fwd, (out_residual, tangent_out_residual) = _kernel_forward_for_backward(p, p.tangents,
+                                                                             residuals)
     with poisoned_allocations(poison):
         grads = flash_attention_backward(
             p.q, p.k, p.v, fwd.out, fwd.lse, p.grad_out, p.attn_mask, p.spec.causal,
             p.spec.scale, tangents=p.tangents, tangent_out=fwd.tangent_out, mu=fwd.mu,
-            grad_tangent_out=p.grad_tangent_out)
+            grad_tangent_out=p.grad_tangent_out, out_residual=out_residual,
+            tangent_out_residual=tangent_out_residual)
     return dict(zip(SECOND_ORDER_NAMES, grads, strict=True))
+
+
+@contextlib.contextmanager
+def precision(mode: str) -> Iterator[None]:
+    """Run the block in one of the library's precision modes ("accurate", "fast")."""
+    previous = forward_module._precision["mode"]
+    forward_module.set_precision(mode)
+    try:
+        yield
+    finally:
+        forward_module.set_precision(previous)
+
+
+# Problems for the checks of the other paths (precision "fast", no residuals): GQA with a
+# key-padding mask and causal; a per-head additive mask on the (B, N, H, D) layout; rows that
+# see no key.
+OTHER_PATH_CASES = [
+    Spec(batch=2, hq=4, hkv=2, nq=33, nk=17, d=40, mask="keypad", causal=True),
+    Spec(batch=2, nq=17, nk=40, d=64, dv=32, mask="additive4d", layout="bnhd"),
+    Spec(hq=2, hkv=1, nq=40, nk=33, d=16, mask="empty_rows", causal=True,
+         cotangent="expanded"),
+]
 
 
 # --- truth and floor ----------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The backward kernels (`flash_attention_backward` without tangents): dQ, dK, dV against the
 float64 reference, within twice PyTorch's own error (see tests/helpers.py).
 
-The kernels differentiate their own forward (its saved O and LSE), as autograd would use them.
+The kernels differentiate their own forward: its saved O and LSE and, as the autograd layer
+runs them, the rounding residuals of O (`test_backward_other_paths` covers the launchers without
+residuals and in precision "fast").
 """
 
 import math
@@ -11,6 +13,7 @@ import torch
 from helpers import (
     DEVICE,
     FUZZ_STRATEGIES,
+    OTHER_PATH_CASES,
     Spec,
     assert_accurate,
     assert_empty_rows_are_zero,
@@ -22,6 +25,7 @@ from helpers import (
     fuzz_spec,
     kernel_backward,
     make_problem,
+    precision,
 )
 from hypothesis import given
 
@@ -34,11 +38,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def check_backward(spec: Spec, dtype: torch.dtype, seed: int = 0, device: str = DEVICE) -> None:
+def check_backward(spec: Spec, dtype: torch.dtype, seed: int = 0, device: str = DEVICE,
+                   residuals: bool = True) -> None:
     """dq, dk, dv accurate, finite everywhere, and dq zero on rows that see no key."""
     p = make_problem(spec, dtype, seed, device)
     truth, floor = expected_backward(p)
-    ours = kernel_backward(p)
+    ours = kernel_backward(p, residuals=residuals)
     cancellation = cancellation_scale(p)
     assert_accurate(ours, truth, floor, dtype, p.label, "backward",
                     cancellation=cancellation)
@@ -61,6 +66,16 @@ def test_backward_is_deterministic_and_writes_every_gradient(spec: Spec, dtype) 
     first, second = kernel_backward(p, poison=math.nan), kernel_backward(p, poison=7.0)
     for name in first:
         assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
+
+
+@pytest.mark.parametrize("path", ["fast-precision", "no-residuals"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+@pytest.mark.parametrize("spec", OTHER_PATH_CASES, ids=lambda s: s.id)
+def test_backward_other_paths(spec: Spec, dtype: torch.dtype, path: str) -> None:
+    """The launchers' other paths: precision "fast" (one 16-bit rounding per product), and
+    the row statistics from the 16-bit outputs (no rounding residuals from the forward)."""
+    with precision("fast" if path == "fast-precision" else "accurate"):
+        check_backward(spec, dtype, residuals=path != "no-residuals")
 
 
 def test_gqa_gradients_sum_over_the_group() -> None:

@@ -14,6 +14,7 @@ from helpers import (
     DEVICE,
     FUZZ_STRATEGIES,
     MASK_KINDS,
+    OTHER_PATH_CASES,
     Spec,
     assert_accurate,
     assert_empty_rows_are_zero,
@@ -25,6 +26,7 @@ from helpers import (
     kernel_forward,
     make_problem,
     poisoned_allocations,
+    precision,
 )
 from hypothesis import given
 
@@ -109,6 +111,14 @@ def test_the_accuracy_rule_catches_a_small_error() -> None:
             off[name][0, 0, 0, ...] += 1e-2
             with pytest.raises(AssertionError, match=f"{name}: max error"):
                 assert_accurate(off, truth, floor, dtype, p.label)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+@pytest.mark.parametrize("spec", OTHER_PATH_CASES, ids=lambda s: s.id)
+def test_forward_in_fast_precision(spec: Spec, dtype: torch.dtype) -> None:
+    """precision "fast": one 16-bit rounding per product, as FlashAttention does."""
+    with precision("fast"):
+        check_forward(spec, dtype, with_plain=False)
 
 
 def test_poison_reaches_the_launchers() -> None:

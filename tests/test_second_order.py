@@ -4,6 +4,8 @@ within twice PyTorch's own error (see tests/helpers.py).
 
 This is "reverse over forward", the gradient a consistency-model or MeanFlow loss needs when it
 uses the JVP's output: PyTorch's math path computes it with autograd through `torch.func.jvp`.
+The kernels run as the autograd layer runs them (with the forward's rounding residuals);
+`test_second_order_other_paths` covers the launchers without residuals and in precision "fast".
 """
 
 import math
@@ -13,6 +15,7 @@ import torch
 from helpers import (
     DEVICE,
     FUZZ_STRATEGIES,
+    OTHER_PATH_CASES,
     Spec,
     assert_accurate,
     assert_empty_rows_are_zero,
@@ -25,6 +28,7 @@ from helpers import (
     kernel_backward,
     kernel_second_order,
     make_problem,
+    precision,
 )
 from hypothesis import given
 
@@ -38,10 +42,10 @@ def one_thread():
 
 
 def check_second_order(spec: Spec, dtype: torch.dtype, seed: int = 0,
-                       device: str = DEVICE) -> None:
+                       device: str = DEVICE, residuals: bool = True) -> None:
     p = make_problem(spec, dtype, seed, device)
     truth, floor = expected_second_order(p)
-    ours = kernel_second_order(p)
+    ours = kernel_second_order(p, residuals=residuals)
     cancellation = cancellation_scale(p, second_order=True)
     assert_accurate(ours, truth, floor, dtype, p.label, "second order",
                     cancellation=cancellation)
@@ -60,6 +64,16 @@ def test_second_order_is_deterministic_and_writes_every_gradient(dtype) -> None:
     first, second = kernel_second_order(p, poison=math.nan), kernel_second_order(p, poison=7.0)
     for name in first:
         assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
+
+
+@pytest.mark.parametrize("path", ["fast-precision", "no-residuals"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+@pytest.mark.parametrize("spec", OTHER_PATH_CASES, ids=lambda s: s.id)
+def test_second_order_other_paths(spec: Spec, dtype: torch.dtype, path: str) -> None:
+    """The launchers' other paths: precision "fast" (one 16-bit rounding per product), and
+    the row statistics from the 16-bit outputs (no rounding residuals from the forward)."""
+    with precision("fast" if path == "fast-precision" else "accurate"):
+        check_second_order(spec, dtype, residuals=path != "no-residuals")
 
 
 def test_zero_tangent_cotangent_reduces_to_the_plain_backward() -> None:
