@@ -171,9 +171,11 @@ def _residual_or_none(residual: Tensor) -> Tensor | None:
     return residual if residual.numel() else None
 
 
-def _wants_residual(q: Tensor) -> bool:
-    """Keep the outputs' rounding residuals for the backward: 16-bit inputs, accurate mode."""
-    return q.dtype != torch.float32 and accurate()
+def _wants_residual(*inputs: Tensor) -> bool:
+    """Keep the outputs' rounding residuals for the backward: only if a backward can happen,
+    for 16-bit inputs, in the accurate precision mode (inference pays nothing for them)."""
+    differentiable = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    return differentiable and inputs[0].dtype != torch.float32 and accurate()
 
 
 def _empty_out(q: Tensor, v: Tensor) -> Tensor:
@@ -496,10 +498,11 @@ def attention(
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     tangents = _tangents_of(q, k, v)
     if tangents is None:
-        out, _, _ = _Attention.apply(q, k, v, mask, is_causal, scale, _wants_residual(q))
+        out, _, _ = _Attention.apply(q, k, v, mask, is_causal, scale,
+                                     _wants_residual(q, k, v))
     else:
         out = _AttentionWithTangent.apply(q, k, v, *tangents, mask, is_causal, scale,
-                                          _wants_residual(q))[0]
+                                          _wants_residual(q, k, v, *tangents))[0]
     return out.reshape(*query.shape[:-1], value.shape[-1])
 
 
@@ -544,7 +547,7 @@ def attention_jvp(
     tq, tk, tv = (t.reshape(x.shape) for t, x in zip(tangents, (q, k, v), strict=True))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     out, tangent_out = _FusedTangent.apply(q, k, v, tq, tk, tv, mask, is_causal, scale,
-                                           _wants_residual(q))[:2]
+                                           _wants_residual(q, k, v, tq, tk, tv))[:2]
     shape = (*query.shape[:-1], value.shape[-1])
     return out.reshape(shape), tangent_out.reshape(shape)
 
