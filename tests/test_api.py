@@ -37,12 +37,8 @@ SPECS = [
 ids = [s.id for s in SPECS]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: one intra-op thread is ~10x faster than a contended pool (conftest).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def randn(*shape: int) -> torch.Tensor:

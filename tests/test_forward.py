@@ -30,15 +30,8 @@ from helpers import (
 )
 from hypothesis import given
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tensors are tiny: one intra-op thread is faster than a contended pool (and xdist
-    already runs one process per core)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: one intra-op thread is ~10x faster than a contended pool (conftest).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def check_forward(spec: Spec, dtype: torch.dtype, seed: int = 0, device: str = DEVICE,

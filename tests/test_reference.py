@@ -37,13 +37,8 @@ MASKS = ["nomask", "keypad", "additive", "emptyrow"]
 DIMS = [(16, 16), (40, 24), (64, 64), (80, 48), (128, 128)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: one intra-op thread is ~10x faster than a contended pool."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: one intra-op thread is ~10x faster than a contended pool (conftest).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
