@@ -27,15 +27,19 @@ def accuracy_case(b, h, n, d, dtype, causal, second_order):
     q, k, v, tq, tk, tv = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(6))
     do, dto = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(2))
     tangents = (tq, tk, tv)
-    fwd = flash_attention_forward(q, k, v, is_causal=causal, tangents=tangents)
+    # With rounding residuals, as the public API runs it whenever a backward can follow.
+    fwd, (res, t_res) = flash_attention_forward(q, k, v, is_causal=causal, tangents=tangents,
+                                                residuals=True)
     ours = {"out": fwd.out, "tangent_out": fwd.tangent_out}
     if second_order:
         grads = flash_attention_backward(q, k, v, fwd.out, fwd.lse, do, None, causal, None,
-                                         tangents, fwd.tangent_out, fwd.mu, dto)
+                                         tangents, fwd.tangent_out, fwd.mu, dto,
+                                         out_residual=res, tangent_out_residual=t_res)
         names = ("dq", "dk", "dv", "dtq", "dtk", "dtv")
     else:
-        plain = flash_attention_forward(q, k, v, is_causal=causal)
-        grads = flash_attention_backward(q, k, v, plain.out, plain.lse, do, None, causal)
+        plain, (res, _) = flash_attention_forward(q, k, v, is_causal=causal, residuals=True)
+        grads = flash_attention_backward(q, k, v, plain.out, plain.lse, do, None, causal,
+                                         out_residual=res)
         names = ("dq", "dk", "dv")
     ours.update(zip(names, grads, strict=True))
     options = {"is_causal": causal, "tangents": tangents, "grad_out": do,
