@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel
 
 try:
@@ -322,6 +321,40 @@ def _jvp_flash_attention_sdpa():
         F.scaled_dot_product_attention = previous
 
 
+def math_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False):
+    """softmax(s QK^T + mask) V in plain PyTorch ops: what SDPA's math backend computes (it
+    scales q and k by sqrt(s) each; we scale q by s), materialising the N x N scores.
+
+    The benchmark's "math" row uses this rather than `sdpa_kernel(SDPBackend.MATH)`: on CUDA
+    (torch 2.11, H200), the MATH backend under bf16 autocast raises in the backward of a
+    torch.func.jvp ("expected input and grad types to match, or input to be at::Half and grad
+    to be at::Float"), while the same ops written out run, with the same O(N^2) memory."""
+    if dropout_p or enable_gqa:
+        raise NotImplementedError("math_attention: no dropout or GQA in this example")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = (query * scale) @ key.transpose(-2, -1)
+    n_q, n_k = scores.shape[-2:]
+    if is_causal:
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    return torch.softmax(scores, dim=-1).to(value.dtype) @ value
+
+
+@contextlib.contextmanager
+def _math_sdpa():
+    """Route F.scaled_dot_product_attention to `math_attention`."""
+    previous = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = math_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = previous
+
+
 @contextlib.contextmanager
 def _fast_precision():
     """jvp_attention's "fast" precision (one 16-bit rounding per product, as FlashAttention
@@ -340,13 +373,14 @@ def _fast_precision():
 def attention_context(attention: str):
     """A context in which the model's SDPA calls run on `attention`, one of ATTENTIONS:
     "jvp_attention" (our kernels, default precision), "jvp_attention_fast" (our kernels in
-    "fast" precision), "math" (PyTorch's math path), "jvp_flash_attention"."""
+    "fast" precision), "math" (PyTorch's math path, written out: see `math_attention`),
+    "jvp_flash_attention"."""
     if attention == "jvp_attention":
         return jvp_attention.sdpa(strict=True)
     if attention == "jvp_attention_fast":
         return _fast_precision()
     if attention == "math":
-        return sdpa_kernel(SDPBackend.MATH)
+        return _math_sdpa()
     if attention == "jvp_flash_attention":
         return _jvp_flash_attention_sdpa()
     raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")

@@ -259,7 +259,7 @@ AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
                  "IS_CAUSAL", "MASK_KIND", "HAS_TANGENT"]
 
 _attention_forward = triton.autotune(
-    configs=tile_configs([(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3),
+    configs=tile_configs([(128, 64, 8, 2), (128, 32, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3),
                           (64, 64, 4, 3), (64, 128, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)]),
     key=AUTOTUNE_KEYS,
     prune_configs_by={"early_config_prune": prune_wide_tiles},

@@ -305,8 +305,10 @@ if FULL_SIZE:
 # One optimisation step (forward with the JVP, backward, Adam) of one model, with the
 # attention swapped underneath: our kernels through `jvp_attention.sdpa()` (in the default
 # "accurate" precision, and in "fast" precision, which rounds each 16-bit product once as
-# FlashAttention does; chapter 3 compares them), PyTorch's math path
-# (`sdpa_kernel(SDPBackend.MATH)`, what JVP training uses today), and jvp-flash-attention
+# FlashAttention does; chapter 3 compares them), PyTorch's math path (what JVP training uses
+# today; written out as `softmax(s QKᵀ) V` in PyTorch ops by `mf.math_attention`, because on
+# CUDA `sdpa_kernel(SDPBackend.MATH)` under bf16 autocast raises in the backward of this
+# torch.func.jvp, "expected input and grad types to match"), and jvp-flash-attention
 # 0.14's `JVPAttn.fwd_dual` when that package imports (it is skipped with a note otherwise).
 # The DiT has width 384, 6 blocks and 6 heads of 64; the batch of 8 images stays fixed while
 # the image grows from 32² to 128² pixels, 256 to 4096 tokens, so the math path's memory

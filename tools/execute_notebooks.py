@@ -16,6 +16,7 @@ import base64
 import contextlib
 import io
 import json
+import linecache
 import os
 import sys
 import time
@@ -79,15 +80,19 @@ def run_cell(source: str, namespace: dict, count: int) -> tuple[list[dict], bool
     """Execute one code cell; return its outputs and whether it succeeded."""
     stdout, stderr = io.StringIO(), io.StringIO()
     outputs, ok, value = [], True, None
+    # Register the cell's source under a file name, as IPython does: inspect.getsource (which
+    # @triton.jit needs to read a kernel's body) finds code in linecache.
+    filename = f"<cell-{count}-{abs(hash(source)):x}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     try:
-        tree = ast.parse(source)
+        tree = ast.parse(source, filename)
         last = tree.body[-1] if tree.body else None
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             if isinstance(last, ast.Expr):
-                exec(compile(ast.Module(tree.body[:-1], []), "<cell>", "exec"), namespace)
-                value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), namespace)
+                exec(compile(ast.Module(tree.body[:-1], []), filename, "exec"), namespace)
+                value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
             else:
-                exec(compile(tree, "<cell>", "exec"), namespace)
+                exec(compile(tree, filename, "exec"), namespace)
     except Exception as error:  # recorded in the notebook, like Jupyter shows it
         ok = False
         outputs.append({"output_type": "error", "ename": type(error).__name__,

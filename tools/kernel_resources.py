@@ -1,0 +1,175 @@
+"""Compile every autotuning configuration of the library's kernels for Hopper (sm_90), on a
+machine without a GPU, and report what each one needs: registers per thread, spilled bytes,
+shared memory. A configuration over the 227 KiB of shared memory a Hopper block may take
+cannot launch; one with spills is slow.
+
+    python tools/kernel_resources.py [--dtype bfloat16] [--head-dim 128] [--json out.json]
+
+How: each public launcher runs with CPU tensors while the autotuned kernels are replaced by
+recorders that keep the launch's arguments; each configuration is then compiled with
+`triton.compile` for `GPUTarget("cuda", 90, 128)` (ptxas ships with Triton). This is the
+`-Xptxas -v` report of the CUDA world, for Triton kernels.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # the GPU configurations, not the interpreter's one
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jvp_attention import backward, forward  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 128)
+SHARED_LIMIT = 232448  # bytes a block may take on sm_90 (227 KiB)
+
+
+class Recorder:
+    """Stands in for a triton.autotune object: records (kernel, configs, args) per launch."""
+
+    def __init__(self, tuned, name: str, launches: list):
+        self.tuned, self.name, self.launches = tuned, name, launches
+
+    def __getitem__(self, grid):
+        return self.record
+
+    def record(self, *args, **kwargs):
+        names = self.tuned.fn.arg_names
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        prune = self.tuned.early_config_prune
+        configs = prune(self.tuned.configs, bound, **bound) if prune else self.tuned.configs
+        self.launches.append((self.name, self.tuned.fn, configs, bound))
+
+
+def compile_report(kernel, bound: dict, config: triton.Config) -> dict:
+    """Compile one launch under one configuration for sm_90, specialised as a launch on a GPU
+    would be (16-byte alignment of pointers and strides, ints equal to 1), since alignment
+    decides vectorised and asynchronous copies and so the shared memory taken."""
+    backend = make_backend(HOPPER)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = {**{k: v for k, v in bound.items() if k in constexpr_names(kernel)},
+              **config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages,
+              "debug": False}
+    args = [bound[name] for name in kernel.arg_names if name not in kwargs]
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args,
+                                                              specialization, options)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
+                              options=options.__dict__)
+    return {**ptxas_report(compiled.asm["ptx"]), "shared": compiled.metadata.shared}
+
+
+def ptxas_report(ptx: str) -> dict:
+    """Registers and spills from `ptxas -v` on the kernel's PTX."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        result = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(source),
+                                 "-o", str(Path(folder) / "kernel.cubin")],
+                                capture_output=True, text=True, check=True)
+    text = result.stderr + result.stdout
+    registers = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    return {"regs": int(registers.group(1)) if registers else None,
+            "spills": int(spills.group(1)) if spills else None}
+
+
+def constexpr_names(kernel) -> set:
+    return {p.name for p in kernel.params if p.is_constexpr}
+
+
+def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str) -> list:
+    """Run the launchers on small CPU tensors with recorders in place of the kernels."""
+    launches: list = []
+    saved = {(forward, "_attention_forward"), (backward, "_backward_dkdv"),
+             (backward, "_backward_dq")}
+    originals = {(m, n): getattr(m, n) for m, n in saved}
+    try:
+        for module, name in saved:
+            setattr(module, name, Recorder(originals[(module, name)], name, launches))
+        shape = (1, 2, 256, head_dim)
+        q, k, v, tq, tk, tv, do, dto = (torch.randn(shape, dtype=dtype) for _ in range(8))
+        attn_mask = {"none": None, "bool": torch.ones(shape[2], shape[2], dtype=torch.bool),
+                     "additive": torch.zeros(shape[2], shape[2], dtype=dtype)}[mask]
+        for tangents in (None, (tq, tk, tv)):
+            fwd = forward.flash_attention_forward(q, k, v, attn_mask, causal, None, tangents)
+            lse = torch.zeros(shape[:3])
+            backward_launch(q, k, v, fwd.out, lse, do, attn_mask, causal, tangents, dto)
+    finally:
+        for (module, name), tuned in originals.items():
+            setattr(module, name, tuned)
+    return launches
+
+
+def backward_launch(q, k, v, out, lse, do, attn_mask, causal, tangents, dto):
+    """The backward's two tiled kernels (the row statistics kernel runs for real on CPU
+    tensors only in the interpreter, so it is skipped here)."""
+    row_kernel = backward._row_statistics_kernel
+    backward._row_statistics_kernel = _NoLaunch()
+    try:
+        if tangents is None:
+            backward.flash_attention_backward(q, k, v, out, lse, do, attn_mask, causal)
+        else:
+            backward.flash_attention_backward(q, k, v, out, lse, do, attn_mask, causal, None,
+                                              tangents, out, lse, dto)
+    finally:
+        backward._row_statistics_kernel = row_kernel
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16", "float32"))
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--mask", default="none", choices=("none", "bool", "additive"))
+    parser.add_argument("--kernels", default="", help="only kernels whose name contains this")
+    parser.add_argument("--first-only", action="store_true",
+                        help="only the tile JVP_ATTENTION_AUTOTUNE=0 runs with")
+    parser.add_argument("--tiles", default="",
+                        help="try these tiles instead of the pruned list: 'M,N,warps,stages;...'")
+    parser.add_argument("--json", help="also write the rows as JSON")
+    args = parser.parse_args()
+    os.environ["JVP_ATTENTION_AUTOTUNE"] = "0" if args.first_only else "1"
+    rows = []
+    for name, kernel, configs, bound in launches_for(getattr(torch, args.dtype), args.head_dim,
+                                                       args.causal, args.mask):
+        if args.kernels not in name:
+            continue
+        tangent = bool(bound.get("HAS_TANGENT"))
+        if args.tiles:
+            configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+                       for m, n, w, st in (map(int, t.split(",")) for t in args.tiles.split(";"))]
+        for config in configs:
+            report = compile_report(kernel, bound, config)
+            tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
+                    config.num_stages)
+            row = {"kernel": name, "tangent": tangent, "tile": tile, **report,
+                   "fits": report["shared"] <= SHARED_LIMIT}
+            rows.append(row)
+            print(f"{name:20} tangent={tangent!s:5} tile={tile!s:18} regs={report['regs']!s:4} "
+                  f"spills={report['spills']!s:6} shared={report['shared']:7d}"
+                  f"{'' if row['fits'] else '  DOES NOT FIT'}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
