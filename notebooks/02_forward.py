@@ -408,12 +408,22 @@ def prune_wide_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -
 AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
                  "IS_CAUSAL", "MASK_KIND", "HAS_TANGENT"]
 
-_attention_forward = triton.autotune(
-    configs=tile_configs([(128, 64, 8, 2), (128, 32, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3),
-                          (64, 64, 4, 3), (64, 128, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2)]),
-    key=AUTOTUNE_KEYS,
-    prune_configs_by={"early_config_prune": prune_wide_tiles},
-)(_attention_forward_kernel)
+
+def autotuned(kernel, gpu_tiles: list[tuple[int, int, int, int]]):
+    """`kernel` autotuned over `gpu_tiles` (in order of preference: with autotuning off the
+    first tile that survives `prune_wide_tiles` runs), keyed by AUTOTUNE_KEYS."""
+    return triton.autotune(configs=tile_configs(gpu_tiles), key=AUTOTUNE_KEYS,
+                           prune_configs_by={"early_config_prune": prune_wide_tiles})(kernel)
+
+
+# The tangent doubles the accumulators, so it has its own list: tiles whose registers and
+# shared memory fit with the tangent on (tools/kernel_resources.py).
+_attention_forward = autotuned(_attention_forward_kernel, [
+    (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2),
+    (64, 32, 4, 2), (32, 32, 4, 2)])
+_attention_forward_jvp = autotuned(_attention_forward_kernel, [
+    (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2),
+    (32, 32, 4, 2)])
 
 
 def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int]):
@@ -531,7 +541,7 @@ def flash_attention_forward(
         return triton.cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
 
     with on_device(q):
-        _attention_forward[grid](
+        (_attention_forward_jvp if has_tangent else _attention_forward)[grid](
             q, k, v, tq, tk, tv, q if mask is None else mask, out, t_out, lse, mu,
             out_res, t_out_res, *q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(), *tv.stride(),
             *mask_strides,

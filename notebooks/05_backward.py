@@ -81,7 +81,6 @@ import triton
 import triton.language as tl
 
 from jvp_attention.forward import (
-    AUTOTUNE_KEYS,
     LOG2E,
     _dot_rounded,
     _key_block_ranges,
@@ -89,12 +88,11 @@ from jvp_attention.forward import (
     _masked_scores,
     _store_rows,
     accurate,
+    autotuned,
     check_kernel_shapes,
     kernel_meta,
     mask_operand,
     on_device,
-    prune_wide_tiles,
-    tile_configs,
 )
 
 
@@ -433,16 +431,18 @@ def _attention_backward_dq_kernel(
 # inputs' dtypes; dK and dV have the key heads' shape (the GQA sum is already done).
 
 # %% tags=["export"]
-_BACKWARD_TILES = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2),
-                   (32, 64, 4, 3), (32, 32, 4, 1)]
-_backward_dkdv = triton.autotune(
-    configs=tile_configs(_BACKWARD_TILES), key=AUTOTUNE_KEYS,
-    prune_configs_by={"early_config_prune": prune_wide_tiles},
-)(_attention_backward_dkdv_kernel)
-_backward_dq = triton.autotune(
-    configs=tile_configs(_BACKWARD_TILES), key=AUTOTUNE_KEYS,
-    prune_configs_by={"early_config_prune": prune_wide_tiles},
-)(_attention_backward_dq_kernel)
+# Tiles that compile for Hopper without register spills at d = 128 (tools/kernel_resources.py):
+# the dK/dV kernel holds two fp32 accumulators the size of a key block, four with the tangent.
+_backward_dkdv = autotuned(_attention_backward_dkdv_kernel, [
+    (64, 32, 8, 2), (128, 32, 8, 1), (128, 16, 8, 2), (32, 32, 8, 2), (128, 32, 8, 2),
+    (64, 64, 4, 2), (32, 32, 4, 1)])
+_backward_dkdv_tangent = autotuned(_attention_backward_dkdv_kernel, [
+    (32, 32, 8, 2), (128, 16, 8, 2), (32, 32, 4, 1), (64, 32, 8, 2)])
+_backward_dq = autotuned(_attention_backward_dq_kernel, [
+    (128, 32, 8, 2), (64, 64, 8, 2), (128, 16, 8, 2), (64, 32, 8, 2), (128, 64, 8, 2),
+    (64, 64, 4, 2), (32, 32, 4, 1)])
+_backward_dq_tangent = autotuned(_attention_backward_dq_kernel, [
+    (32, 32, 8, 2), (128, 16, 8, 2), (32, 32, 4, 1), (128, 32, 8, 2)])
 _ROW_BLOCK = 64
 
 
@@ -517,10 +517,12 @@ def flash_attention_backward(
             *grad_out.stride(), *dto.stride(), n_heads, n_q, value_dim,
             HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
             BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"])
-        _backward_dkdv[lambda m: (triton.cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
+        dkdv = _backward_dkdv_tangent if has_tangent else _backward_dkdv
+        dkdv[lambda m: (triton.cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_out, dto, lse, delta, mu, c,
             dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches, **meta)
-        _backward_dq[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
+        dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
+        dq_kernel[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_out, dto, lse, delta, mu, c, dq, dtq,
             *strides, n_heads, *sizes, **switches, **meta)
     if has_tangent:

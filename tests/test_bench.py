@@ -166,8 +166,11 @@ def test_quick_autotune_reaches_every_autotuned_kernel() -> None:
     try:
         patched = bench.use_quick_autotune(20.0)
         assert set(patched) == set(tuners)
-        assert {"jvp_attention.forward._attention_forward", "jvp_attention.backward._backward_dq",
-                "jvp_attention.backward._backward_dkdv"} <= set(patched)
+        assert {"jvp_attention.forward._attention_forward",
+                "jvp_attention.forward._attention_forward_jvp",
+                "jvp_attention.backward._backward_dq", "jvp_attention.backward._backward_dq_tangent",
+                "jvp_attention.backward._backward_dkdv",
+                "jvp_attention.backward._backward_dkdv_tangent"} <= set(patched)
     finally:  # leave the library's autotuners as they were for the other tests
         for name, tuner in tuners.items():
             vars(tuner).pop("do_bench", None)

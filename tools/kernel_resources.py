@@ -94,8 +94,9 @@ def constexpr_names(kernel) -> set:
 def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str) -> list:
     """Run the launchers on small CPU tensors with recorders in place of the kernels."""
     launches: list = []
-    saved = {(forward, "_attention_forward"), (backward, "_backward_dkdv"),
-             (backward, "_backward_dq")}
+    saved = {(forward, "_attention_forward"), (forward, "_attention_forward_jvp"),
+             (backward, "_backward_dkdv"), (backward, "_backward_dkdv_tangent"),
+             (backward, "_backward_dq"), (backward, "_backward_dq_tangent")}
     originals = {(m, n): getattr(m, n) for m, n in saved}
     try:
         for module, name in saved:
