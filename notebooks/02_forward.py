@@ -95,6 +95,30 @@ def _load_tile(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
 
 
 @triton.jit
+def _tile_source(ptr, n_rows, n_cols, stride_row, BLOCK_R: tl.constexpr,
+                 BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
+    """Where a (n_rows x n_cols) matrix's tiles come from: its pointer, or (USE_TMA, chapter
+    4) a tensor descriptor whose shape stops at this head's own rows, so that the copy engine
+    reads rows past the end as zeros rather than the next head's rows."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(ptr, shape=[n_rows, n_cols], strides=[stride_row, 1],
+                                         block_shape=[BLOCK_R, BLOCK_C])
+    else:
+        return ptr
+
+
+@triton.jit
+def _load_rows(src, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
+    """The [BLOCK_R x BLOCK_C] tile of rows start.. of a `_tile_source`; zeros outside."""
+    if USE_TMA:
+        return src.load([start, 0])
+    else:
+        return _load_tile(src, start + tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_C),
+                          stride_row, stride_col, n_rows, n_cols)
+
+
+@triton.jit
 def _store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims):
     """Store a tile into a contiguous (rows, n_dims) tensor; `flat_rows` index the whole tensor."""
     mask = (rows[:, None] < n_rows) & (dims[None, :] < n_dims)
@@ -223,20 +247,21 @@ def _online_softmax_step(s, m_i, CAN_BE_EMPTY: tl.constexpr):
 @triton.jit
 def _forward_key_block(
     acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-    k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
-    tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+    k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
+    tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
     mask_ptr, stride_mask_m, stride_mask_n,
     n_q, n_k, head_dim, value_dim, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Fold the key block starting at `start_n` into the softmax state (and the tangent state)."""
     cols = start_n + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    k = _load_tile(k_ptr, cols, dims, stride_kn, stride_kd, n_k, head_dim)
-    v = _load_tile(v_ptr, cols, dims_v, stride_vn, stride_vd, n_k, value_dim)
+    k = _load_rows(k_src, start_n, stride_kn, stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D,
+                   USE_TMA)
+    v = _load_rows(v_src, start_n, stride_vn, stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV,
+                   USE_TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     s = _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
                        IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
@@ -244,8 +269,10 @@ def _forward_key_block(
     l_new = l_i * alpha + tl.sum(p, 1)
     acc_o = acc_o * alpha[:, None]
     if HAS_TANGENT:
-        tk = _load_tile(tk_ptr, cols, dims, stride_tkn, stride_tkd, n_k, head_dim)
-        tv = _load_tile(tv_ptr, cols, dims_v, stride_tvn, stride_tvd, n_k, value_dim)
+        tk = _load_rows(tk_src, start_n, stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N,
+                        BLOCK_D, USE_TMA)
+        tv = _load_rows(tv_src, start_n, stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N,
+                        BLOCK_DV, USE_TMA)
         # Natural units: masked entries have p~ = 0, so their tS never matters.
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
@@ -287,7 +314,7 @@ def _attention_forward_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    STORE_RESIDUAL: tl.constexpr,
+    STORE_RESIDUAL: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head)."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -295,20 +322,27 @@ def _attention_forward_kernel(
     head = tl.program_id(1) % n_heads
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    q = _load_tile(q_ptr + batch * stride_qb + head * stride_qh, rows, dims,
-                   stride_qm, stride_qd, n_q, head_dim)
-    k_ptr += batch * stride_kb + kv_head * stride_kh
-    v_ptr += batch * stride_vb + kv_head * stride_vh
+    q_src = _tile_source(q_ptr + batch * stride_qb + head * stride_qh, n_q, head_dim,
+                         stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
+    q = _load_rows(q_src, start_m, stride_qm, stride_qd, n_q, head_dim, BLOCK_M, BLOCK_D,
+                   USE_TMA)
+    k_src = _tile_source(k_ptr + batch * stride_kb + kv_head * stride_kh, n_k, head_dim,
+                         stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = _tile_source(v_ptr + batch * stride_vb + kv_head * stride_vh, n_k, value_dim,
+                         stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
     mask_ptr += batch * stride_mask_b + head * stride_mask_h
     if HAS_TANGENT:
-        tq = _load_tile(tq_ptr + batch * stride_tqb + head * stride_tqh, rows, dims,
-                        stride_tqm, stride_tqd, n_q, head_dim)
-        tk_ptr += batch * stride_tkb + kv_head * stride_tkh
-        tv_ptr += batch * stride_tvb + kv_head * stride_tvh
+        tq_src = _tile_source(tq_ptr + batch * stride_tqb + head * stride_tqh, n_q, head_dim,
+                              stride_tqm, BLOCK_M, BLOCK_D, USE_TMA)
+        tq = _load_rows(tq_src, start_m, stride_tqm, stride_tqd, n_q, head_dim, BLOCK_M,
+                        BLOCK_D, USE_TMA)
+        tk_src = _tile_source(tk_ptr + batch * stride_tkb + kv_head * stride_tkh, n_k,
+                              head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
+        tv_src = _tile_source(tv_ptr + batch * stride_tvb + kv_head * stride_tvh, n_k,
+                              value_dim, stride_tvn, BLOCK_N, BLOCK_DV, USE_TMA)
         acc_t = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     else:
-        tq = q
+        tq, tk_src, tv_src = q, k_src, v_src
         acc_t = tl.zeros([1, 1], dtype=tl.float32)
     acc_o = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -319,19 +353,19 @@ def _attention_forward_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc_o, acc_t, l_i, mu_i, m_i = _forward_key_block(
             acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-            k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
-            tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+            k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
+            tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT)
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
     for start_n in range(full_end, end, BLOCK_N):
         acc_o, acc_t, l_i, mu_i, m_i = _forward_key_block(
             acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-            k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
-            tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+            k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
+            tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT)
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
@@ -406,7 +440,7 @@ def prune_wide_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -
 
 
 AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
-                 "IS_CAUSAL", "MASK_KIND", "HAS_TANGENT"]
+                 "IS_CAUSAL", "MASK_KIND", "HAS_TANGENT", "SPLIT", "USE_TMA"]
 
 
 def autotuned(kernel, gpu_tiles: list[tuple[int, int, int, int]]):
@@ -478,6 +512,43 @@ def kernel_meta(q: torch.Tensor, head_dim: int, value_dim: int, split: bool = Fa
     }
 
 
+def tma_eligible(*tensors: torch.Tensor) -> bool:
+    """True when the tiles of these (B, H, N, D) CUDA tensors can come through tensor
+    descriptors (chapter 4): a Hopper or newer GPU, contiguous rows, 16-byte aligned base
+    and strides. JVP_ATTENTION_TMA=0 turns descriptors off; =1 forces them, unchecked (the
+    interpreter emulates descriptors: that is how CPU tests cover this path)."""
+    setting = os.environ.get("JVP_ATTENTION_TMA", "auto")
+    if setting in ("0", "1"):
+        return setting == "1"
+    if interpreting() or not all(t.is_cuda for t in tensors):
+        return False
+    if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
+               for t in tensors)
+
+
+def _descriptor_workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory in which kernels build their tensor descriptors."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def prepare_descriptors(use_tma: bool) -> None:
+    """Kernels that build tensor descriptors need Triton's allocator. Triton keeps it per
+    thread context (the autograd engine runs backward in its own threads), so it is set
+    before each launch that needs it, unless the user has set one."""
+    if not use_tma or interpreting():
+        return
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except (ImportError, AttributeError):  # a Triton that keeps it elsewhere
+        pass
+    triton.set_allocator(_descriptor_workspace)
+
+
 def on_device(t: torch.Tensor):
     """A context that makes `t`'s CUDA device current (kernels launch there, not on cuda:0)."""
     return torch.cuda.device(t.device) if t.is_cuda else nullcontext()
@@ -537,10 +608,13 @@ def flash_attention_forward(
     mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k))
     mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
 
+    use_tma = tma_eligible(q, k, v, tq, tk, tv)
+
     def grid(meta):
         return triton.cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
 
     with on_device(q):
+        prepare_descriptors(use_tma)
         (_attention_forward_jvp if has_tangent else _attention_forward)[grid](
             q, k, v, tq, tk, tv, q if mask is None else mask, out, t_out, lse, mu,
             out_res, t_out_res, *q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(), *tv.stride(),
@@ -548,7 +622,7 @@ def flash_attention_forward(
             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
             scale * LOG2E, scale, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
-            STORE_RESIDUAL=residuals,
+            STORE_RESIDUAL=residuals, USE_TMA=use_tma,
             **kernel_meta(q, head_dim, value_dim, split=has_tangent and accurate()),
         )
     outputs = AttentionOutputs(out, lse, t_out if has_tangent else None,

@@ -68,7 +68,17 @@ def compile_report(kernel, bound: dict, config: triton.Config) -> dict:
                                                               specialization, options)
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
                               options=options.__dict__)
-    return {**ptxas_report(compiled.asm["ptx"]), "shared": compiled.metadata.shared}
+    ptx = compiled.asm["ptx"]
+    return {**ptxas_report(ptx), "shared": compiled.metadata.shared,
+            "copies": copy_instructions(ptx)}
+
+
+def copy_instructions(ptx: str) -> str:
+    """How tiles reach shared memory: the bulk tensor copy engine (TMA), asynchronous copies
+    (cp.async, Ampere's), or neither (plain loads through registers)."""
+    kinds = [name for name, pattern in (("tma", "cp.async.bulk.tensor"), ("cp.async", "cp.async.ca"),
+                                        ("cp.async", "cp.async.cg")) if pattern in ptx]
+    return "+".join(dict.fromkeys(kinds)) or "ld.global"
 
 
 def ptxas_report(ptx: str) -> dict:
@@ -166,7 +176,8 @@ def main() -> None:
                    "fits": report["shared"] <= SHARED_LIMIT}
             rows.append(row)
             print(f"{name:20} tangent={tangent!s:5} tile={tile!s:18} regs={report['regs']!s:4} "
-                  f"spills={report['spills']!s:6} shared={report['shared']:7d}"
+                  f"spills={report['spills']!s:6} shared={report['shared']:7d} "
+                  f"copies={report['copies']:8}"
                   f"{'' if row['fits'] else '  DOES NOT FIT'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
