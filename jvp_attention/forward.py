@@ -51,6 +51,15 @@ def _load_rows(src, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R: tl.c
 
 
 @triton.jit
+def _load_head_rows(ptr, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
+    """One tile of rows start.. of a matrix read once (no source kept for later tiles)."""
+    src = _tile_source(ptr, n_rows, n_cols, stride_row, BLOCK_R, BLOCK_C, USE_TMA)
+    return _load_rows(src, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R, BLOCK_C,
+                      USE_TMA)
+
+
+@triton.jit
 def _store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims):
     """Store a tile into a contiguous (rows, n_dims) tensor; `flat_rows` index the whole tensor."""
     mask = (rows[:, None] < n_rows) & (dims[None, :] < n_dims)
@@ -197,20 +206,16 @@ def _attention_forward_kernel(
     head = tl.program_id(1) % n_heads
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
-    q_src = _tile_source(q_ptr + batch * stride_qb + head * stride_qh, n_q, head_dim,
-                         stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
-    q = _load_rows(q_src, start_m, stride_qm, stride_qd, n_q, head_dim, BLOCK_M, BLOCK_D,
-                   USE_TMA)
+    q = _load_head_rows(q_ptr + batch * stride_qb + head * stride_qh, start_m, stride_qm,
+                        stride_qd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
     k_src = _tile_source(k_ptr + batch * stride_kb + kv_head * stride_kh, n_k, head_dim,
                          stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
     v_src = _tile_source(v_ptr + batch * stride_vb + kv_head * stride_vh, n_k, value_dim,
                          stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
     mask_ptr += batch * stride_mask_b + head * stride_mask_h
     if HAS_TANGENT:
-        tq_src = _tile_source(tq_ptr + batch * stride_tqb + head * stride_tqh, n_q, head_dim,
-                              stride_tqm, BLOCK_M, BLOCK_D, USE_TMA)
-        tq = _load_rows(tq_src, start_m, stride_tqm, stride_tqd, n_q, head_dim, BLOCK_M,
-                        BLOCK_D, USE_TMA)
+        tq = _load_head_rows(tq_ptr + batch * stride_tqb + head * stride_tqh, start_m,
+                             stride_tqm, stride_tqd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
         tk_src = _tile_source(tk_ptr + batch * stride_tkb + kv_head * stride_tkh, n_k,
                               head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
         tv_src = _tile_source(tv_ptr + batch * stride_tvb + kv_head * stride_tvh, n_k,

@@ -84,15 +84,20 @@ from jvp_attention.forward import (
     LOG2E,
     _dot_rounded,
     _key_block_ranges,
+    _load_head_rows,
+    _load_rows,
     _load_tile,
     _masked_scores,
     _store_rows,
+    _tile_source,
     accurate,
     autotuned,
     check_kernel_shapes,
     kernel_meta,
     mask_operand,
     on_device,
+    prepare_descriptors,
+    tma_eligible,
 )
 
 
@@ -246,6 +251,7 @@ def _attention_backward_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """dK, dV (and dtK, dtV) of one key block, summed over all query heads of its GQA group."""
     start_n = tl.program_id(0) * BLOCK_N
@@ -254,17 +260,18 @@ def _attention_backward_dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
-    k = _load_tile(k_ptr + batch * stride_kb + kv_head * stride_kh, cols, dims,
-                   stride_kn, stride_kd, n_k, head_dim)
-    v = _load_tile(v_ptr + batch * stride_vb + kv_head * stride_vh, cols, dims_v,
-                   stride_vn, stride_vd, n_k, value_dim)
+    k = _load_head_rows(k_ptr + batch * stride_kb + kv_head * stride_kh, start_n, stride_kn,
+                        stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+    v = _load_head_rows(v_ptr + batch * stride_vb + kv_head * stride_vh, start_n, stride_vn,
+                        stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
     acc_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     acc_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     if HAS_TANGENT:
-        tk = _load_tile(tk_ptr + batch * stride_tkb + kv_head * stride_tkh, cols, dims,
-                        stride_tkn, stride_tkd, n_k, head_dim)
-        tv = _load_tile(tv_ptr + batch * stride_tvb + kv_head * stride_tvh, cols, dims_v,
-                        stride_tvn, stride_tvd, n_k, value_dim)
+        tk = _load_head_rows(tk_ptr + batch * stride_tkb + kv_head * stride_tkh, start_n,
+                             stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+        tv = _load_head_rows(tv_ptr + batch * stride_tvb + kv_head * stride_tvh, start_n,
+                             stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N, BLOCK_DV,
+                             USE_TMA)
         acc_dtk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         acc_dtv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     else:
@@ -275,19 +282,29 @@ def _attention_backward_dkdv_kernel(
     for member in range(group_size):
         head = kv_head * group_size + member
         stats = (batch * n_kv_heads * group_size + head) * n_q
-        head_q = q_ptr + batch * stride_qb + head * stride_qh
-        head_do = do_ptr + batch * stride_dob + head * stride_doh
-        head_tq = tq_ptr + batch * stride_tqb + head * stride_tqh
-        head_dto = dto_ptr + batch * stride_dtob + head * stride_dtoh
+        q_src = _tile_source(q_ptr + batch * stride_qb + head * stride_qh, n_q, head_dim,
+                             stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
+        do_src = _tile_source(do_ptr + batch * stride_dob + head * stride_doh, n_q,
+                              value_dim, stride_dom, BLOCK_M, BLOCK_DV, USE_TMA)
+        if HAS_TANGENT:
+            tq_src = _tile_source(tq_ptr + batch * stride_tqb + head * stride_tqh, n_q,
+                                  head_dim, stride_tqm, BLOCK_M, BLOCK_D, USE_TMA)
+            dto_src = _tile_source(dto_ptr + batch * stride_dtob + head * stride_dtoh, n_q,
+                                   value_dim, stride_dtom, BLOCK_M, BLOCK_DV, USE_TMA)
+        else:
+            tq_src, dto_src = q_src, do_src
         head_mask = mask_ptr + batch * stride_mask_b + head * stride_mask_h
         for start_m in range(first_m, n_q, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
-            q = _load_tile(head_q, rows, dims, stride_qm, stride_qd, n_q, head_dim)
-            do = _load_tile(head_do, rows, dims_v, stride_dom, stride_dod, n_q, value_dim)
+            q = _load_rows(q_src, start_m, stride_qm, stride_qd, n_q, head_dim, BLOCK_M,
+                           BLOCK_D, USE_TMA)
+            do = _load_rows(do_src, start_m, stride_dom, stride_dod, n_q, value_dim, BLOCK_M,
+                            BLOCK_DV, USE_TMA)
             if HAS_TANGENT:
-                tq = _load_tile(head_tq, rows, dims, stride_tqm, stride_tqd, n_q, head_dim)
-                dto = _load_tile(head_dto, rows, dims_v, stride_dtom, stride_dtod, n_q,
-                                 value_dim)
+                tq = _load_rows(tq_src, start_m, stride_tqm, stride_tqd, n_q, head_dim,
+                                BLOCK_M, BLOCK_D, USE_TMA)
+                dto = _load_rows(dto_src, start_m, stride_dtom, stride_dtod, n_q, value_dim,
+                                 BLOCK_M, BLOCK_DV, USE_TMA)
             else:
                 tq, dto = q, do
             lse2, delta, mu, c = _load_row_statistics(
@@ -322,22 +339,25 @@ def _attention_backward_dkdv_kernel(
 @triton.jit
 def _dq_key_block(
     acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
-    k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
-    tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+    k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
+    tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
     mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Fold the key block starting at `start_n` into dQ (and dtQ)."""
     cols = start_n + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    k = _load_tile(k_ptr, cols, dims, stride_kn, stride_kd, n_k, head_dim)
-    v = _load_tile(v_ptr, cols, dims_v, stride_vn, stride_vd, n_k, value_dim)
+    k = _load_rows(k_src, start_n, stride_kn, stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D,
+                   USE_TMA)
+    v = _load_rows(v_src, start_n, stride_vn, stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV,
+                   USE_TMA)
     if HAS_TANGENT:
-        tk = _load_tile(tk_ptr, cols, dims, stride_tkn, stride_tkd, n_k, head_dim)
-        tv = _load_tile(tv_ptr, cols, dims_v, stride_tvn, stride_tvd, n_k, value_dim)
+        tk = _load_rows(tk_src, start_n, stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N,
+                        BLOCK_D, USE_TMA)
+        tv = _load_rows(tv_src, start_n, stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N,
+                        BLOCK_DV, USE_TMA)
     else:
         tk, tv = k, v
     p, ds, tp, dts = _backward_tile(
@@ -369,6 +389,7 @@ def _attention_backward_dq_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """dQ (and dtQ) of one query block of one (batch, head)."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -377,16 +398,16 @@ def _attention_backward_dq_kernel(
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    q = _load_tile(q_ptr + batch * stride_qb + head * stride_qh, rows, dims,
-                   stride_qm, stride_qd, n_q, head_dim)
-    do = _load_tile(do_ptr + batch * stride_dob + head * stride_doh, rows, dims_v,
-                    stride_dom, stride_dod, n_q, value_dim)
+    q = _load_head_rows(q_ptr + batch * stride_qb + head * stride_qh, start_m, stride_qm,
+                        stride_qd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+    do = _load_head_rows(do_ptr + batch * stride_dob + head * stride_doh, start_m, stride_dom,
+                         stride_dod, n_q, value_dim, BLOCK_M, BLOCK_DV, USE_TMA)
     if HAS_TANGENT:
-        tq = _load_tile(tq_ptr + batch * stride_tqb + head * stride_tqh, rows, dims,
-                        stride_tqm, stride_tqd, n_q, head_dim)
-        dto = _load_tile(dto_ptr + batch * stride_dtob + head * stride_dtoh, rows, dims_v,
-                         stride_dtom, stride_dtod, n_q, value_dim)
+        tq = _load_head_rows(tq_ptr + batch * stride_tqb + head * stride_tqh, start_m,
+                             stride_tqm, stride_tqd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+        dto = _load_head_rows(dto_ptr + batch * stride_dtob + head * stride_dtoh, start_m,
+                              stride_dtom, stride_dtod, n_q, value_dim, BLOCK_M, BLOCK_DV,
+                              USE_TMA)
         acc_dtq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     else:
         tq, dto = q, do
@@ -395,29 +416,36 @@ def _attention_backward_dq_kernel(
     lse2, delta, mu, c = _load_row_statistics(lse_ptr + stats, delta_ptr + stats,
                                               mu_ptr + stats, c_ptr + stats, rows, n_q,
                                               HAS_TANGENT)
-    k_ptr += batch * stride_kb + kv_head * stride_kh
-    v_ptr += batch * stride_vb + kv_head * stride_vh
-    tk_ptr += batch * stride_tkb + kv_head * stride_tkh
-    tv_ptr += batch * stride_tvb + kv_head * stride_tvh
+    k_src = _tile_source(k_ptr + batch * stride_kb + kv_head * stride_kh, n_k, head_dim,
+                         stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = _tile_source(v_ptr + batch * stride_vb + kv_head * stride_vh, n_k, value_dim,
+                         stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
+    if HAS_TANGENT:
+        tk_src = _tile_source(tk_ptr + batch * stride_tkb + kv_head * stride_tkh, n_k,
+                              head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
+        tv_src = _tile_source(tv_ptr + batch * stride_tvb + kv_head * stride_tvh, n_k,
+                              value_dim, stride_tvn, BLOCK_N, BLOCK_DV, USE_TMA)
+    else:
+        tk_src, tv_src = k_src, v_src
     mask_ptr += batch * stride_mask_b + head * stride_mask_h
     acc_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_end, end = _key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
         acc_dq, acc_dtq = _dq_key_block(
             acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
-            k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
-            tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+            k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
+            tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT)
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
     for start_n in range(full_end, end, BLOCK_N):
         acc_dq, acc_dtq = _dq_key_block(
             acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
-            k_ptr, stride_kn, stride_kd, v_ptr, stride_vn, stride_vd,
-            tk_ptr, stride_tkn, stride_tkd, tv_ptr, stride_tvn, stride_tvd,
+            k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
+            tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT)
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
     flat_rows = stats + rows
     _store_rows(dq_ptr, acc_dq * scale, flat_rows, rows, dims, n_q, head_dim)
     if HAS_TANGENT:
@@ -509,9 +537,14 @@ def flash_attention_backward(
                *grad_out.stride(), *dto.stride())
     sizes = (n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads, scale * LOG2E, scale,
              triton.next_power_of_2(n_q), triton.next_power_of_2(n_k))
-    switches = {"IS_CAUSAL": is_causal, "MASK_KIND": mask_kind, "HAS_TANGENT": has_tangent}
+    # Descriptors (chapter 4) for the first-order kernels only: compiled for sm_90, the
+    # second-order kernels spill hundreds of bytes per thread with them (tools/kernel_resources.py).
+    use_tma = not has_tangent and tma_eligible(q, k, v, grad_out)
+    switches = {"IS_CAUSAL": is_causal, "MASK_KIND": mask_kind, "HAS_TANGENT": has_tangent,
+                "USE_TMA": use_tma}
     mask_arg = q if mask is None else mask
     with on_device(q):
+        prepare_descriptors(use_tma)
         _row_statistics_kernel[(triton.cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
             out, grad_out, t_out, dto, mu, delta, c, residual, t_residual,
             *grad_out.stride(), *dto.stride(), n_heads, n_q, value_dim,
