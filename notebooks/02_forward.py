@@ -529,9 +529,14 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
         return False
     if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
-               for t in tensors)
+    return all(descriptor_compatible(t) for t in tensors)
+
+
+def descriptor_compatible(t: torch.Tensor) -> bool:
+    """A tensor descriptor can address `t`'s rows: contiguous rows, a positive row stride,
+    16-byte aligned base and strides (the copy engine's rules)."""
+    return (t.stride(-1) == 1 and t.stride(-2) > 0 and t.data_ptr() % 16 == 0
+            and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]))
 
 
 def _descriptor_workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:

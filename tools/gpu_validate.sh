@@ -50,7 +50,7 @@ validate() {
   # The last GPU is cuda:0 for the tests, so they leave GPU 0 to the benchmark (only the
   # cuda:1 placement test touches it, briefly).
   CUDA_VISIBLE_DEVICES=$(seq -s, "$LAST" -1 0) JVP_ATTENTION_AUTOTUNE=0 timeout 240 python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider \
-    tests/test_forward.py tests/test_backward.py tests/test_second_order.py tests/test_api.py \
+    tests/test_forward.py tests/test_backward.py tests/test_second_order.py tests/test_api.py tests/test_tma.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
   echo "tests done after $((SECONDS - START)) s" | tee -a "$OUT/gpu_tests.log"
   CUDA_VISIBLE_DEVICES=$LAST JVP_ATTENTION_AUTOTUNE=0 timeout 120 python3 tools/gpu_probe.py \

@@ -4,6 +4,11 @@ shared memory. A configuration over the 227 KiB of shared memory a Hopper block 
 cannot launch; one with spills is slow.
 
     python tools/kernel_resources.py [--dtype bfloat16] [--head-dim 128] [--json out.json]
+    JVP_ATTENTION_TMA=1 python tools/kernel_resources.py ...   # the descriptor (TMA) variants
+
+benchmarks/results/kernel_resources_sm90.json (read by chapter 4) holds both runs for bf16,
+d = 128, no mask: `python tools/kernel_resources.py --json a.json` with JVP_ATTENTION_TMA=0
+and =1, concatenated.
 
 How: each public launcher runs with CPU tensors while the autotuned kernels are replaced by
 recorders that keep the launch's arguments; each configuration is then compiled with
@@ -172,7 +177,9 @@ def main() -> None:
             report = compile_report(kernel, bound, config)
             tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
                     config.num_stages)
-            row = {"kernel": name, "tangent": tangent, "tile": tile, **report,
+            row = {"kernel": name, "tangent": tangent, "tile": tile, "dtype": args.dtype,
+                   "head_dim": args.head_dim, "mask": args.mask,
+                   "use_tma": bool(bound.get("USE_TMA")), **report,
                    "fits": report["shared"] <= SHARED_LIMIT}
             rows.append(row)
             print(f"{name:20} tangent={tangent!s:5} tile={tile!s:18} regs={report['regs']!s:4} "
