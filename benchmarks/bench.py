@@ -11,6 +11,7 @@ One command runs every implementation on a grid of shapes and writes one JSON fi
 Implementations and modes (see benchmarks/README.md for what each times):
 
     ours       fwd, fwd_jvp, bwd, bwd2   jvp_attention's kernels, called directly
+    ours_fast  fwd_jvp, bwd, bwd2        the same under set_precision("fast")
     sdpa       fwd, bwd                  torch SDPA, PyTorch's default backend choice
     sdpa_math  fwd_jvp, bwd2             torch SDPA's math backend under torch.func.jvp
     jfa        fwd_jvp, fwd, bwd         jvp-flash-attention 0.14 (PyPI), when importable
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -60,19 +61,24 @@ if str(REPO) not in sys.path:
 
 import jvp_attention  # noqa: E402
 from jvp_attention.backward import flash_attention_backward  # noqa: E402
-from jvp_attention.forward import flash_attention_forward  # noqa: E402
+from jvp_attention.forward import accurate, flash_attention_forward  # noqa: E402
 
 SCHEMA = "jvp_attention.bench/1"
 RESULTS = REPO / "benchmarks" / "results"
 
 IMPLS: dict[str, tuple[str, ...]] = {
     "ours": ("fwd", "fwd_jvp", "bwd", "bwd2"),
+    "ours_fast": ("fwd_jvp", "bwd", "bwd2"),  # the plain forward never splits: no fwd
     "sdpa": ("fwd", "bwd"),
     "sdpa_math": ("fwd_jvp", "bwd2"),
     "jfa": ("fwd_jvp", "fwd", "bwd"),
 }
 IMPL_LABELS = {
-    "ours": "jvp_attention (this project): the Triton kernels, called directly",
+    "ours": "jvp_attention (this project): the Triton kernels, called directly, in the "
+            "precision mode in effect (settings.precision; default \"accurate\": fp32 "
+            "operands of 16-bit products split hi + lo)",
+    "ours_fast": "jvp_attention's kernels under set_precision(\"fast\"): one 16-bit rounding "
+                 "per product, as FlashAttention and SDPA do",
     "sdpa": "PyTorch SDPA, default backend selection (flash / cuDNN / memory-efficient)",
     "sdpa_math": "PyTorch SDPA math backend under torch.func.jvp (forward-mode AD)",
     "jfa": "jvp-flash-attention 0.14 (PyPI jvp_flash_attention), JVPAttn",
@@ -94,9 +100,10 @@ FLOP_CONVENTION = (
     "The same count is credited to every implementation of a mode.")
 # Priority inside one sequence length: when the wall budget runs short, what comes last is
 # what is dropped.
-PRIORITY = [("ours", "fwd"), ("sdpa", "fwd"), ("ours", "fwd_jvp"), ("sdpa_math", "fwd_jvp"),
-            ("jfa", "fwd_jvp"), ("ours", "bwd"), ("sdpa", "bwd"), ("ours", "bwd2"),
-            ("sdpa_math", "bwd2"), ("jfa", "fwd"), ("jfa", "bwd")]
+PRIORITY = [("ours", "fwd"), ("sdpa", "fwd"), ("ours", "fwd_jvp"), ("ours_fast", "fwd_jvp"),
+            ("sdpa_math", "fwd_jvp"), ("jfa", "fwd_jvp"), ("ours", "bwd"), ("ours_fast", "bwd"),
+            ("sdpa", "bwd"), ("ours", "bwd2"), ("ours_fast", "bwd2"), ("sdpa_math", "bwd2"),
+            ("jfa", "fwd"), ("jfa", "bwd")]
 
 GRID_TOKENS = 16384  # B * N (B = 1 above 16k)
 GRID_WIDTH = 2048  # H * d
@@ -228,6 +235,34 @@ def prepare_ours(case: Case, device: str) -> Callable[[], object]:
         tangent_out=saved.tangent_out, mu=saved.mu, grad_tangent_out=dto)
 
 
+def precision_mode() -> str:
+    """jvp_attention's precision mode now: "accurate" or "fast"."""
+    return "accurate" if accurate() else "fast"
+
+
+@contextlib.contextmanager
+def precision(mode: str) -> Iterator[None]:
+    """Run the block in jvp_attention's precision `mode`; restore the previous mode after."""
+    previous = precision_mode()
+    jvp_attention.set_precision(mode)
+    try:
+        yield
+    finally:
+        jvp_attention.set_precision(previous)
+
+
+def prepare_ours_fast(case: Case, device: str) -> Callable[[], object]:
+    """`prepare_ours` with the "fast" precision in effect for the set-up and each timed call."""
+    with precision("fast"):
+        fn = prepare_ours(case, device)
+
+    def call() -> object:
+        with precision("fast"):
+            return fn()
+
+    return call
+
+
 def prepare_sdpa(case: Case, device: str) -> Callable[[], object]:
     causal = case.causal
     if case.mode == "fwd":
@@ -305,6 +340,8 @@ def prepare(case: Case, device: str, args: argparse.Namespace) -> Callable[[], o
     """Allocate a case's inputs (and saved forward state) and return the call to time."""
     if case.impl == "ours":
         return prepare_ours(case, device)
+    if case.impl == "ours_fast":
+        return prepare_ours_fast(case, device)
     if case.impl == "sdpa":
         return prepare_sdpa(case, device)
     if case.impl == "sdpa_math":
@@ -527,6 +564,7 @@ def header(args: argparse.Namespace) -> dict:
             "timer": ("triton.testing.do_bench(return_mode='median'), L2 flushed per call"
                       if HAS_CUDA else "time.perf_counter median (CPU plumbing check)"),
             "sdpa_backends_enabled": sdpa_flags,
+            "precision": {"ours": precision_mode(), "ours_fast": "fast"},
         },
         "flop_convention": FLOP_CONVENTION,
         "impls": IMPL_LABELS,
@@ -539,7 +577,9 @@ def header(args: argparse.Namespace) -> dict:
                             "compilation (once per kernel specialisation) and autotuning (once "
                             "per shape key) for our kernels, compilation for "
                             "jvp-flash-attention, library set-up for SDPA. Not part of "
-                            "median_ms."),
+                            "median_ms. The precision is not an autotuning key: ours_fast "
+                            "reuses the tile ours tuned at the same shape when ours ran "
+                            "first, and pays compilation only."),
         "cases": [],
     }
 

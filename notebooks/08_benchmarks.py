@@ -38,10 +38,20 @@
 #
 # | implementation | modes | what is called |
 # |---|---|---|
-# | ours | `fwd`, `fwd_jvp`, `bwd`, `bwd2` | the kernels of chapters 2 and 5 directly: `flash_attention_forward` (with and without tangents) and `flash_attention_backward` (with `grad_tangent_out` for `bwd2`) |
+# | ours | `fwd`, `fwd_jvp`, `bwd`, `bwd2` | the kernels of chapters 2 and 5 directly: `flash_attention_forward` (with and without tangents) and `flash_attention_backward` (with `grad_tangent_out` for `bwd2`), in the default `"accurate"` precision |
+# | ours, fast precision | `fwd_jvp`, `bwd`, `bwd2` | the same calls under `jvp_attention.set_precision("fast")` |
 # | SDPA best | `fwd`, `bwd` | `F.scaled_dot_product_attention`, PyTorch's default backend choice |
 # | SDPA math + forward AD | `fwd_jvp`, `bwd2` | the same under `sdpa_kernel(SDPBackend.MATH)` and `torch.func.jvp`; `bwd2` differentiates its outputs and tangents with autograd |
 # | jvp-flash-attention 0.14 | `fwd_jvp`, `fwd`, `bwd` | `JVPAttn.fwd_dual` under `torch.func.jvp` (its README's JVP entry point), `JVPAttn.fwd`, and autograd through it |
+#
+# **Two precision modes.** With 16-bit inputs the tangent's and the backward's matrix
+# products take operands the kernel computed in fp32 (probabilities, score tangents, score
+# gradients). `set_precision("fast")` rounds each such operand to 16 bits once, as
+# FlashAttention does. `"accurate"`, the default, splits it into a 16-bit head and a 16-bit
+# remainder and multiplies both, spending extra products to keep the errors at the level of
+# PyTorch's fp32-accumulating math path (chapter 3 compares the two). The plain forward
+# rounds once in both modes, so it is timed once. Both modes are credited the same FLOPs:
+# the extra products are the price of accuracy, not work the attention needs.
 #
 # The backward modes time the backward only: the forward runs once while the case is set
 # up, and its saved state (our `out`, `lse`, `tangent_out`, `mu`, or an autograd graph) is
@@ -92,9 +102,10 @@ RESULTS = REPO / "benchmarks" / "results"
 ASSETS = REPO / "docs" / "assets" / "benchmarks"
 H200_BF16_PEAK = 778.0  # TFLOP/s, bf16 8192^3 matmul through torch (FACTS.md)
 
-IMPL_NAMES = {"ours": "ours (jvp_attention)", "sdpa": "SDPA best",
-              "sdpa_math": "SDPA math + forward AD", "jfa": "jvp-flash-attention 0.14"}
-COLORS = {"ours": "C3", "sdpa": "C0", "sdpa_math": "C2", "jfa": "C1"}
+IMPL_NAMES = {"ours": "ours (jvp_attention)", "ours_fast": "ours, fast precision",
+              "sdpa": "SDPA best", "sdpa_math": "SDPA math + forward AD",
+              "jfa": "jvp-flash-attention 0.14"}
+COLORS = {"ours": "C3", "ours_fast": "C4", "sdpa": "C0", "sdpa_math": "C2", "jfa": "C1"}
 MODE_NAMES = {"fwd": "forward", "fwd_jvp": "forward + JVP", "bwd": "backward",
               "bwd2": "backward through output and tangent"}
 
@@ -177,8 +188,9 @@ for case in errors:
 #
 # Each cell is the median time and, in brackets, TFLOP/s. The JVP columns are the point of
 # the project: ours is one fused kernel; the math path is what `torch.func.jvp` through SDPA
-# does today; jvp-flash-attention is the other fused kernel. Memory (GB, held during the
-# call) is shown for the forward+JVP of ours and of the math path.
+# does today; jvp-flash-attention is the other fused kernel. The "ours fast" columns are the
+# same kernels in the fast precision mode ("-" in runs made before it was measured). Memory
+# (GB, held during the call) is shown for the forward+JVP of ours and of the math path.
 
 # %%
 def find(impl, mode, B, H, N, d, causal):
@@ -211,14 +223,15 @@ HEADLINE = [(4, 16, 4096, 128), (1, 16, 16384, 128)]
 shapes = sorted({(c["B"], c["H"], c["N"], c["d"]) for c in CASES})
 if not REAL or not any(s in shapes for s in HEADLINE):
     HEADLINE = shapes[:2]
-COLUMNS = [("ours", "fwd_jvp", False), ("sdpa_math", "fwd_jvp", False), ("jfa", "fwd_jvp", False),
+COLUMNS = [("ours", "fwd_jvp", False), ("ours_fast", "fwd_jvp", False),
+           ("sdpa_math", "fwd_jvp", False), ("jfa", "fwd_jvp", False),
            ("ours", "fwd", False), ("sdpa", "fwd", False), ("jfa", "fwd", False),
-           ("ours", "bwd", False), ("sdpa", "bwd", False), ("jfa", "bwd", False),
-           ("ours", "bwd2", False), ("sdpa_math", "bwd2", False),
-           ("ours", "fwd_jvp", True), ("sdpa_math", "fwd_jvp", True)]
-TITLES = ["ours fwd+JVP", "math fwd+JVP", "jfa fwd+JVP", "ours fwd", "SDPA fwd", "jfa fwd",
-          "ours bwd", "SDPA bwd", "jfa bwd", "ours bwd2", "math bwd2", "ours JVP mem",
-          "math JVP mem"]
+           ("ours", "bwd", False), ("ours_fast", "bwd", False), ("sdpa", "bwd", False),
+           ("jfa", "bwd", False), ("ours", "bwd2", False), ("ours_fast", "bwd2", False),
+           ("sdpa_math", "bwd2", False), ("ours", "fwd_jvp", True), ("sdpa_math", "fwd_jvp", True)]
+TITLES = ["ours fwd+JVP", "ours fast fwd+JVP", "math fwd+JVP", "jfa fwd+JVP", "ours fwd",
+          "SDPA fwd", "jfa fwd", "ours bwd", "ours fast bwd", "SDPA bwd", "jfa bwd", "ours bwd2",
+          "ours fast bwd2", "math bwd2", "ours JVP mem", "math JVP mem"]
 rows = []
 for B, H, N, d in HEADLINE:
     for causal in (False, True):
@@ -231,8 +244,8 @@ for r in [["shape", *TITLES]] + rows:
                     enumerate(zip(r, widths, strict=True))))
 
 # %% [markdown]
-# The same shapes in words: how much the tangent costs over a plain forward, and how much
-# faster and smaller it is than the alternatives.
+# The same shapes in words: how much the tangent costs over a plain forward, how much
+# faster and smaller it is than the alternatives, and what the fast precision saves.
 
 # %%
 def ratio(a, b):
@@ -263,6 +276,17 @@ for B, H, N, d in HEADLINE:
         if math_jvp and math_jvp.get("peak_memory_mb") and jvp.get("peak_memory_mb"):
             parts.append(f"{held_gb(math_jvp) / held_gb(jvp):.0f}x less memory than math")
         print("; ".join(parts))
+        fast = []
+        for mode in ("fwd_jvp", "bwd", "bwd2"):
+            r = ratio(find("ours_fast", mode, B, H, N, d, causal),
+                      find("ours", mode, B, H, N, d, causal))
+            if r:
+                fast.append(f"{MODE_NAMES[mode]} {r:.2f}x faster than accurate")
+        r = ratio(find("ours_fast", "fwd_jvp", B, H, N, d, causal), math_jvp)
+        if r:
+            fast.append(f"fwd+JVP {r:.1f}x faster than the math path")
+        if fast:
+            print("    fast precision: " + "; ".join(fast))
 
 # %% [markdown]
 # ## Throughput against the sequence length
@@ -271,7 +295,8 @@ for B, H, N, d in HEADLINE:
 # the kernel keeps its efficiency as $N$ grows (the work per call grows like $N$ here, since
 # $B \cdot N$ is fixed up to 16k, then like $N^2$). The dotted line is the H200's 778 TFLOP/s.
 # Points missing from a line were skipped (the math path above its memory estimate, or the
-# wall budget) or failed; the tables above and the JSON say which.
+# wall budget) or failed; the tables above and the JSON say which. The fast precision has no
+# line in the forward row: the plain forward is the same kernel in both modes.
 
 # %%
 def series(impl, mode, d, causal, value):
@@ -309,10 +334,13 @@ handles = {}
 for ax in axes.flat:
     for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
         handles.setdefault(label, handle)
-fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles))
+handles = {name: handles[name] for name in IMPL_NAMES.values() if name in handles}
+ncol = min(len(handles), 2 * len(panels) - 1)  # about two entries fit under one panel
+legend_rows = -(-len(handles) // ncol)
+fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol)
 fig.suptitle("Throughput, bf16, B*N = 16k tokens, H*d = 2048" if REAL else
              "CPU PLUMBING NUMBERS (interpreter, tiny size): not speed")
-fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+fig.tight_layout(rect=(0, 0.015 + 0.025 * legend_rows, 1, 0.97))
 fig.savefig(FIGURES / "throughput.png", dpi=110)
 
 # %% [markdown]
@@ -340,7 +368,7 @@ else:
     fig, axes = plt.subplots(1, len(memory_modes), figsize=(6 * len(memory_modes), 4.2),
                              squeeze=False)
     for ax, mode in zip(axes[0], memory_modes, strict=True):
-        for impl in IMPL_NAMES:
+        for impl in [i for i in IMPL_NAMES if i != "ours_fast"]:  # same buffers as ours
             for d, style in zip(ds, ("o-", "s--"), strict=False):
                 ns, ys = series(impl, mode, d, False, per_sequence_gb)
                 if ns:
@@ -368,10 +396,11 @@ else:
 # %% [markdown]
 # ## Ratios
 #
-# Left two panels: our throughput over SDPA best's, for the plain forward and backward
-# (1 means as fast as PyTorch's best kernel; below 1, slower). Right two: how many times
-# faster our fused forward+JVP is than the math path and than jvp-flash-attention, at the
-# same shape (above 1, ours is faster).
+# Top row: our throughput over SDPA best's, for the plain forward and the backward in both
+# precision modes (1 means as fast as PyTorch's best kernel; below 1, slower). Bottom row:
+# how many times faster our fused forward+JVP is than the math path (in both modes) and than
+# jvp-flash-attention, at the same shape (above 1, ours is faster). A run made before the
+# fast mode was measured leaves its panels empty.
 
 # %%
 def paired(impl_a, mode_a, impl_b, mode_b, d, causal, faster=False):
@@ -392,14 +421,17 @@ def paired(impl_a, mode_a, impl_b, mode_b, d, causal, faster=False):
 comparisons = [
     ("ours fwd / SDPA best fwd", ("ours", "fwd", "sdpa", "fwd", False)),
     ("ours bwd / SDPA best bwd", ("ours", "bwd", "sdpa", "bwd", False)),
+    ("ours fast bwd / SDPA best bwd", ("ours_fast", "bwd", "sdpa", "bwd", False)),
     ("fwd+JVP: ours vs SDPA math (x faster)", ("ours", "fwd_jvp", "sdpa_math", "fwd_jvp", True)),
+    ("fwd+JVP: ours fast vs SDPA math (x faster)",
+     ("ours_fast", "fwd_jvp", "sdpa_math", "fwd_jvp", True)),
     ("fwd+JVP: ours vs jvp-flash-attention (x faster)",
      ("ours", "fwd_jvp", "jfa", "fwd_jvp", True)),
 ]
 styles = {(d, c): (f"C{i}", "o-" if not c else "s--") for i, (d, c) in enumerate(panels)}
-fig, axes = plt.subplots(1, len(comparisons), figsize=(4.6 * len(comparisons), 3.8),
+fig, axes = plt.subplots(2, len(comparisons) // 2, figsize=(4.6 * (len(comparisons) // 2), 7.6),
                          squeeze=False)
-for ax, (title, (ia, ma, ib, mb, faster)) in zip(axes[0], comparisons, strict=True):
+for ax, (title, (ia, ma, ib, mb, faster)) in zip(axes.flat, comparisons, strict=True):
     for (d, causal), (color, style) in styles.items():
         ns, ys = paired(ia, ma, ib, mb, d, causal, faster)
         if ns:
@@ -412,20 +444,26 @@ for ax, (title, (ia, ma, ib, mb, faster)) in zip(axes[0], comparisons, strict=Tr
     ax.grid(alpha=0.3, which="both")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "not in this run", transform=ax.transAxes, ha="center",
+                color="gray")
 fig.tight_layout()
 fig.savefig(FIGURES / "ratio.png", dpi=110)
 
 # %% [markdown]
 # ## The headline picture
 #
-# Forward+JVP throughput at the headline shapes, with SDPA best's plain forward (no tangent:
-# it cannot compute one) as a reference for what a forward alone reaches on this GPU. This
-# is the figure the documentation's landing page shows.
+# Forward+JVP throughput at the headline shapes (ours in both precision modes, when the run
+# has both), with SDPA best's plain forward (no tangent: it cannot compute one) as a
+# reference for what a forward alone reaches on this GPU. This is the figure the
+# documentation's landing page shows.
 
 # %%
-bars = [("ours", "fwd_jvp", "ours fwd+JVP"), ("jfa", "fwd_jvp", "jvp-flash-attention fwd+JVP"),
+bars = [("ours", "fwd_jvp", "ours fwd+JVP"), ("ours_fast", "fwd_jvp", "ours fwd+JVP, fast precision"),
+        ("jfa", "fwd_jvp", "jvp-flash-attention fwd+JVP"),
         ("sdpa_math", "fwd_jvp", "SDPA math + forward AD"),
         ("sdpa", "fwd", "SDPA best, forward only")]
+bars = [bar for bar in bars if any((c["impl"], c["mode"]) == bar[:2] for c in CASES)]
 groups = [(shape, causal) for shape in HEADLINE for causal in (False, True)]
 fig, ax = plt.subplots(figsize=(9, 4))
 width = 0.8 / len(bars)
@@ -458,9 +496,10 @@ print(f"figures saved in {FIGURES if not REAL else FIGURES.relative_to(REPO)}")
 #
 # The first call of each case, in seconds, at the headline shapes. For our kernels it pays
 # Triton's compilation (once per kernel specialisation: head dim, causal, tangent on or
-# off, dtype) and autotuning (once per shape key, i.e. per power-of-two length bucket); for
-# jvp-flash-attention, compilation; for SDPA, library set-up. A training run pays this once
-# per shape; it is not part of any median above. `bench.py` times each candidate tile of our
+# off, dtype) and autotuning (once per shape key, i.e. per power-of-two length bucket; the
+# precision mode is not a key, so the fast mode reuses the tile tuned for the accurate one
+# and pays compilation only); for jvp-flash-attention, compilation; for SDPA, library
+# set-up. A training run pays this once per shape; it is not part of any median above. `bench.py` times each candidate tile of our
 # autotuner with one warm call and ~20 ms of calls instead of Triton's default 125 ms
 # window, so a user's first call can take somewhat longer than shown.
 

@@ -23,6 +23,8 @@ BENCH = REPO / "benchmarks" / "bench.py"
 sys.path.insert(0, str(BENCH.parent))
 import bench  # noqa: E402
 
+from jvp_attention.forward import accurate  # noqa: E402
+
 TOP_LEVEL = {"schema": str, "date": str, "command": str, "argv": list, "gpu": str,
              "device": dict, "smoke": bool, "versions": dict, "git": dict, "settings": dict,
              "flop_convention": str, "cases": list, "wall_seconds": float, "complete": bool}
@@ -75,6 +77,7 @@ def test_smoke_run_writes_the_schema(tmp_path: Path) -> None:
     assert "--smoke" in data["command"]
     pairs = {(c["impl"], c["mode"]) for c in data["cases"]}
     assert pairs == {(impl, mode) for impl, modes in bench.IMPLS.items() for mode in modes}
+    assert data["settings"]["precision"]["ours_fast"] == "fast" and "ours_fast" in data["impls"]
     for case in data["cases"]:
         assert not case.get("error"), case
         if case["impl"] != "jfa":  # jvp-flash-attention is optional: skipped when missing
@@ -90,7 +93,7 @@ def test_grid_keeps_tokens_and_width_fixed() -> None:
     for B, H, N, d in shapes:
         assert B * N == max(bench.GRID_TOKENS, N) and H * d == bench.GRID_WIDTH
     per_shape = sum(len(modes) for modes in bench.IMPLS.values())
-    assert len(cases) == len(shapes) * 2 * per_shape
+    assert len(cases) == len(shapes) * 2 * per_shape == 392  # benchmarks/README.md
     assert len({c.key for c in cases}) == len(cases)
     # The headline shapes run first, then increasing N.
     headline = [c for c in cases if c.tier == 0]
@@ -104,10 +107,54 @@ def test_quick_and_filters() -> None:
     quick = bench.plan(bench.parse_args(["--quick"]))
     assert {(c.B, c.H, c.N, c.d) for c in quick} == set(bench.HEADLINE)
     assert {c.causal for c in quick} == {False, True}
+    assert len(quick) == 56  # benchmarks/README.md
     some = bench.plan(bench.parse_args(["--impl", "ours", "--mode", "fwd_jvp", "--n", "4k",
                                         "16384", "--d", "128", "--causal", "1"]))
     assert [(c.impl, c.mode, c.N, c.d, c.causal) for c in some] == [
         ("ours", "fwd_jvp", 4096, 128, True), ("ours", "fwd_jvp", 16384, 128, True)]
+
+
+def test_priority_lists_every_pair_fast_right_after_ours() -> None:
+    pairs = [(impl, mode) for impl, modes in bench.IMPLS.items() for mode in modes]
+    assert sorted(bench.PRIORITY) == sorted(pairs)
+    assert set(bench.IMPL_LABELS) == set(bench.IMPLS)
+    for mode in bench.IMPLS["ours_fast"]:
+        at = bench.PRIORITY.index(("ours", mode))
+        assert bench.PRIORITY[at + 1] == ("ours_fast", mode)
+
+
+def test_precision_restores_the_previous_mode() -> None:
+    for previous, other in (("accurate", "fast"), ("fast", "accurate")):
+        with bench.precision(previous):
+            with pytest.raises(RuntimeError), bench.precision(other):
+                assert bench.precision_mode() == other
+                raise RuntimeError
+            assert bench.precision_mode() == previous
+
+
+@pytest.mark.parametrize("mode", bench.IMPLS["ours_fast"])
+def test_ours_fast_calls_the_kernels_in_fast_precision(mode: str, monkeypatch) -> None:
+    seen = []
+
+    def spy(kernel):
+        def call(*args, **kwargs):
+            seen.append(accurate())
+            return kernel(*args, **kwargs)
+
+        return call
+
+    for name in ("flash_attention_forward", "flash_attention_backward"):
+        monkeypatch.setattr(bench, name, spy(getattr(bench, name)))
+    case = bench.Case("ours_fast", mode, *bench.SMOKE_SHAPE, True, "fp32")
+    with bench.precision("accurate"):
+        fn = bench.prepare(case, "cpu", bench.parse_args(["--smoke"]))
+        assert accurate(), "the set-up restores the mode"
+        seen.clear()
+        result = fn()
+        assert accurate(), "the timed call restores the mode"
+    assert seen and not any(seen), "every kernel call ran in fast precision"
+    assert result is not None
+    assert bench.Case("ours", mode, *bench.SMOKE_SHAPE, True, "fp32").flops == case.flops
 
 
 def test_flop_count() -> None:
