@@ -8,7 +8,7 @@
 #   executed.tar.gz  executed notebooks for the docs, the files notebook 09 writes under
 #                    examples/results/ and the plots notebook 08 writes (docs/assets/benchmarks)
 # Notebooks: NOTEBOOKS_TIMED run alone on the last GPU after the tests; NOTEBOOKS_UNTIMED
-# after them; NOTEBOOKS_AFTER_BENCH on GPU 0 once the benchmark has written its results.
+# after them, with one tile per kernel (JVP_ATTENTION_AUTOTUNE=0); NOTEBOOKS_AFTER_BENCH on GPU 0 once the benchmark has written its results.
 # Usage (repository root, .whl carried; docs/install.md has the details):
 #   TESTS=1 DDP=1 BENCH_ARGS="--max-seconds 420" NOTEBOOKS_TIMED="notebooks/09_*.py" \
 #     NOTEBOOKS_AFTER_BENCH=notebooks/08_benchmarks.py bash tools/gpu_validate.sh
@@ -61,8 +61,9 @@ validate() {
 [ "${TESTS:-0}" = 1 ] && validate
 # shellcheck disable=SC2086
 run_notebooks "$LAST" timed.log ${NOTEBOOKS_TIMED:-}
+# Notebooks that only check numbers need no autotuning either.
 # shellcheck disable=SC2086
-run_notebooks "$LAST" untimed.log ${NOTEBOOKS_UNTIMED:-}
+JVP_ATTENTION_AUTOTUNE=0 run_notebooks "$LAST" untimed.log ${NOTEBOOKS_UNTIMED:-}
 if [ "${DDP:-0}" = 1 ] && [ "$NGPU" -ge 2 ]; then
   for dtype in bfloat16 float32; do
     timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
