@@ -625,6 +625,78 @@ check("online: A / l vs O", acc_o / row_sum, plain_attention(q, k_full, v_full))
 check("online: m + log l vs LSE", (row_max + row_sum.log()).squeeze(-1), torch.logsumexp(scores, -1))
 
 # %% [markdown]
+# Nothing in this loop mixes two rows, so a kernel cuts the queries too: into tiles of $B_M$
+# rows, while a block holds $B_N$ keys (the $b$ above). The scores become a grid of
+# $B_M \times B_N$ tiles, and one program owns one row of it: it loads its tile of $Q$ once,
+# walks the key blocks $j = 0, 1, \dots$ from left to right, and writes its tile of $O$ once at
+# the end. Programs share only the $K$ and $V$ they read, so they all run at once, and no tile
+# of scores ever reaches memory. The chapter's three figures share three small helpers and
+# draw inside functions, which keeps their sizes out of the chapter's variables.
+
+# %%
+import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
+
+# Okabe-Ito colours, distinct under the common colour-vision deficiencies. Orange = tangent.
+SKY, ORANGE, BLUE, GREY = "#56B4E9", "#E69F00", "#0072B2", "#999999"
+
+
+def tex(source):
+    """Matplotlib mathtext. The dollar signs are spelt out: the site typesets literal ones."""
+    return f"\N{DOLLAR SIGN}{source}\N{DOLLAR SIGN}"
+
+
+def box(ax, x, y, width, height, label="", color="white", **style):
+    """A rectangle from its top-left corner (y points down), with `label` in its middle."""
+    style = {"facecolor": color, "edgecolor": "black", "linewidth": 0.8, **style}
+    ax.add_patch(Rectangle((x, y), width, height, **style))
+    ax.text(x + width / 2, y + height / 2, label, ha="center", va="center")
+
+
+def tiles(ax, n_q, n_k, block_m, block_n, style):
+    """The N_q x N_k scores as B_M x B_N tiles; `style(top, left)` gives each tile's `box` args."""
+    for top in range(0, n_q, block_m):
+        for left in range(0, n_k, block_n):
+            box(ax, left, top, block_n, block_m, **style(top, left))
+
+
+def canvas(ax, x_range, y_range, title=""):
+    """Equal data units on both axes, y pointing down, no frame."""
+    ax.set(xlim=x_range, ylim=y_range[::-1], aspect="equal", title=title)
+    ax.axis("off")
+
+
+def draw_tiling(n_q=12, n_k=16, d=4, d_v=3, block_m=4, block_n=2, mine=4):
+    """The grid of tiles; the program whose tile starts at query `mine` walks its row."""
+    _, ax = plt.subplots(figsize=(9, 5.5))
+    canvas(ax, (-9, n_k + d_v + 1.5), (-d - d_v - 1.5, n_q + 1))
+    for top in range(0, n_q, block_m):
+        ours, color = top == mine, SKY if top == mine else "white"
+        box(ax, -d - 1, top, d, block_m, "loaded\nonce" if ours else "", color)
+        box(ax, n_k + 1, top, d_v, block_m, "written\nonce" if ours else "", color)
+        ax.text(-d - 1.5, top + block_m / 2, f"program {top // block_m}", ha="right", va="center",
+                weight="bold" if ours else "normal")
+    for j, left in enumerate(range(0, n_k, block_n)):
+        box(ax, left, -d - d_v - 1, block_n, d_v, tex(rf"V_{j}^\top"), "#DDDDDD")
+        box(ax, left, -d - 1, block_n, d, tex(rf"K_{j}^\top"), "#DDDDDD")
+    for x, y, name in [(-d / 2 - 1, -0.6, "Q"), (n_k + 1 + d_v / 2, -0.6, "O"),
+                       (-1.5, -d / 2 - 1, r"K^\top"), (-1.5, -d - d_v / 2 - 1, r"V^\top")]:
+        ax.text(x, y, tex(name), ha="center", va="center", fontsize=12)
+    tiles(ax, n_q, n_k, block_m, block_n, lambda top, left: {
+        "label": str(left // block_n) if top == mine else "",
+        "color": SKY if top == mine else "white"})
+    ax.annotate("", (n_k - 0.3, mine + block_m - 0.7), (0.3, mine + block_m - 0.7),
+                arrowprops={"arrowstyle": "-|>", "color": BLUE, "linewidth": 2})
+    ax.text(n_k / 2, n_q + 0.4, f"scores {tex('S')}: {n_q // block_m} tiles of {tex('B_M')} "
+            f"queries × {n_k // block_n} blocks of {tex('B_N')} keys; program {mine // block_m} "
+            "walks " + tex(r"j = 0, 1, \dots"), ha="center", va="top")
+    plt.show()
+
+
+draw_tiling()
+
+# %% [markdown]
 # Two details make this the kernels' loop.
 #
 # **Log2 units.** GPUs compute $2^x$ in one instruction and $e^x$ as $2^{x \log_2 e}$. Folding
@@ -683,6 +755,58 @@ online_out, online_mu = acc_o / row_sum, acc_mu / row_sum
 _, want = torch.func.jvp(plain_attention, (q, k_full, v_full), (t_q, t_k_full, t_v_full))
 check("online: mu = r / l vs reference mu", online_mu.squeeze(-1), reference_attention(q, k, v, enable_gqa=True, tangents=tangents).mu)
 check("online: tO = (G + H) / l - mu O vs torch.func.jvp", acc_tangent / row_sum - online_mu * online_out, want)
+
+# %% [markdown]
+# So a program keeps, for its whole loop, its tiles of $Q$ and $t_Q$ and a small running
+# state: $m$, $\ell$ and $r$ per query row, and the $B_M \times d_v$ accumulators $A$ and $G + H$
+# (`row_max`, `row_sum`, `acc_mu`, `acc_o`, `acc_tangent` in `tiled_attention` below). Keys and
+# values only stream past: each step reads $K_j, V_j$ (and $t_{K_j}, t_{V_j}$) from memory,
+# makes one $B_M \times B_N$ tile of $\tilde P_j$ and $t_{S_j}$, folds it into the state and
+# drops it. The state does not grow with $N_k$.
+
+# %%
+def draw_state(d=4, d_v=3, block_m=8, block_n=3):
+    """What one program streams in from memory and what it keeps in registers."""
+    _, ax = plt.subplots(figsize=(10, 4.6))
+    canvas(ax, (-1, 40), (-3, block_m + 4))
+    for x, y, width, name, color in [(0, 0.5, d, "K_j", SKY), (4.8, 0.5, d_v, "V_j", SKY),
+                                     (0, 4.5, d, "t_{K_j}", ORANGE),
+                                     (4.8, 4.5, d_v, "t_{V_j}", ORANGE)]:
+        box(ax, x, y, width, block_n, tex(name), color)
+    ax.annotate("", (10.6, block_m / 2), (8.2, block_m / 2),
+                arrowprops={"arrowstyle": "-|>", "linewidth": 2})
+    groups = [
+        ("loaded once", {}, [(d, "Q", SKY, "d"), (d, "t_Q", ORANGE, "d")]),
+        (f"block {tex('j')}'s tile, then dropped", {"linestyle": "--"},
+         [(block_n, r"\tilde P_j", SKY, "B_N"), (block_n, "t_{S_j}", ORANGE, "B_N")]),
+        ("running state", {}, [(1, "m", SKY, "1"), (1, r"\ell", SKY, "1"), (d_v, "A", SKY, "d_v"),
+                               (1, "r", ORANGE, "1"), (d_v, "G{+}H", ORANGE, "d_v")]),
+    ]
+    x = 11
+    for title, style, items in groups:
+        start = x
+        for width, name, color, columns in items:
+            box(ax, x, 0, width, block_m, tex(name), color, **style)
+            ax.text(x + width / 2, block_m + 0.3, tex(columns), ha="center", va="top", fontsize=8)
+            x += width + 0.4
+        ax.text((start + x - 0.4) / 2, block_m + 1.3, title, ha="center", va="top")
+        x += 1
+    ax.annotate("", (x - 0.6, 0), (x - 0.6, block_m), arrowprops={"arrowstyle": "<->"})
+    ax.text(x - 0.4, block_m / 2, tex("B_M"), va="center")
+    for left, width, title in [(-0.5, 9, "memory: streamed,\none key block per step"),
+                               (10.5, x - 10, "registers of one program, for its whole loop")]:
+        box(ax, left, -1.6, width, block_m + 3.6, color="#F2F2F2", linewidth=0, zorder=0)
+        ax.text(left + width / 2, -1.9, title, ha="center", va="bottom", fontsize=11)
+    legend = {"primal": SKY, "tangent (with tangents only)": ORANGE}
+    ax.legend(handles=[Patch(facecolor=c, edgecolor="black", label=k) for k, c in legend.items()],
+              loc="upper left", bbox_to_anchor=(0, 0.02), ncol=2, frameon=False)
+    epilogue = [r"O = A/\ell", r"\mathrm{LSE}", r"\mu = r/\ell", r"t_O = (G{+}H)/\ell - \mu O"]
+    ax.text(x + 0.5, block_m + 2.7, f"after the last block: {', '.join(map(tex, epilogue))} "
+            "go to memory", ha="right", va="top")
+    plt.show()
+
+
+draw_state()
 
 # %% [markdown]
 # ### The blueprint
@@ -804,6 +928,52 @@ for name, mask, causal in [
         got = torch.cat([got.out.flatten(), got.tangent_out.flatten(), got.mu.flatten(), got.lse[finite]])
         expected = torch.cat([want.out.flatten(), want.tangent_out.flatten(), want.mu.flatten(), want.lse[finite]])
         check(f"tiled vs reference, {name}, block_n={block_n}", got, expected)
+
+# %% [markdown]
+# ### Causal tiles
+#
+# `tiled_attention` masks every block it visits. With `is_causal` a kernel does better, tile by
+# tile: a tile wholly above the diagonal $j = i$ is all $-\infty$ and is skipped, a tile wholly
+# below it is all visible and needs no mask, and only the tiles that the diagonal crosses are
+# masked, here two per query tile ($B_M = 2 B_N$). For $N_q = N_k$ about half the tiles are
+# skipped, so a causal forward costs about half a full one. Top-left alignment pins the
+# diagonal to the top-left corner whatever the shapes: with $N_q < N_k$ the last keys are seen
+# by no query, with $N_q > N_k$ the last queries see every key. The tiles below are sorted by
+# `attention_bias`'s own causal mask; chapter 2's `_key_block_ranges` computes the same split
+# from indices alone.
+
+# %%
+def draw_causal_tiles(shapes=((16, 16), (12, 20), (20, 12)), block_m=4, block_n=2):
+    """The causal tiles of each (N_q, N_k) in `shapes`: skipped, full, or on the diagonal."""
+    kinds = {
+        "skipped": {"facecolor": "white", "edgecolor": GREY, "hatch": "///"},
+        "full: no mask": {"facecolor": SKY},
+        "on the diagonal: masked": {"facecolor": ORANGE},
+    }
+    fig, axes = plt.subplots(1, len(shapes), figsize=(11, 4.8),
+                             width_ratios=[n_k + 1 for _, n_k in shapes])
+    for ax, (n_q, n_k) in zip(axes, shapes, strict=True):
+        visible = attention_bias(None, True, n_q, n_k, torch.float64, "cpu") == 0
+
+        def kind(top, left, visible=visible):
+            seen = visible[top : top + block_m, left : left + block_n]
+            if seen.all():
+                return kinds["full: no mask"]
+            return kinds["on the diagonal: masked" if seen.any() else "skipped"]
+
+        tiles(ax, n_q, n_k, block_m, block_n, kind)
+        ax.stairs([min(i + 1, n_k) for i in range(n_q)], range(n_q + 1), baseline=None,
+                  orientation="horizontal", color="black", linewidth=1.5)
+        tallest = max(n for n, _ in shapes)
+        canvas(ax, (-0.5, n_k + 0.5), (-0.5, tallest + 0.5), tex(f"N_q = {n_q},\\ N_k = {n_k}"))
+    handles = [Patch(label=k, **{"edgecolor": "black", **style}) for k, style in kinds.items()]
+    label = f"query {tex('i')} sees the keys left of the line"
+    handles.append(Line2D([], [], color="black", label=label))
+    fig.legend(handles=handles, loc="lower center", ncol=4, frameon=False)
+    plt.show()
+
+
+draw_causal_tiles()
 
 # %% [markdown]
 # ## The backward

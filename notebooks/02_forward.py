@@ -711,15 +711,21 @@ assert out[:, :, :5].eq(0).all() and out.isfinite().all()
 print("hidden rows: O = 0, no NaN")
 
 # %% [markdown]
-# The switch really removes the tangent work: in fp32, the primal results of the
-# `HAS_TANGENT=True` specialisation equal those of the primal-only one bit for bit, because
-# the primal lines are the same code. (In 16 bits the JVP kernel rounds its products more
-# carefully by default, chapter 3's "accurate" mode, so there the two agree to rounding.)
+# The switch really removes the tangent work, and nothing else: in fp32, with the same tile,
+# the primal results of the `HAS_TANGENT=True` specialisation equal those of the primal-only
+# one bit for bit, because the primal lines are the same code. The interpreter runs one tile
+# for both, so there we check bit equality. On the GPU the two specialisations autotune
+# separately (the tangent's accumulators favour narrower key blocks, chapter 4), and a
+# different tile sums the same terms in a different order: there they agree to fp32
+# rounding. (In 16 bits the JVP kernel also rounds its products more carefully by default,
+# chapter 3's "accurate" mode, so there the two agree to 16-bit rounding.)
 
 # %%
 tangents = tuple(torch.randn_like(x) for x in (q, k, v))
 with_tangent = flash_attention_forward(q, k, v, is_causal=True, tangents=tangents)
 primal_only = flash_attention_forward(q, k, v, is_causal=True)
-assert torch.equal(with_tangent.out, primal_only.out)
-assert torch.equal(with_tangent.lse, primal_only.lse)
-print("primal outputs identical with and without the tangent")
+same = torch.equal if not FULL_SIZE else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+assert same(with_tangent.out, primal_only.out)
+assert same(with_tangent.lse, primal_only.lse)
+print("primal outputs agree with and without the tangent "
+      f"({'bit for bit' if not FULL_SIZE else 'to fp32 rounding'})")

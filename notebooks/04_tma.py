@@ -91,7 +91,9 @@ layouts = {
     "(B, H, N, D) contiguous": x,
     "(B, N, H, D) storage, transposed view": x.transpose(1, 2).contiguous().transpose(1, 2),
     "D not contiguous": x.transpose(-1, -2),
-    "rows of 81 halves (162 bytes)": torch.randn(2, 4, 64, 96, dtype=torch.float16)[..., :81],
+    "rows 81 halves apart (162 bytes)": torch.randn(2, 4, 64, 81, dtype=torch.float16),
+    "81 of 96 columns (rows 192 bytes apart)": torch.randn(2, 4, 64, 96,
+                                                          dtype=torch.float16)[..., :81],
     "expanded (stride 0 rows)": torch.ones(1, 1, 1, 80).expand(2, 4, 64, 80),
 }
 for name, tensor in layouts.items():

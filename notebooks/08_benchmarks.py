@@ -118,6 +118,8 @@ def newest_gpu_results(folder: Path) -> tuple[Path | None, dict | None]:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if not isinstance(data, dict):  # other saved data, e.g. kernel_resources_sm90.json
+            continue
         if (str(data.get("schema", "")).startswith("jvp_attention.bench/")
                 and data.get("device", {}).get("cuda") and not data.get("smoke")):
             found.append((data["date"], str(path), data))

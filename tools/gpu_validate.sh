@@ -34,6 +34,11 @@ run_notebooks() {  # GPU, log name, notebooks...
 
 bench_then_notebooks() {  # the benchmark times kernels: it has GPU 0 to itself
   local result=benchmarks/results/h200_$STAMP.json
+  if [ -z "${BENCH_ARGS:-}" ]; then  # only the notebooks, on the saved results
+    # shellcheck disable=SC2086
+    run_notebooks 0 after_bench.log ${NOTEBOOKS_AFTER_BENCH:-}
+    return
+  fi
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=0 timeout $((BUDGET - 60)) python3 benchmarks/bench.py $BENCH_ARGS \
     --out "$result" >"$OUT/bench.log" 2>&1
@@ -57,7 +62,7 @@ validate() {
     --skip-timing --out "$OUT/accuracy.json" 2>&1 | tail -n 20
 }
 
-[ -n "${BENCH_ARGS:-}" ] && { bench_then_notebooks & }
+[ -n "${BENCH_ARGS:-}${NOTEBOOKS_AFTER_BENCH:-}" ] && { bench_then_notebooks & }
 [ "${TESTS:-0}" = 1 ] && validate
 # shellcheck disable=SC2086
 run_notebooks "$LAST" timed.log ${NOTEBOOKS_TIMED:-}

@@ -19,7 +19,7 @@
     window.renderMathInElement(element, {
       delimiters: delimiters,
       throwOnError: false,
-      ignoredClasses: ["no-math"],
+      ignoredClasses: ["no-math", "clipboard-copy-txt"],  // the copy buttons' hidden source copies
     });
   }
 
