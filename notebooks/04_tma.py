@@ -243,20 +243,29 @@ else:
     print("timings need a GPU (the executed chapter on the documentation site shows the H200's)")
 
 # %% [markdown]
+# On the H200 the two paths are within a few percent of each other for the forward and the
+# forward with its JVP, and descriptors make the causal backward about a tenth faster (the
+# outputs above; the executed chapter shows the H200's). Triton's asynchronous copies
+# already hide most of the load latency at these tile sizes; what descriptors add is
+# registers, which the tables above show and which the causal backward, with its masked
+# diagonal tiles, turns into speed. The automatic choice therefore stays on descriptors
+# wherever the rules allow, except for the second-order backward.
+#
 # ## What bounds the kernels
 #
-# The measurements of chapter 8 put our forward at about 0.75 of SDPA's best backend
-# (FlashAttention 3 / cuDNN, hand-written for Hopper), the forward with its JVP at about
-# 330 TFLOP/s and the backward at about half of SDPA's. The evidence points at four limits,
+# The measurements of chapter 8 (B4 H16 N4096 d128, bf16) put our forward at 0.85 of SDPA's
+# best backend (520 against 610 TFLOP/s; FlashAttention 3 or cuDNN, hand-written for
+# Hopper), the forward with its JVP at 334 TFLOP/s (432 in "fast" precision) and the
+# backward at 0.54 of SDPA's (0.76 in "fast" precision). The evidence points at four limits,
 # in order of weight:
 #
 # 1. **Extra products for accuracy.** In the default "accurate" precision the fp32
 #    operands of 16-bit products are split into two 16-bit halves (chapter 3): the forward
 #    with its JVP runs nine matrix products per tile where the FLOP count credits six, the
 #    backward ten where it credits five (seven without the split; FlashAttention recomputes
-#    the same way). At the same per-product efficiency that caps the credited throughput of
-#    the JVP at two thirds of the forward's. "Fast" precision rounds once, as FlashAttention
-#    does; chapter 8 times both.
+#    the same way). "Fast" precision rounds once, as FlashAttention does, and the measured
+#    gains match the product counts: 1.29x for the forward with its JVP (9/6 would be 1.5x
+#    with nothing else in the loop) and 1.41x for the backward (10/7 = 1.43x).
 # 2. **Registers.** The tangent doubles the fp32 accumulators, and the second-order
 #    backward quadruples them: the table above shows those kernels at the 255-register
 #    ceiling, which limits their tiles to 32-64 rows and costs them tensor-core efficiency
@@ -269,8 +278,9 @@ else:
 #    $2d$ multiply-adds per score for the two forward products.
 #
 # The cold start is part of the cost a user sees: on a fresh H200 process, the first call
-# of each kernel compiles its candidate tiles and times them, about 8 s for the forward,
-# 11 s for the forward with the JVP and 13 s for the backward at one shape
-# (`benchmarks/results/`, `first_call_ms`); later shapes in the same power-of-two length
+# of each kernel compiles its candidate tiles and times them: 8 s for the forward, 10 s for
+# the forward with the JVP, 11 s for the backward and 13 s for the second-order backward at
+# B4 H16 N4096 d128 (`benchmarks/results/h200_2026-11-30.json`, `first_call_ms`, with the
+# benchmark's quicker timer for the candidates); later shapes in the same power-of-two length
 # bucket reuse the choice, and Triton's on-disk cache removes the compile part in later
 # processes. `JVP_ATTENTION_AUTOTUNE=0` skips the timing and takes the first tile that fits.

@@ -87,6 +87,22 @@ def test_code_cells_match_the_source(executed: Path) -> None:
 
 
 @pytest.mark.parametrize("executed", NOTEBOOKS)
+def test_prose_matches_the_source(executed: Path) -> None:
+    """The site shows the executed copy's markdown: it must be the chapter's current prose.
+    Prose alone can be brought up to date without running anything again."""
+    source = source_of(executed)
+    if not source.is_file():
+        pytest.skip(f"no notebooks/{source.name}")
+    shown = [text(c["source"]) for c in json.loads(executed.read_text())["cells"]
+             if c["cell_type"] == "markdown"]
+    now = [c.source for c in jupytext.read(source).cells if c.cell_type == "markdown"]
+    assert shown == now, (
+        f"{executed.name}: its markdown differs from notebooks/{source.name}'s; run "
+        f"`python tools/execute_notebooks.py --refresh-prose docs/executed/{executed.name}`"
+    )
+
+
+@pytest.mark.parametrize("executed", NOTEBOOKS)
 def test_no_error_outputs(executed: Path) -> None:
     errors = [
         f"cell {cell.get('id', number)!r}: {output.get('ename')}: {output.get('evalue')}"

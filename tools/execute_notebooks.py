@@ -1,6 +1,7 @@
 """Execute percent-format notebooks into .ipynb files with their outputs, with no Jupyter.
 
     python tools/execute_notebooks.py OUT_DIR notebooks/01_reference.py [...]
+    python tools/execute_notebooks.py --refresh-prose docs/executed/*.ipynb
 
 The GPU machine has no Jupyter stack and no network, so this runs each notebook's code cells
 in one namespace in this process, records what they print (stdout, stderr), the value of a
@@ -163,7 +164,41 @@ def execute(path: Path, out_dir: Path) -> bool:
     return ok
 
 
+def refresh_prose(executed: Path, source: Path) -> None:
+    """Give an executed notebook its source's current markdown, keeping the outputs.
+
+    Prose can change without the code: then the chapter need not run again on the GPU. The
+    code cells must be unchanged (else ValueError: execute the notebook again)."""
+    notebook = json.loads(executed.read_text())
+    ran = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    cells = parse_percent(source.read_text())
+    code = [cell for cell in cells if cell["type"] == "code"]
+    if [_text(cell["source"]) for cell in ran] != [cell["source"] for cell in code]:
+        raise ValueError(f"{executed}: the code of {source} changed; execute it again")
+    outputs = iter(ran)
+    refreshed = []
+    for cell in cells:
+        metadata = {"tags": cell["tags"]} if cell["tags"] else {}
+        if cell["type"] == "markdown":
+            refreshed.append({"cell_type": "markdown", "id": cell["id"], "metadata": metadata,
+                              "source": cell["source"]})
+        else:
+            refreshed.append({**next(outputs), "id": cell["id"], "metadata": metadata})
+    notebook["cells"] = refreshed
+    executed.write_text(json.dumps(notebook, indent=1) + "\n")
+
+
+def _text(source: str | list[str]) -> str:
+    return source if isinstance(source, str) else "".join(source)
+
+
 def main() -> int:
+    if sys.argv[1] == "--refresh-prose":
+        for path in map(Path, sys.argv[2:]):
+            refresh_prose(path, Path(__file__).resolve().parent.parent / "notebooks"
+                          / f"{path.stem}.py")
+            print(f"{path.name}: prose refreshed")
+        return 0
     out_dir, paths = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
     failed = []
     for path in paths:
