@@ -3,7 +3,8 @@
 Each `notebooks/NN_name.py` is converted by jupytext to an .ipynb in a temporary folder (nbmake
 reads .ipynb only) and executed by `pytest --nbmake` in a subprocess, with the repository on
 PYTHONPATH so that `import jvp_attention` finds the exported package. The notebook's kernel runs
-with that temporary folder as its working directory. Without a CUDA device the subprocess gets
+with that temporary folder as its working directory (a `notebooks/` folder beside links to the
+repository's folders, so relative paths resolve as under Jupyter). Without a CUDA device the subprocess gets
 `TRITON_INTERPRET=1`, and the notebooks pick small sizes themselves.
 """
 
@@ -23,7 +24,14 @@ TIMEOUT_S = 1200
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(notebook: Path, tmp_path: Path) -> None:
-    ipynb = tmp_path / f"{notebook.stem}.ipynb"
+    # The notebook runs from a temporary notebooks/ folder beside links to the repository's
+    # folders, so that paths relative to notebooks/ (../benchmarks/results/...) resolve as
+    # they do under Jupyter, without writing into the checkout.
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    for name in ("benchmarks", "docs", "examples", "jvp_attention", "tools"):
+        (tmp_path / name).symlink_to(REPO / name, target_is_directory=True)
+    ipynb = folder / f"{notebook.stem}.ipynb"
     jupytext.write(jupytext.read(notebook), ipynb)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
