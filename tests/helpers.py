@@ -60,6 +60,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from unittest import mock
 
+import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -520,6 +521,29 @@ def _without_matching_infinities(ours: torch.Tensor, truth: torch.Tensor, name: 
             f"the truth has {int(inf_truth.sum())}; first mismatch at "
             f"{tuple((inf_ours != inf_truth).nonzero()[0].tolist())}")
     return ours.masked_fill(inf_ours, 0.0), truth.masked_fill(inf_truth, 0.0)
+
+
+def assert_deterministic(run, p: Problem) -> None:
+    """`run(p, poison=...)` twice, its outputs first filled with NaN, then with 7.0: the two
+    results must agree bit for bit (every entry written, and written the same way)."""
+    first, second = run(p, poison=math.nan), run(p, poison=7.0)
+    for name in first:
+        assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
+
+
+# GPU cases every kernel's tests start from: N = 1000, d = 64, plain and causal, all dtypes.
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+COMMON_GPU_CASES = [
+    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64), F16),
+    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), BF16),
+    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), F32),
+]
+
+
+def gpu_params(cases) -> list:
+    """pytest params named dtype-spec for (Spec, dtype) pairs."""
+    return [pytest.param(spec, dtype, id=f"{dtype_name(dtype)}-{spec.id}")
+            for spec, dtype in cases]
 
 
 def assert_accurate(ours: dict[str, torch.Tensor], truth: dict[str, torch.Tensor],

@@ -6,16 +6,20 @@ runs them, the rounding residuals of O (`test_backward_other_paths` covers the l
 residuals and in precision "fast").
 """
 
-import math
 
 import pytest
 import torch
 from helpers import (
+    BF16,
+    COMMON_GPU_CASES,
     DEVICE,
+    F16,
+    F32,
     FUZZ_STRATEGIES,
     OTHER_PATH_CASES,
     Spec,
     assert_accurate,
+    assert_deterministic,
     assert_empty_rows_are_zero,
     cancellation_scale,
     cpu_grid,
@@ -23,6 +27,7 @@ from helpers import (
     expected_backward,
     fuzz_settings,
     fuzz_spec,
+    gpu_params,
     kernel_backward,
     make_problem,
     precision,
@@ -58,9 +63,7 @@ def test_backward_grid(spec: Spec, dtype: torch.dtype) -> None:
 def test_backward_is_deterministic_and_writes_every_gradient(spec: Spec, dtype) -> None:
     """No atomics: two runs whose outputs start as different garbage agree bit for bit."""
     p = make_problem(spec, dtype, seed=4)
-    first, second = kernel_backward(p, poison=math.nan), kernel_backward(p, poison=7.0)
-    for name in first:
-        assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
+    assert_deterministic(kernel_backward, p)
 
 
 @pytest.mark.parametrize("path", ["fast-precision", "no-residuals"])
@@ -94,11 +97,7 @@ def test_backward_fuzz(batch, hkv, group, nq, nk, d, dv, causal, mask, dtype, se
 
 
 # --- GPU: realistic sizes (one dtype and causal setting per case; see test_forward.py) ---
-F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-GPU_CASES = [
-    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64), F16),
-    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), BF16),
-    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), F32),
+GPU_CASES = COMMON_GPU_CASES + [
     (Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad", causal=True,
           cotangent="expanded"), BF16),
     (Spec(batch=1, hq=4, hkv=1, nq=1000, nk=4250, d=96, mask="keypad"), F16),
@@ -113,8 +112,7 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec, dtype", [
-    pytest.param(spec, dtype, id=f"{dtype_name(dtype)}-{spec.id}") for spec, dtype in GPU_CASES])
+@pytest.mark.parametrize("spec, dtype", gpu_params(GPU_CASES))
 def test_backward_gpu(spec: Spec, dtype: torch.dtype) -> None:
     check_backward(spec, dtype, device="cuda")
 
@@ -130,6 +128,4 @@ def test_backward_gpu_16k(causal: bool) -> None:
 def test_backward_gpu_is_deterministic() -> None:
     p = make_problem(Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad",
                           causal=True, cotangent="expanded"), torch.bfloat16, device="cuda")
-    first, second = kernel_backward(p, poison=math.nan), kernel_backward(p, poison=7.0)
-    for name in first:
-        assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
+    assert_deterministic(kernel_backward, p)

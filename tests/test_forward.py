@@ -5,24 +5,29 @@ On CPU the kernel runs in Triton's interpreter on tiny shapes (fp32 and fp16); t
 marked `gpu` repeat the grid at realistic sizes in fp16, bf16 and fp32.
 """
 
-import math
 
 import pytest
 import torch
 from helpers import (
+    BF16,
+    COMMON_GPU_CASES,
     CPU_CASES,
     DEVICE,
+    F16,
+    F32,
     FUZZ_STRATEGIES,
     MASK_KINDS,
     OTHER_PATH_CASES,
     Spec,
     assert_accurate,
+    assert_deterministic,
     assert_empty_rows_are_zero,
     cpu_grid,
     dtype_name,
     expected_forward,
     fuzz_settings,
     fuzz_spec,
+    gpu_params,
     kernel_forward,
     make_problem,
     poisoned_allocations,
@@ -86,9 +91,7 @@ def test_forward_is_deterministic_and_writes_every_output(spec: Spec, dtype) -> 
     """Two runs whose outputs start as different garbage (NaN, then 7.0) agree bit for bit:
     the kernel writes every entry, and writes it the same way each time."""
     p = make_problem(spec, dtype, seed=3)
-    first, second = kernel_forward(p, poison=math.nan), kernel_forward(p, poison=7.0)
-    for name in first:
-        assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
+    assert_deterministic(kernel_forward, p)
 
 
 def test_the_accuracy_rule_catches_a_small_error() -> None:
@@ -159,11 +162,7 @@ def test_forward_fuzz(batch, hkv, group, nq, nk, d, dv, causal, mask, dtype, see
 # kernel per case: minutes on the GPU); together they cover fp16/bf16/fp32, causal or not,
 # N = 1000/4250/8191 (and 16384 below), Nq != Nk, GQA and MQA, every mask kind, head dims
 # 64/96/128/192/256 with d_v != d_qk, the (B, N, H, D) layout and an explicit scale.
-F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-GPU_CASES = [
-    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64), F16),
-    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), BF16),
-    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), F32),
+GPU_CASES = COMMON_GPU_CASES + [
     (Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad", causal=True), BF16),
     (Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128), F16),
     (Spec(batch=1, hq=4, hkv=1, nq=1000, nk=4250, d=96, mask="keypad"), F32),
@@ -175,11 +174,6 @@ GPU_CASES = [
           scale=0.2), F16),
     (Spec(batch=1, hq=4, hkv=4, nq=1000, nk=1000, d=128, mask="additive"), BF16),
 ]
-
-
-def gpu_params(cases):
-    return [pytest.param(spec, dtype, id=f"{dtype_name(dtype)}-{spec.id}")
-            for spec, dtype in cases]
 
 
 @pytest.mark.gpu
@@ -206,6 +200,4 @@ def test_forward_gpu_without_tangents() -> None:
 def test_forward_gpu_is_deterministic() -> None:
     p = make_problem(Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad",
                           causal=True), torch.bfloat16, device="cuda")
-    first, second = kernel_forward(p, poison=math.nan), kernel_forward(p, poison=7.0)
-    for name in first:
-        assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
+    assert_deterministic(kernel_forward, p)

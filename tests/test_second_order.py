@@ -8,16 +8,19 @@ The kernels run as the autograd layer runs them (with the forward's rounding res
 `test_second_order_other_paths` covers the launchers without residuals and in precision "fast".
 """
 
-import math
 
 import pytest
 import torch
 from helpers import (
+    BF16,
+    COMMON_GPU_CASES,
     DEVICE,
+    F16,
     FUZZ_STRATEGIES,
     OTHER_PATH_CASES,
     Spec,
     assert_accurate,
+    assert_deterministic,
     assert_empty_rows_are_zero,
     cancellation_scale,
     cpu_grid,
@@ -25,6 +28,7 @@ from helpers import (
     expected_second_order,
     fuzz_settings,
     fuzz_spec,
+    gpu_params,
     kernel_backward,
     kernel_second_order,
     make_problem,
@@ -56,9 +60,7 @@ def test_second_order_grid(spec: Spec, dtype: torch.dtype) -> None:
 def test_second_order_is_deterministic_and_writes_every_gradient(dtype) -> None:
     p = make_problem(Spec(hq=2, hkv=1, nq=33, nk=17, d=40, mask="empty_rows", causal=True,
                           layout="bnhd"), dtype, seed=5)
-    first, second = kernel_second_order(p, poison=math.nan), kernel_second_order(p, poison=7.0)
-    for name in first:
-        assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
+    assert_deterministic(kernel_second_order, p)
 
 
 @pytest.mark.parametrize("path", ["fast-precision", "no-residuals"])
@@ -109,11 +111,7 @@ def test_second_order_fuzz(batch, hkv, group, nq, nk, d, dv, causal, mask, dtype
 
 
 # --- GPU: realistic sizes (one dtype and causal setting per case; see test_forward.py) ---
-F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-GPU_CASES = [
-    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64), F16),
-    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), BF16),
-    (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), F32),
+GPU_CASES = COMMON_GPU_CASES + [
     (Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad", causal=True), BF16),
     (Spec(batch=2, hq=4, hkv=1, nq=4250, nk=1000, d=96, mask="additive", scale=0.2,
           cotangent="tangent_only"), BF16),
@@ -122,11 +120,9 @@ GPU_CASES = [
     (Spec(batch=1, hq=4, hkv=4, nq=1000, nk=1000, d=256, dv=128, mask="empty_rows",
           layout="bnhd", cotangent="expanded"), F16),
 ]
-GPU_PARAMS = [pytest.param(spec, dtype, id=f"{dtype_name(dtype)}-{spec.id}")
-              for spec, dtype in GPU_CASES]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec, dtype", GPU_PARAMS)
+@pytest.mark.parametrize("spec, dtype", gpu_params(GPU_CASES))
 def test_second_order_gpu(spec: Spec, dtype: torch.dtype) -> None:
     check_second_order(spec, dtype, device="cuda")
