@@ -6,6 +6,7 @@ notebook `notebooks/02_forward.py` derives it and checks it against that referen
 """
 
 
+import math
 import os
 from contextlib import nullcontext
 
@@ -182,10 +183,87 @@ def _forward_key_block(
     return acc_o, acc_t, l_new, mu_i, m_new
 
 
+# |exponent| of any carrying shift: sums of three exponents stay inside fp32's range.
+MAX_SHIFT = tl.constexpr(36)
+
+
+def max_magnitudes(*tensors: torch.Tensor) -> torch.Tensor:
+    """max |x| of each tensor (fp32, on their device), in one fused pass over all of them."""
+    return torch.stack([m.float() for m in torch._foreach_norm(list(tensors), ord=math.inf)])
+
+
+@triton.jit
+def _shift_exponent(bound, top):
+    """The largest integer e with bound * 2**e < 2**top (bound >= 0, fp32), clamped to
+    +-MAX_SHIFT (zero gives MAX_SHIFT): frexp, read off bound's exponent bits."""
+    exponent = ((bound.to(tl.int32, bitcast=True) >> 23) & 255) - 126
+    return tl.minimum(tl.maximum(top - exponent, -MAX_SHIFT), MAX_SHIFT)
+
+
+@triton.jit
+def _power_of_two(exponent):
+    """2**exponent in fp32, built from its bits (exact for -126 <= exponent <= 127)."""
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _jvp_shifts_kernel(magnitudes_ptr, out_ptr, t_scale):
+    """From max |v|, |tv|, |q|, |k|, |tq|, |tk|: the shifts 2**e_v of v and 2**(e_w + e_v) of
+    tv, then the forward+JVP kernel's factors w = 2**e_w, 2**-e_v, 2**-(e_w + e_v), 2**-e_w."""
+    v_max = tl.load(magnitudes_ptr)
+    tv_max = tl.load(magnitudes_ptr + 1)
+    # |tS| <= s d (max|tQ| max|K| + max|Q| max|tK|), and |mu| too
+    t_bound = t_scale * (tl.load(magnitudes_ptr + 4) * tl.load(magnitudes_ptr + 3)
+                         + tl.load(magnitudes_ptr + 2) * tl.load(magnitudes_ptr + 5))
+    e_v = _shift_exponent(v_max, 0)
+    e_w = tl.minimum(_shift_exponent(2 * t_bound, 14), _shift_exponent(tv_max, 14 - e_v))
+    tl.store(out_ptr, _power_of_two(e_v))
+    tl.store(out_ptr + 1, _power_of_two(e_w + e_v))
+    tl.store(out_ptr + 2, _power_of_two(e_w))
+    tl.store(out_ptr + 3, _power_of_two(-e_v))
+    tl.store(out_ptr + 4, _power_of_two(-e_w - e_v))
+    tl.store(out_ptr + 5, _power_of_two(-e_w))
+
+
+def fp16_operand(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """`x * shift` (a power of two, 0-dim on x's device) written straight to float16: exact
+    for a bfloat16 `x` whose shifted entries lie in float16's range (entries below 2**-24
+    are flushed)."""
+    wide = x if x.dtype == torch.bfloat16 else x.float()  # bf16 holds any shift exactly
+    return torch.mul(wide, shift, out=torch.empty_like(x, dtype=torch.float16))
+
+
+def carries(q: torch.Tensor) -> bool:
+    """Whether "accurate" mode carries this dtype's rounded products as exact fp16 copies
+    (bf16) rather than splitting them (fp16; fp32 has nothing to round)."""
+    return q.dtype == torch.bfloat16
+
+
+def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Tensor,
+                 tk: torch.Tensor, tv: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    """Exact fp16 copies of v and tv for the forward+JVP kernel on bf16 inputs, and the
+    factors that undo their shifts (fp32, on the device): the tangent scores' w, then the
+    factors of O, tO and mu."""
+    shifts = torch.empty(6, device=q.device, dtype=torch.float32)
+    _jvp_shifts_kernel[(1,)](max_magnitudes(v, tv, q, k, tq, tk), shifts,
+                             abs(scale) * q.shape[-1])
+    return fp16_operand(v, shifts[0]), fp16_operand(tv, shifts[1]), shifts[2:]
+
+
+@triton.jit
+def _carry_factor(factors_ptr, index, CARRY: tl.constexpr, identity):
+    """Entry `index` of a launch's carry factors (`jvp_operands`); `identity` without CARRY."""
+    if CARRY:
+        factor = tl.load(factors_ptr + index)
+    else:
+        factor = identity
+    return factor
+
+
 @triton.jit
 def _attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, o_ptr, to_ptr, lse_ptr, mu_ptr,
-    o_residual_ptr, to_residual_ptr,
+    o_residual_ptr, to_residual_ptr, factors_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -198,9 +276,10 @@ def _attention_forward_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    STORE_RESIDUAL: tl.constexpr, USE_TMA: tl.constexpr,
+    STORE_RESIDUAL: tl.constexpr, USE_TMA: tl.constexpr, CARRY: tl.constexpr,
 ):
-    """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head)."""
+    """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head).
+    With CARRY, v and tv are `jvp_operands`' fp16 copies and `factors_ptr` their factors."""
     start_m = tl.program_id(0) * BLOCK_M
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads
@@ -221,6 +300,7 @@ def _attention_forward_kernel(
         tv_src = _tile_source(tv_ptr + batch * stride_tvb + kv_head * stride_tvh, n_k,
                               value_dim, stride_tvn, BLOCK_N, BLOCK_DV, USE_TMA)
         acc_t = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        scale *= _carry_factor(factors_ptr, 0, CARRY, 1.0)  # tS, and so mu, in units of w
     else:
         tq, tk_src, tv_src = q, k_src, v_src
         acc_t = tl.zeros([1, 1], dtype=tl.float32)
@@ -249,7 +329,7 @@ def _attention_forward_kernel(
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    o = acc_o * inv_l[:, None]
+    o = acc_o * (inv_l * _carry_factor(factors_ptr, 1, CARRY, 1.0))[:, None]
     flat_rows = tl.program_id(1).to(tl.int64) * n_q + rows
     dims_v = tl.arange(0, BLOCK_DV)
     _store_rounded(o_ptr, o_residual_ptr, o, flat_rows, rows, dims_v, n_q, value_dim,
@@ -259,9 +339,11 @@ def _attention_forward_kernel(
     tl.store(lse_ptr + flat_rows, lse, mask=rows < n_q)
     if HAS_TANGENT:
         # acc_t is centred on the final mu: tO = acc_t / l, no cancellation left to do.
-        _store_rounded(to_ptr, to_residual_ptr, acc_t * inv_l[:, None], flat_rows, rows, dims_v,
-                       n_q, value_dim, STORE_RESIDUAL)
-        tl.store(mu_ptr + flat_rows, mu_i, mask=rows < n_q)
+        t_o = acc_t * (inv_l * _carry_factor(factors_ptr, 2, CARRY, 1.0))[:, None]
+        _store_rounded(to_ptr, to_residual_ptr, t_o, flat_rows, rows, dims_v, n_q, value_dim,
+                       STORE_RESIDUAL)
+        tl.store(mu_ptr + flat_rows, mu_i * _carry_factor(factors_ptr, 3, CARRY, 1.0),
+                 mask=rows < n_q)
 
 
 def interpreting() -> bool:
@@ -335,10 +417,11 @@ def set_precision(mode: str) -> None:
 
     Args:
         mode: "accurate" (default): the fp32 operands of the tangent's and the backward's
-            16-bit products are split into hi + lo parts, which keeps their errors at the
-            level of PyTorch's fp32-accumulating math path, for about a third more matrix
-            products. "fast": one 16-bit rounding per product, as FlashAttention does. The
-            primal forward always rounds once: its error is at the floor already.
+            16-bit products keep their errors at the level of PyTorch's fp32-accumulating
+            math path: fp16 inputs split them into hi + lo parts (about a third more matrix
+            products), bf16 inputs run those products on exact fp16 copies (chapter 2).
+            "fast": one 16-bit rounding per product, as FlashAttention does. The primal
+            forward always rounds once: its error is at the floor already.
             The environment variable JVP_ATTENTION_PRECISION sets the initial mode.
     """
     if mode not in PRECISIONS:
@@ -468,6 +551,12 @@ def flash_attention_forward(
     mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k))
     mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
 
+    # bf16 tangents in "accurate" mode: exact fp16 copies of v and tv instead of the split.
+    carry = has_tangent and accurate() and carries(q) and min(q.numel(), k.numel()) > 0
+    factors = lse  # not read without CARRY
+    if carry:
+        with on_device(q):
+            v, tv, factors = jvp_operands(q, k, v, tq, tk, tv, scale)
     use_tma = tma_eligible(q, k, v, tq, tk, tv)
 
     def grid(meta):
@@ -477,13 +566,13 @@ def flash_attention_forward(
         prepare_descriptors(use_tma)
         (_attention_forward_jvp if has_tangent else _attention_forward)[grid](
             q, k, v, tq, tk, tv, q if mask is None else mask, out, t_out, lse, mu,
-            out_res, t_out_res, *q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(), *tv.stride(),
-            *mask_strides,
+            out_res, t_out_res, factors, *q.stride(), *k.stride(), *v.stride(),
+            *tq.stride(), *tk.stride(), *tv.stride(), *mask_strides,
             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
             scale * LOG2E, scale, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
-            STORE_RESIDUAL=residuals, USE_TMA=use_tma,
-            **kernel_meta(q, head_dim, value_dim, split=has_tangent and accurate()),
+            STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
+            **kernel_meta(q, head_dim, value_dim, split=has_tangent and accurate() and not carry),
         )
     outputs = AttentionOutputs(out, lse, t_out if has_tangent else None,
                                mu if has_tangent else None)

@@ -314,13 +314,15 @@ print(f"worst ratio to the floor: {worst:.2f}")
 # end $t_O = \texttt{acc\_t}/\ell$ with nothing left to cancel. On the H200, before this
 # change, one fp16 causal case measured a ratio of 7.0 on $t_O$.
 #
-# **Split products** (`set_precision("accurate")`, the default). A 16-bit operand carries 11
-# (fp16) or 8 (bf16) significant bits. Writing the fp32 operand as $a = a_{hi} + a_{lo}$, two
-# 16-bit tiles, and computing $a_{hi}B + a_{lo}B$ (both products accumulate in fp32) carries
-# about twice the bits, for one more product. The JVP kernel does this for its three
-# probability products; the backward kernels (chapter 5) for all of theirs. The primal
-# forward keeps one rounding: its error is at the floor already for realistic lengths.
-# `set_precision("fast")` turns the splits off.
+# **More bits in the rounded operands** (`set_precision("accurate")`, the default). A 16-bit
+# operand carries 11 (fp16) or 8 (bf16) significant bits. For fp16 inputs the kernels write
+# the fp32 operand as $a = a_{hi} + a_{lo}$, two 16-bit tiles, and compute
+# $a_{hi}B + a_{lo}B$ (both products accumulate in fp32): about twice the bits, for one more
+# product. For bf16 inputs they use chapter 2's exact float16 copies instead: the operand is
+# rounded once, but to float16's 11 bits, and no product is added. The JVP kernel does this
+# for its three probability products; the backward kernels (chapter 5) for all of theirs. The
+# primal forward keeps one rounding: its error is at the floor already for realistic lengths.
+# `set_precision("fast")` turns both off: one rounding to the input's own 16-bit type.
 #
 # The next cell measures the worst case for centring (the same large vector added to every
 # key's tangent, which shifts $t_S$ row-wise by $s\,Q\,c^\top$) and both precision modes.

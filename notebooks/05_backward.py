@@ -82,19 +82,25 @@ import triton.language as tl
 
 from jvp_attention.forward import (
     LOG2E,
+    _carry_factor,
     _dot_rounded,
     _key_block_ranges,
     _load_head_rows,
     _load_rows,
     _load_tile,
     _masked_scores,
+    _power_of_two,
+    _shift_exponent,
     _store_rows,
     _tile_source,
     accurate,
     autotuned,
+    carries,
     check_kernel_shapes,
+    fp16_operand,
     kernel_meta,
     mask_operand,
+    max_magnitudes,
     on_device,
     prepare_descriptors,
     tma_eligible,
@@ -162,7 +168,8 @@ def _row_statistics_kernel(
 #
 # $P$ and $dS$ are rounded to the input dtype right before the products that consume them;
 # all accumulation is fp32. In the default "accurate" precision mode (chapter 3) each such
-# operand is split into two 16-bit parts, $a = a_{hi} + a_{lo}$, one more product each.
+# operand is split into two 16-bit parts, $a = a_{hi} + a_{lo}$, one more product each; for
+# bf16 inputs a cheaper way to the same accuracy follows below.
 #
 # One more source of error hides in $\Delta = \mathrm{rowsum}(dO \circ O)$. Computed from the
 # *stored* 16-bit $O$, it is off by $O$'s rounding, and $dS = P \circ (dP - \Delta)$ subtracts
@@ -176,14 +183,15 @@ def _row_statistics_kernel(
 
 # %% tags=["export"]
 @triton.jit
-def _load_row_statistics(lse_ptr, delta_ptr, mu_ptr, c_ptr, rows, n_q,
-                         HAS_TANGENT: tl.constexpr):
-    """LSE (in log2 units), Delta (and mu, c) of a query tile. Rows past the end and rows that
+def _load_row_statistics(lse_ptr, delta_ptr, mu_ptr, c_ptr, rows, n_q, delta_factor,
+                         p_exponent, HAS_TANGENT: tl.constexpr):
+    """LSE (in log2 units, less `p_exponent`, so that P comes out times 2**p_exponent),
+    Delta times `delta_factor` (and mu, c) of a query tile. Rows past the end and rows that
     saw no key read LSE = +inf, so that their P is exactly 0."""
     in_range = rows < n_q
     lse = tl.load(lse_ptr + rows, mask=in_range, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    delta = tl.load(delta_ptr + rows, mask=in_range, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634 - p_exponent
+    delta = tl.load(delta_ptr + rows, mask=in_range, other=0.0) * delta_factor
     if HAS_TANGENT:
         mu = tl.load(mu_ptr + rows, mask=in_range, other=0.0)
         c = tl.load(c_ptr + rows, mask=in_range, other=0.0)
@@ -224,6 +232,85 @@ def _backward_tile(
 
 
 # %% [markdown]
+# ## bf16 gradients through exact fp16 operands
+#
+# The hi + lo split costs three products where "fast" spends two (dK/dV), two where it spends
+# one (dQ): about 1.4x the backward's time. For bf16 inputs there is a cheaper way to the
+# same accuracy. A bf16 number has 8 significant bits and float16 has 11, so every bf16 value
+# times a power of two is *exactly* a float16 value, as long as the product lands inside
+# float16's range. If the four inputs of the backward are carried as exact rescaled fp16
+# copies,
+#
+# $$\hat Q = 2^{e_q} Q,\quad \hat K = 2^{e_k} K,\quad \hat V = 2^{e_v} V,\quad
+# \widehat{dO} = 2^{e_o}\, dO,$$
+#
+# every product runs on fp16 tensor cores with fp32 accumulation, and the fp32 operands
+# $P$ and $dS$ are rounded once, to fp16: an error $2^{-11}$ instead of bf16's $2^{-8}$, eight
+# times below the output's own rounding, at the cost of "fast" plus four elementwise passes.
+# The powers of two cancel exactly in fp32 (the scores' factor $2^{-e_q-e_k}$ joins the
+# softmax scale, the gradients' factors multiply the accumulators once at the end), so the
+# rescaling itself adds no error. What must be chosen is the range:
+#
+# * $\hat Q, \hat K, \hat V$ get their largest entry in $[1/2, 1)$: float16 then holds every
+#   entry exactly down to $2^{-25}$ of the largest, below which a value is flushed, an absolute
+#   error far under any output's rounding.
+# * $P \le 1$, but in long rows most entries are near $1/N$ (below fp16's normal range at
+#   $N = 2^{15}$), so the kernels use $\hat P = 2^8 P$: exponents shift by 8 inside the
+#   `exp2`, free, and $\hat P$ is a normal fp16 number for every $P \ge 2^{-22}$.
+# * $dS$ must not overflow. With $\max|\hat V| < 1$ and $\max|\widehat{dO}| < 2^{t}$,
+#   $|\widehat{dP}_{ij}| \le d_v 2^{t}$ and $|\hat\Delta_i| = |\sum_j P_{ij}\widehat{dP}_{ij}|
+#   \le d_v 2^t$, so $|\widehat{dS}| \le 2^8 \cdot 2 d_v 2^t$. Taking
+#   $t = 5 - \lceil\log_2 d_v\rceil$ bounds it by $2^{14}$, a quarter of float16's largest
+#   value, whatever the data.
+#
+# The machinery is chapter 2's: one fused pass finds the four largest magnitudes, a
+# one-program kernel turns them into shifts and into the factors that undo them (a small
+# device tensor the kernels read once), and each copy is one multiply written straight to
+# float16; nothing waits for the host. The copies are O(N) memory, like the inputs. fp16
+# inputs have no wider 16-bit type to go to and keep the split; so does the backward through
+# the tangent (chapter 6), whose extra operands would need ranges of their own.
+
+# %% tags=["export"]
+P_EXPONENT = tl.constexpr(8)  # carried probabilities are P * 2**8: normal fp16 for P >= 2**-22
+
+
+@triton.jit
+def _backward_shifts_kernel(magnitudes_ptr, out_ptr, do_top):
+    """From max |q|, |k|, |v|, |dO|: their shifts (2**e_q, 2**e_k, 2**e_v, 2**e_o, with
+    max |dO| below 2**do_top), then the kernels' factors: scores 2**-(e_q + e_k), Delta
+    2**(e_o + e_v), dQ 2**-(e_ds + e_k), dK 2**-(e_ds + e_q), dV 2**-(8 + e_o) and P's 8,
+    where dS is carried times 2**e_ds = 2**(8 + e_o + e_v)."""
+    e_q = _shift_exponent(tl.load(magnitudes_ptr), 0)
+    e_k = _shift_exponent(tl.load(magnitudes_ptr + 1), 0)
+    e_v = _shift_exponent(tl.load(magnitudes_ptr + 2), 0)
+    e_o = _shift_exponent(tl.load(magnitudes_ptr + 3), do_top)
+    e_ds = e_o + e_v + P_EXPONENT
+    tl.store(out_ptr, _power_of_two(e_q))
+    tl.store(out_ptr + 1, _power_of_two(e_k))
+    tl.store(out_ptr + 2, _power_of_two(e_v))
+    tl.store(out_ptr + 3, _power_of_two(e_o))
+    tl.store(out_ptr + 4, _power_of_two(-e_q - e_k))
+    tl.store(out_ptr + 5, _power_of_two(e_o + e_v))
+    tl.store(out_ptr + 6, _power_of_two(-e_ds - e_k))
+    tl.store(out_ptr + 7, _power_of_two(-e_ds - e_q))
+    tl.store(out_ptr + 8, _power_of_two(-e_o - P_EXPONENT))
+    tl.store(out_ptr + 9, tl.full([], P_EXPONENT, tl.float32))
+
+
+def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Exact fp16 copies of q, k, v, dO for the first-order backward of bf16 inputs, and the
+    factors that undo their shifts (fp32, on the device): scores, Delta, dQ, dK, dV, and the
+    log2 of P's shift, in the order the kernels read them."""
+    ceil_log2_dv = triton.next_power_of_2(v.shape[-1]).bit_length() - 1
+    shifts = torch.empty(10, device=q.device, dtype=torch.float32)
+    # max |dO| below 2**(5 - ceil(log2 d_v)) bounds |dS| by 2**14
+    _backward_shifts_kernel[(1,)](max_magnitudes(q, k, v, grad_out), shifts, 5 - ceil_log2_dv)
+    operands = (fp16_operand(x, shifts[i]) for i, x in enumerate((q, k, v, grad_out)))
+    return (*operands, shifts[4:])
+
+
+# %% [markdown]
 # ## The dK/dV kernel
 #
 # A program owns one block of keys of one (batch, key head). Its outer loop runs over the
@@ -236,7 +323,7 @@ def _backward_tile(
 @triton.jit
 def _attention_backward_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr,
-    lse_ptr, delta_ptr, mu_ptr, c_ptr, dk_ptr, dv_ptr, dtk_ptr, dtv_ptr,
+    lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, dk_ptr, dv_ptr, dtk_ptr, dtv_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -251,9 +338,12 @@ def _attention_backward_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, CARRY: tl.constexpr,
 ):
     """dK, dV (and dtK, dtV) of one key block, summed over all query heads of its GQA group."""
+    qk_scale *= _carry_factor(factors_ptr, 0, CARRY, 1.0)
+    delta_factor = _carry_factor(factors_ptr, 1, CARRY, 1.0)
+    p_exponent = _carry_factor(factors_ptr, 5, CARRY, 0.0)
     start_n = tl.program_id(0) * BLOCK_N
     batch = (tl.program_id(1) // n_kv_heads).to(tl.int64)
     kv_head = tl.program_id(1) % n_kv_heads
@@ -309,7 +399,7 @@ def _attention_backward_dkdv_kernel(
                 tq, dto = q, do
             lse2, delta, mu, c = _load_row_statistics(
                 lse_ptr + stats, delta_ptr + stats, mu_ptr + stats, c_ptr + stats, rows, n_q,
-                HAS_TANGENT)
+                delta_factor, p_exponent, HAS_TANGENT)
             p, ds, tp, dts = _backward_tile(
                 q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
                 head_mask, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
@@ -322,8 +412,10 @@ def _attention_backward_dkdv_kernel(
                 acc_dk = _dot_rounded(tl.trans(dts), tq, acc_dk, DOT_PRECISION, SPLIT)
                 acc_dtk = _dot_rounded(tl.trans(dts), q, acc_dtk, DOT_PRECISION, SPLIT)
     key_rows = tl.program_id(1).to(tl.int64) * n_k + cols
-    _store_rows(dk_ptr, acc_dk * scale, key_rows, cols, dims, n_k, head_dim)
-    _store_rows(dv_ptr, acc_dv, key_rows, cols, dims_v, n_k, value_dim)
+    dk_factor = scale * _carry_factor(factors_ptr, 3, CARRY, 1.0)
+    _store_rows(dk_ptr, acc_dk * dk_factor, key_rows, cols, dims, n_k, head_dim)
+    dv_factor = _carry_factor(factors_ptr, 4, CARRY, 1.0)
+    _store_rows(dv_ptr, acc_dv * dv_factor, key_rows, cols, dims_v, n_k, value_dim)
     if HAS_TANGENT:
         _store_rows(dtk_ptr, acc_dtk * scale, key_rows, cols, dims, n_k, head_dim)
         _store_rows(dtv_ptr, acc_dtv, key_rows, cols, dims_v, n_k, value_dim)
@@ -374,7 +466,7 @@ def _dq_key_block(
 @triton.jit
 def _attention_backward_dq_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr,
-    lse_ptr, delta_ptr, mu_ptr, c_ptr, dq_ptr, dtq_ptr,
+    lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, dq_ptr, dtq_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -389,9 +481,12 @@ def _attention_backward_dq_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, CARRY: tl.constexpr,
 ):
     """dQ (and dtQ) of one query block of one (batch, head)."""
+    qk_scale *= _carry_factor(factors_ptr, 0, CARRY, 1.0)
+    delta_factor = _carry_factor(factors_ptr, 1, CARRY, 1.0)
+    p_exponent = _carry_factor(factors_ptr, 5, CARRY, 0.0)
     start_m = tl.program_id(0) * BLOCK_M
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads
@@ -415,7 +510,7 @@ def _attention_backward_dq_kernel(
     stats = tl.program_id(1).to(tl.int64) * n_q
     lse2, delta, mu, c = _load_row_statistics(lse_ptr + stats, delta_ptr + stats,
                                               mu_ptr + stats, c_ptr + stats, rows, n_q,
-                                              HAS_TANGENT)
+                                              delta_factor, p_exponent, HAS_TANGENT)
     k_src = _tile_source(k_ptr + batch * stride_kb + kv_head * stride_kh, n_k, head_dim,
                          stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
     v_src = _tile_source(v_ptr + batch * stride_vb + kv_head * stride_vh, n_k, value_dim,
@@ -447,7 +542,8 @@ def _attention_backward_dq_kernel(
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
             BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
     flat_rows = stats + rows
-    _store_rows(dq_ptr, acc_dq * scale, flat_rows, rows, dims, n_q, head_dim)
+    dq_factor = scale * _carry_factor(factors_ptr, 2, CARRY, 1.0)
+    _store_rows(dq_ptr, acc_dq * dq_factor, flat_rows, rows, dims, n_q, head_dim)
     if HAS_TANGENT:
         _store_rows(dtq_ptr, acc_dtq * scale, flat_rows, rows, dims, n_q, head_dim)
 
@@ -455,7 +551,8 @@ def _attention_backward_dq_kernel(
 # %% [markdown]
 # ## The launcher
 #
-# Three launches: row statistics, dK/dV, dQ. The gradients come back contiguous, in the
+# Three launches: row statistics, dK/dV, dQ (after the fp16 copies, for bf16 inputs in the
+# "accurate" mode). The gradients come back contiguous, in the
 # inputs' dtypes; dK and dV have the key heads' shape (the GQA sum is already done).
 
 # %% tags=["export"]
@@ -531,17 +628,25 @@ def flash_attention_backward(
     dtq, dtk, dtv = ((torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv))
                      if has_tangent else (dq, dk, dv))
     mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k))
-    meta = kernel_meta(q, head_dim, value_dim, split=accurate())
+    # bf16 first-order gradients in "accurate" mode: exact fp16 copies instead of the split.
+    carry = (accurate() and not has_tangent and carries(q)
+             and min(q.numel(), k.numel(), grad_out.numel()) > 0)
+    grad_operand, factors = grad_out, lse  # `factors` is not read without CARRY
+    if carry:
+        with on_device(q):
+            q, k, v, grad_operand, factors = backward_operands(q, k, v, grad_out)
+        tq, tk, tv, dto = q, k, v, grad_operand
+    meta = kernel_meta(q, head_dim, value_dim, split=accurate() and not carry)
     strides = (*q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(),
                *tv.stride(), *(mask.stride() if mask is not None else (0, 0, 0, 0)),
-               *grad_out.stride(), *dto.stride())
+               *grad_operand.stride(), *dto.stride())
     sizes = (n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads, scale * LOG2E, scale,
              triton.next_power_of_2(n_q), triton.next_power_of_2(n_k))
     # Descriptors (chapter 4) for the first-order kernels only: compiled for sm_90, the
     # second-order kernels spill hundreds of bytes per thread with them (tools/kernel_resources.py).
-    use_tma = not has_tangent and tma_eligible(q, k, v, grad_out)
+    use_tma = not has_tangent and tma_eligible(q, k, v, grad_operand)
     switches = {"IS_CAUSAL": is_causal, "MASK_KIND": mask_kind, "HAS_TANGENT": has_tangent,
-                "USE_TMA": use_tma}
+                "USE_TMA": use_tma, "CARRY": carry}
     mask_arg = q if mask is None else mask
     with on_device(q):
         prepare_descriptors(use_tma)
@@ -552,12 +657,12 @@ def flash_attention_backward(
             BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"])
         dkdv = _backward_dkdv_tangent if has_tangent else _backward_dkdv
         dkdv[lambda m: (triton.cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
-            q, k, v, tq, tk, tv, mask_arg, grad_out, dto, lse, delta, mu, c,
+            q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
             dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches, **meta)
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
         dq_kernel[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
-            q, k, v, tq, tk, tv, mask_arg, grad_out, dto, lse, delta, mu, c, dq, dtq,
-            *strides, n_heads, *sizes, **switches, **meta)
+            q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
+            dq, dtq, *strides, n_heads, *sizes, **switches, **meta)
     if has_tangent:
         return dq, dk, dv, dtq, dtk, dtv
     return dq, dk, dv
@@ -613,8 +718,9 @@ for dtype in (torch.float32, torch.float16):
 # ## Accuracy against PyTorch's math path
 #
 # Ratios of our error to the floor (PyTorch's math path in the same dtype, both against
-# float64), in the two precision modes. "accurate" uses split products and the rounding
-# residual of $O$; "fast" rounds once and uses the stored $O$, as FlashAttention does.
+# float64), in the two precision modes. "accurate" uses the rounding residual of $O$ and
+# exact fp16 operands (bf16) or split products (fp16); "fast" rounds once to the input's
+# type and uses the stored $O$, as FlashAttention does.
 
 # %%
 from jvp_attention.forward import set_precision

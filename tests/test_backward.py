@@ -25,6 +25,7 @@ from helpers import (
     cpu_grid,
     dtype_name,
     expected_backward,
+    expected_forward,
     fuzz_settings,
     fuzz_spec,
     gpu_params,
@@ -33,6 +34,8 @@ from helpers import (
     precision,
 )
 from hypothesis import given
+
+from jvp_attention.backward import flash_attention_backward
 
 # Tiny tensors: one intra-op thread is ~10x faster than a contended pool (conftest).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -129,3 +132,34 @@ def test_backward_gpu_is_deterministic() -> None:
     p = make_problem(Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad",
                           causal=True, cotangent="expanded"), torch.bfloat16, device="cuda")
     assert_deterministic(kernel_backward, p)
+
+
+def _truncated_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 toward zero, as the interpreter converts fp32 (the GPU rounds to
+    nearest)."""
+    bits = x.float().view(torch.int32) & ~0xFFFF
+    return bits.view(torch.float32).double()
+
+
+@pytest.mark.parametrize("spec", [
+    Spec(hq=2, hkv=1, nq=50, nk=37, d=40, causal=True),
+    Spec(batch=2, hq=2, hkv=2, nq=40, nk=40, d=64, mask="keypad", scale=0.3),
+    Spec(hq=2, hkv=2, nq=33, nk=33, d=16, cotangent="expanded"),
+], ids=lambda s: s.id)
+def test_bf16_gradients_through_fp16_operands_on_cpu(spec: Spec) -> None:
+    """In "accurate" mode the bf16 backward runs on exact fp16 copies of q, k, v and dO
+    (notebook 05), so, unlike other bf16 kernels, it runs correctly in the interpreter. The
+    interpreter truncates fp32 to bf16 where the GPU rounds, so the floor here is the float64
+    truth truncated the same way; the forward's outputs come from the float64 reference."""
+    p = make_problem(spec, torch.bfloat16, seed=8, device="cpu")
+    forward_truth, _ = expected_forward(p, with_tangents=False)
+    out = forward_truth["out"].to(torch.bfloat16)
+    residual = (forward_truth["out"] - out.double()).to(torch.bfloat16)
+    grads = flash_attention_backward(p.q, p.k, p.v, out, forward_truth["lse"].float(),
+                                     p.grad_out, p.attn_mask, spec.causal, spec.scale,
+                                     out_residual=residual)
+    truth, _ = expected_backward(p)
+    for name, grad in zip(("dq", "dk", "dv"), grads, strict=True):
+        floor = (_truncated_to_bf16(truth[name]) - truth[name]).abs().max().item()
+        error = (grad.double() - truth[name]).abs().max().item()
+        assert error <= 1.25 * floor + 1e-6, f"{p.label} {name}: {error:.2e} vs {floor:.2e}"

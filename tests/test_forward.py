@@ -35,6 +35,8 @@ from helpers import (
 )
 from hypothesis import given
 
+import jvp_attention.forward
+
 # Tiny tensors: one intra-op thread is ~10x faster than a contended pool (conftest).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -121,7 +123,6 @@ def test_poison_reaches_the_launchers() -> None:
     """The launchers allocate through `torch.empty(_like)` of the torch module they import:
     inside `poisoned_allocations` those return NaN, so an entry no kernel writes stays NaN."""
     import jvp_attention.backward
-    import jvp_attention.forward
 
     original = torch.empty, torch.empty_like
     with poisoned_allocations():
@@ -201,3 +202,36 @@ def test_forward_gpu_is_deterministic() -> None:
     p = make_problem(Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, mask="keypad",
                           causal=True), torch.bfloat16, device="cuda")
     assert_deterministic(kernel_forward, p)
+
+
+# --- bf16 tangents through exact fp16 operands (notebook 02) -------------------------------
+# (tq, tk, tv) multipliers: each of the two limits on the tangent's shift binds in one case.
+TANGENT_SCALES = {
+    "balanced": (1.0, 1.0, 1.0),
+    "large-scores-small-tv": (1e3, 1e-3, 1e-2),
+    "tv-only": (0.0, 0.0, 1.0),
+    "scores-only": (1e-2, 1e-2, 0.0),
+}
+
+
+def check_carried_tangents(scales, dtype: torch.dtype, device: str, n: int, d: int) -> None:
+    p = make_problem(Spec(hq=2, hkv=1, nq=n, nk=n + 3, d=d, causal=True), dtype, seed=7,
+                     device=device)
+    p.tangents = tuple(t * s for t, s in zip(p.tangents, scales, strict=True))
+    truth, floor = expected_forward(p)
+    assert_accurate(kernel_forward(p), truth, floor, dtype, p.label, f"tangent x {scales}")
+
+
+@pytest.mark.parametrize("scales", TANGENT_SCALES.values(), ids=TANGENT_SCALES)
+def test_carried_tangents_on_cpu(scales, monkeypatch) -> None:
+    """The shifts and the factors that undo them. The interpreter multiplies bf16 bits
+    wrongly (FACTS.md), so here fp16 inputs are forced down the carrying path; carried fp16
+    is as accurate as "fast", within the rule."""
+    monkeypatch.setattr(jvp_attention.forward, "carries", lambda q: True)
+    check_carried_tangents(scales, torch.float16, "cpu", 40, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", TANGENT_SCALES.values(), ids=TANGENT_SCALES)
+def test_carried_tangents_gpu(scales) -> None:
+    check_carried_tangents(scales, torch.bfloat16, "cuda", 1000, 128)

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,6 +18,8 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import jvp_attention.backward as backward_module  # noqa: E402
+import jvp_attention.forward as forward_module  # noqa: E402
 from jvp_attention.backward import flash_attention_backward  # noqa: E402
 from jvp_attention.forward import flash_attention_forward  # noqa: E402
 from jvp_attention.tangents import accuracy_table, float64_truth, math_path  # noqa: E402
@@ -53,7 +56,22 @@ def tflops(ms, flops):
     return flops / ms / 1e9
 
 
-def timing_case(b, h, n, d, causal):
+@contextmanager
+def rounding(variant):
+    """The products' rounding: "accurate" (the default: exact fp16 operands for bf16),
+    "split" (accurate by hi + lo splits, the way fp16 inputs go) or "fast"."""
+    saved = forward_module.carries
+    forward_module.set_precision("fast" if variant == "fast" else "accurate")
+    if variant == "split":
+        forward_module.carries = backward_module.carries = lambda q: False
+    try:
+        yield
+    finally:
+        forward_module.carries = backward_module.carries = saved
+        forward_module.set_precision("accurate")
+
+
+def timing_case(b, h, n, d, causal, variants=("accurate",)):
     q, k, v, tq, tk, tv, do, dto = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
                                     for _ in range(8))
     flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
@@ -65,13 +83,16 @@ def timing_case(b, h, n, d, causal):
     ms = triton.testing.do_bench(lambda: flash_attention_forward(q, k, v, is_causal=causal),
                                  return_mode="median")
     rows["fwd"] = tflops(ms, flops)
-    ms = triton.testing.do_bench(lambda: flash_attention_forward(
-        q, k, v, is_causal=causal, tangents=(tq, tk, tv)), return_mode="median")
-    rows["fwd_jvp"] = tflops(ms, 3 * flops)
     plain = flash_attention_forward(q, k, v, is_causal=causal)
-    ms = triton.testing.do_bench(lambda: flash_attention_backward(
-        q, k, v, plain.out, plain.lse, do, None, causal), return_mode="median")
-    rows["bwd"] = tflops(ms, 2.5 * flops)
+    for variant in variants:
+        suffix = "" if variant == "accurate" else f"_{variant}"
+        with rounding(variant):
+            ms = triton.testing.do_bench(lambda: flash_attention_forward(
+                q, k, v, is_causal=causal, tangents=(tq, tk, tv)), return_mode="median")
+            rows["fwd_jvp" + suffix] = tflops(ms, 3 * flops)
+            ms = triton.testing.do_bench(lambda: flash_attention_backward(
+                q, k, v, plain.out, plain.lse, do, None, causal), return_mode="median")
+            rows["bwd" + suffix] = tflops(ms, 2.5 * flops)
     ms = triton.testing.do_bench(lambda: flash_attention_backward(
         q, k, v, fwd.out, fwd.lse, do, None, causal, None, (tq, tk, tv), fwd.tangent_out,
         fwd.mu, dto), return_mode="median")
@@ -93,6 +114,10 @@ def main():
     parser.add_argument("--out", default="gpu_probe.json")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--variants", default="accurate",
+                        help="comma-separated roundings to time: accurate, split, fast")
+    parser.add_argument("--shapes", default="4,16,4096,128;1,16,16384,128",
+                        help="B,H,N,d;... for the timings")
     args = parser.parse_args()
     report = {"gpu": torch.cuda.get_device_name(), "accuracy": {}, "timing": {}}
     if not args.skip_accuracy:
@@ -105,10 +130,11 @@ def main():
                     cells = "  ".join(f"{k} {a.ratio:.2f}" for k, a in table.items())
                     print(f"{name:44} {cells}", flush=True)
                     Path(args.out).write_text(json.dumps(report, indent=1))
-    for b, h, n, d in [] if args.skip_timing else [(4, 16, 4096, 128), (1, 16, 16384, 128)]:
+    shapes = [tuple(map(int, shape.split(","))) for shape in args.shapes.split(";")]
+    for b, h, n, d in [] if args.skip_timing else shapes:
         for causal in (False, True):
             name = f"B{b} H{h} N{n} d{d} causal={causal}"
-            rows = timing_case(b, h, n, d, causal)
+            rows = timing_case(b, h, n, d, causal, args.variants.split(","))
             report["timing"][name] = rows
             print(f"{name:32} " + "  ".join(f"{k} {v:.1f}" for k, v in rows.items()), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
