@@ -601,18 +601,18 @@ def default_out(args: argparse.Namespace) -> Path:
     return RESULTS / f"{slug}_{kind}_{stamp}.json"
 
 
-def load_resume(path: Path | None) -> dict[tuple, dict]:
-    """Measured (or failed) cases of an earlier run, by key; budget skips are run again."""
-    if path is None:
-        return {}
-    old = json.loads(path.read_text())
+def load_resume(paths: list[Path] | None) -> dict[tuple, dict]:
+    """Measured (or failed) cases of earlier runs, by key (a later file wins a key both
+    have); budget skips are run again."""
     done = {}
-    for rec in old.get("cases", []):
-        if rec.get("median_ms") is not None or rec.get("error") or (
-                rec.get("skipped") and not rec["skipped"].startswith("wall budget")):
-            key = (rec["impl"], rec["mode"], rec["B"], rec["H"], rec["N"], rec["d"],
-                   rec["causal"], rec["dtype"])
-            done[key] = {**rec, "resumed_from": str(path)}
+    for path in paths or []:
+        old = json.loads(path.read_text())
+        for rec in old.get("cases", []):
+            if rec.get("median_ms") is not None or rec.get("error") or (
+                    rec.get("skipped") and not rec["skipped"].startswith("wall budget")):
+                key = (rec["impl"], rec["mode"], rec["B"], rec["H"], rec["N"], rec["d"],
+                       rec["causal"], rec["dtype"])
+                done[key] = {**rec, "resumed_from": rec.get("resumed_from", str(path))}
     return done
 
 
@@ -679,9 +679,9 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--autotune-rep-ms", type=float, default=20.0,
                         help="time each tile of our autotuned kernels for this long (one warm "
                              "call, then >= 1 timed); 0 keeps Triton's default benchmarker")
-    parser.add_argument("--resume", type=Path,
-                        help="copy cases already measured in this earlier results file; run "
-                             "only the rest")
+    parser.add_argument("--resume", type=Path, nargs="+",
+                        help="copy cases already measured in these earlier results files (a "
+                             "later file wins); run only the rest")
     args = parser.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bf16" if HAS_CUDA else "fp32"

@@ -89,6 +89,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -177,6 +178,9 @@ measured = [c for c in CASES if c.get("median_ms") is not None]
 errors = [c for c in CASES if c.get("error")]
 skipped = [c for c in CASES if c.get("skipped")]
 print(f"{len(measured)} measured, {len(errors)} errors, {len(skipped)} skipped")
+copied = Counter(c["resumed_from"] for c in CASES if c.get("resumed_from"))
+for source, count in sorted(copied.items()):  # runs joined with bench.py --resume
+    print(f"  {count} of them copied from {source}")
 for reason in sorted({c["skipped"].split(":")[0] for c in skipped}):
     count = sum(c["skipped"].split(":")[0] == reason for c in skipped)
     print(f"  skipped ({count}): {reason}")

@@ -190,8 +190,16 @@ def test_wall_budget_records_what_it_skipped(tmp_path: Path) -> None:
     measured = {**data["cases"][0], "skipped": None, "median_ms": 1.0}
     previous = tmp_path / "previous.json"
     previous.write_text(json.dumps({**data, "cases": [measured, *data["cases"][1:]]}))
-    done = bench.load_resume(previous)
-    assert list(done) == [bench.Case(**{k: measured[k] for k in CASE_FIELDS if k != "flops"}).key]
+    done = bench.load_resume([previous])
+    key = bench.Case(**{k: measured[k] for k in CASE_FIELDS if k != "flops"}).key
+    assert list(done) == [key]
+    # Several files: each contributes its cases, and a later file wins a key both have.
+    later = tmp_path / "later.json"
+    second = {**data["cases"][1], "skipped": None, "median_ms": 2.0}
+    later.write_text(json.dumps({**data, "cases": [{**measured, "median_ms": 3.0}, second]}))
+    done = bench.load_resume([previous, later])
+    assert len(done) == 2 and done[key]["median_ms"] == 3.0
+    assert done[key]["resumed_from"] == str(later)
 
 
 def test_budget_prediction_scales_with_the_work() -> None:
