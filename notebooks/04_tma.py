@@ -253,19 +253,23 @@ else:
 #
 # ## What bounds the kernels
 #
-# The measurements of chapter 8 (B4 H16 N4096 d128, bf16) put our forward at 0.85 of SDPA's
-# best backend (520 against 610 TFLOP/s; FlashAttention 3 or cuDNN, hand-written for
-# Hopper), the forward with its JVP at 334 TFLOP/s (432 in "fast" precision) and the
-# backward at 0.54 of SDPA's (0.76 in "fast" precision). The evidence points at four limits,
-# in order of weight:
+# The measurements of chapter 8 (bf16, d = 128) put our forward at 0.80 to 0.83 of SDPA's
+# best backend (507 against 617 TFLOP/s at B4 H16 N4096; FlashAttention 3 or cuDNN,
+# hand-written for Hopper), the forward with its JVP at 392 TFLOP/s at N = 4096 and 436 at
+# N = 16384 (433 and 446 in "fast" precision), and the backward at 0.66 of SDPA's at
+# N = 4096 and 0.75 at N = 16384. The evidence points at four limits, in order of weight:
 #
-# 1. **Extra products for accuracy.** In the default "accurate" precision the fp32
-#    operands of 16-bit products are split into two 16-bit halves (chapter 3): the forward
-#    with its JVP runs nine matrix products per tile where the FLOP count credits six, the
+# 1. **What accuracy costs.** For fp16 inputs the default "accurate" precision splits the
+#    fp32 operands of 16-bit products into two 16-bit halves (chapter 3): the forward with
+#    its JVP runs nine matrix products per tile where the FLOP count credits six, the
 #    backward ten where it credits five (seven without the split; FlashAttention recomputes
-#    the same way). "Fast" precision rounds once, as FlashAttention does, and the measured
-#    gains match the product counts: 1.29x for the forward with its JVP (9/6 would be 1.5x
-#    with nothing else in the loop) and 1.41x for the backward (10/7 = 1.43x).
+#    the same way). With splits for bf16 too, an earlier run measured 334 TFLOP/s for the
+#    forward with its JVP and 0.54 of SDPA for the backward, and "fast" precision was 1.29x
+#    and 1.41x faster, as the product counts predict (10/7 = 1.43x). bf16 inputs now run
+#    those products on exact fp16 copies (chapter 2) with no extra product; what is left is
+#    the copies themselves, O(N) passes over the inputs: about 0.4 ms at B4 H16 N4096 (the
+#    backward takes 3.9 ms against 3.45 ms in "fast" precision), shrinking relative to the
+#    O(N^2) kernels as sequences grow (1.02x to 1.09x at N = 16384).
 # 2. **Registers.** The tangent doubles the fp32 accumulators, and the second-order
 #    backward quadruples them: the table above shows those kernels at the 255-register
 #    ceiling, which limits their tiles to 32-64 rows and costs them tensor-core efficiency
@@ -278,8 +282,8 @@ else:
 #    $2d$ multiply-adds per score for the two forward products.
 #
 # The cold start is part of the cost a user sees: on a fresh H200 process, the first call
-# of each kernel compiles its candidate tiles and times them: 8 s for the forward, 10 s for
-# the forward with the JVP, 11 s for the backward and 13 s for the second-order backward at
+# of each kernel compiles its candidate tiles and times them: 7 s for the forward, 8 s for
+# the forward with the JVP, 10 s for the backward and 11 s for the second-order backward at
 # B4 H16 N4096 d128 (`benchmarks/results/h200_2026-11-30.json`, `first_call_ms`, with the
 # benchmark's quicker timer for the candidates); later shapes in the same power-of-two length
 # bucket reuse the choice, and Triton's on-disk cache removes the compile part in later

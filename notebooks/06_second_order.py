@@ -125,7 +125,8 @@ for name, shape, options in [
 #
 # The floor is the math path differentiated through its own JVP in the same dtype. In the
 # default "accurate" precision mode the kernels split every fp32 operand of a 16-bit product
-# into two 16-bit parts (chapter 3); "fast" rounds once. Both use the rounding residuals of
+# into two 16-bit parts (chapter 3), bf16 included (chapter 5 says why these kernels do not
+# take exact fp16 copies); "fast" rounds once. Both use the rounding residuals of
 # $O$ and $t_O$ here: $c$ and $\Delta_2$ cancel like chapter 5's $\Delta$. Ratios (our error /
 # floor):
 

@@ -47,9 +47,11 @@
 # **Two precision modes.** With 16-bit inputs the tangent's and the backward's matrix
 # products take operands the kernel computed in fp32 (probabilities, score tangents, score
 # gradients). `set_precision("fast")` rounds each such operand to 16 bits once, as
-# FlashAttention does. `"accurate"`, the default, splits it into a 16-bit head and a 16-bit
-# remainder and multiplies both, spending extra products to keep the errors at the level of
-# PyTorch's fp32-accumulating math path (chapter 3 compares the two). The plain forward
+# FlashAttention does. `"accurate"`, the default, keeps the errors at the level of PyTorch's
+# fp32-accumulating math path (chapter 3 compares the two): for bf16, the benchmark's dtype,
+# the forward+JVP and first-order backward run those products on exact fp16 copies of the
+# inputs (chapter 2), paying O(N) passes to make the copies; the second-order backward (and
+# fp16 everywhere) splits each operand into a 16-bit head and remainder and multiplies both. The plain forward
 # rounds once in both modes, so it is timed once. Both modes are credited the same FLOPs:
 # the extra products are the price of accuracy, not work the attention needs.
 #
