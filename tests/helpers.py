@@ -367,6 +367,25 @@ OTHER_PATH_CASES = [
     Spec(hq=2, hkv=1, nq=40, nk=33, d=16, mask="empty_rows", causal=True,
          cotangent="expanded"),
 ]
+OTHER_BACKWARD_PATHS = ("fast-precision", "no-residuals")
+
+
+def other_backward_paths(test):
+    """Parametrize a backward test over OTHER_PATH_CASES, fp32/fp16 and OTHER_BACKWARD_PATHS."""
+    import pytest
+
+    # Applied innermost first, as stacked decorators would be: ids read spec-dtype-path.
+    test = pytest.mark.parametrize("spec", OTHER_PATH_CASES, ids=lambda s: s.id)(test)
+    test = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)(test)
+    return pytest.mark.parametrize("path", OTHER_BACKWARD_PATHS)(test)
+
+
+def check_other_backward_path(check, spec: Spec, dtype: torch.dtype, path: str) -> None:
+    """`check(spec, dtype, residuals=...)` on one of the launchers' other paths: precision
+    "fast" (one 16-bit rounding per product), or row statistics from the 16-bit outputs (no
+    rounding residuals from the forward)."""
+    with precision("fast" if path == "fast-precision" else "accurate"):
+        check(spec, dtype, residuals=path != "no-residuals")
 
 
 # --- truth and floor ----------------------------------------------------------------------

@@ -16,12 +16,12 @@ from helpers import (
     F16,
     F32,
     FUZZ_STRATEGIES,
-    OTHER_PATH_CASES,
     Spec,
     assert_accurate,
     assert_deterministic,
     assert_empty_rows_are_zero,
     cancellation_scale,
+    check_other_backward_path,
     cpu_grid,
     dtype_name,
     expected_backward,
@@ -31,7 +31,7 @@ from helpers import (
     gpu_params,
     kernel_backward,
     make_problem,
-    precision,
+    other_backward_paths,
 )
 from hypothesis import given
 
@@ -69,14 +69,9 @@ def test_backward_is_deterministic_and_writes_every_gradient(spec: Spec, dtype) 
     assert_deterministic(kernel_backward, p)
 
 
-@pytest.mark.parametrize("path", ["fast-precision", "no-residuals"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
-@pytest.mark.parametrize("spec", OTHER_PATH_CASES, ids=lambda s: s.id)
+@other_backward_paths
 def test_backward_other_paths(spec: Spec, dtype: torch.dtype, path: str) -> None:
-    """The launchers' other paths: precision "fast" (one 16-bit rounding per product), and
-    the row statistics from the 16-bit outputs (no rounding residuals from the forward)."""
-    with precision("fast" if path == "fast-precision" else "accurate"):
-        check_backward(spec, dtype, residuals=path != "no-residuals")
+    check_other_backward_path(check_backward, spec, dtype, path)
 
 
 def test_gqa_gradients_sum_over_the_group() -> None:

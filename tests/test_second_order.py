@@ -17,12 +17,12 @@ from helpers import (
     DEVICE,
     F16,
     FUZZ_STRATEGIES,
-    OTHER_PATH_CASES,
     Spec,
     assert_accurate,
     assert_deterministic,
     assert_empty_rows_are_zero,
     cancellation_scale,
+    check_other_backward_path,
     cpu_grid,
     dtype_name,
     expected_second_order,
@@ -32,7 +32,7 @@ from helpers import (
     kernel_backward,
     kernel_second_order,
     make_problem,
-    precision,
+    other_backward_paths,
 )
 from hypothesis import given
 
@@ -63,14 +63,9 @@ def test_second_order_is_deterministic_and_writes_every_gradient(dtype) -> None:
     assert_deterministic(kernel_second_order, p)
 
 
-@pytest.mark.parametrize("path", ["fast-precision", "no-residuals"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
-@pytest.mark.parametrize("spec", OTHER_PATH_CASES, ids=lambda s: s.id)
+@other_backward_paths
 def test_second_order_other_paths(spec: Spec, dtype: torch.dtype, path: str) -> None:
-    """The launchers' other paths: precision "fast" (one 16-bit rounding per product), and
-    the row statistics from the 16-bit outputs (no rounding residuals from the forward)."""
-    with precision("fast" if path == "fast-precision" else "accurate"):
-        check_second_order(spec, dtype, residuals=path != "no-residuals")
+    check_other_backward_path(check_second_order, spec, dtype, path)
 
 
 def test_zero_tangent_cotangent_reduces_to_the_plain_backward() -> None:
