@@ -123,6 +123,7 @@ class _Inputs(NamedTuple):
     tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     bias: torch.Tensor | None
     scale: float
+    bias_tangent: torch.Tensor | None = None
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -193,9 +194,14 @@ def _prepare(
     scale: float | None,
     enable_gqa: bool,
     tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    mask_tangent: torch.Tensor | None = None,
 ) -> _Inputs:
     _check_shapes(query, key, value, enable_gqa)
     _check_mask_and_tangents(query, key, value, attn_mask, tangents)
+    if mask_tangent is not None and (tangents is None or attn_mask is None
+                                     or not attn_mask.is_floating_point()
+                                     or mask_tangent.shape != attn_mask.shape):
+        raise ValueError("mask_tangent needs tangents and a float attn_mask of its shape")
     acc = _accumulation_dtype(query.dtype)
     n_q_heads = query.shape[-3]
 
@@ -208,7 +214,11 @@ def _prepare(
         tangents = tuple(upcast(t, i > 0) for i, t in enumerate(tangents))
     bias = attention_bias(attn_mask, is_causal, query.shape[-2], key.shape[-2], acc, query.device)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    return _Inputs(q, k, v, tangents, bias, scale)
+    bias_tangent = None
+    if mask_tangent is not None:
+        bias_tangent = attention_bias(mask_tangent, False, query.shape[-2], key.shape[-2], acc,
+                                      query.device)
+    return _Inputs(q, k, v, tangents, bias, scale, bias_tangent)
 
 
 def _scores(x: _Inputs) -> torch.Tensor:
@@ -218,9 +228,10 @@ def _scores(x: _Inputs) -> torch.Tensor:
 
 
 def _tangent_scores(x: _Inputs) -> torch.Tensor:
-    """tS = s (tQ Kᵀ + Q tKᵀ); the mask is a constant."""
+    """tS = s (tQ Kᵀ + Q tKᵀ) + tB; tB, the tangent of a float mask, is usually absent."""
     t_q, t_k, _ = x.tangents
-    return x.scale * (t_q @ x.k.mT + x.q @ t_k.mT)
+    tangent_scores = x.scale * (t_q @ x.k.mT + x.q @ t_k.mT)
+    return tangent_scores if x.bias_tangent is None else tangent_scores + x.bias_tangent
 
 
 def _safe_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,6 +265,7 @@ def reference_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    mask_tangent: torch.Tensor | None = None,
 ) -> AttentionOutputs:
     """Exact softmax attention and, given tangents, its JVP; materialises the scores.
 
@@ -270,6 +282,7 @@ def reference_attention(
         scale: Factor of Q Kᵀ; defaults to 1 / sqrt(Dqk).
         enable_gqa: Allow Hq to be a multiple of Hkv (grouped-query attention).
         tangents: None, or (t_query, t_key, t_value) shaped like the inputs.
+        mask_tangent: None, or the tangent of a float `attn_mask`, shaped like it.
 
     Returns:
         AttentionOutputs(out, lse, tangent_out, mu); the last two are None without tangents.
@@ -277,7 +290,8 @@ def reference_attention(
     Raises:
         ValueError: If shapes, dtypes, the mask or the tangents do not fit.
     """
-    x = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents)
+    x = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
+                 mask_tangent)
     probs, lse = _safe_softmax(_scores(x))
     out = (probs @ x.v).to(query.dtype)
     if x.tangents is None:
@@ -319,6 +333,7 @@ def tiled_attention(
     enable_gqa: bool = False,
     tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     block_n: int = 64,
+    mask_tangent: torch.Tensor | None = None,
 ) -> AttentionOutputs:
     """Attention and its JVP by online softmax over key blocks, as the kernels compute them.
 
@@ -336,6 +351,7 @@ def tiled_attention(
         enable_gqa: Allow Hq to be a multiple of Hkv (grouped-query attention).
         tangents: None, or (t_query, t_key, t_value) shaped like the inputs.
         block_n: Number of keys per block.
+        mask_tangent: None, or the tangent of a float `attn_mask`, shaped like it.
 
     Returns:
         AttentionOutputs(out, lse, tangent_out, mu); the last two are None without tangents.
@@ -345,7 +361,8 @@ def tiled_attention(
     """
     if block_n < 1:
         raise ValueError(f"block_n must be a positive number of keys, got {block_n}")
-    x = _prepare(query, key, value, attn_mask, False, scale, enable_gqa, tangents)
+    x = _prepare(query, key, value, attn_mask, False, scale, enable_gqa, tangents,
+                 mask_tangent)
     n_q, n_k = x.q.shape[-2], x.k.shape[-2]
     q_log2 = x.q * (x.scale * LOG2_E)  # exp2(q_log2 kᵀ) == exp(s q kᵀ)
     bias = None if x.bias is None else x.bias.expand(*x.bias.shape[:-1], n_k)
@@ -373,6 +390,9 @@ def tiled_attention(
         if x.tangents is not None:
             t_q, t_k, t_v = x.tangents
             tangent_scores = x.scale * (t_q @ k_j.mT + x.q @ t_k[..., cols, :].mT)
+            if x.bias_tangent is not None:
+                tangent_scores = tangent_scores + x.bias_tangent.expand(
+                    *x.bias_tangent.shape[:-1], n_k)[..., cols]
             p_tangent = p_tilde * tangent_scores
             acc_mu = alpha * acc_mu + p_tangent.sum(-1)
             acc_tangent = alpha[..., None] * acc_tangent + p_tangent @ v_j

@@ -75,18 +75,20 @@ FULL_SIZE = DEVICE == "cuda"
 """
 
 import contextlib
-import math
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
-from torch._C._functorch import TransformType
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch._functorch import eager_transforms
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from jvp_attention.backward import flash_attention_backward
 from jvp_attention.forward import accurate, flash_attention_forward, interpreting
-from jvp_attention.reference import tiled_attention
+from jvp_attention.reference import reference_attention, tiled_attention
 
 Tensor = torch.Tensor
 # The kernels take any strides, but Inductor must hand them the layouts it traced.
@@ -95,37 +97,41 @@ _FIXED_STRIDES = (torch.Tag.needs_fixed_stride_order,)
 
 @torch.library.custom_op("jvp_attention::forward", mutates_args=(), tags=_FIXED_STRIDES)
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                scale: float, residual: bool) -> tuple[Tensor, Tensor, Tensor]:
+                scale: float, residual: bool, precision: str) -> tuple[Tensor, Tensor, Tensor]:
     if not residual:
-        result = flash_attention_forward(q, k, v, attn_mask, is_causal, scale)
-        return result.out, result.lse, _NO_RESIDUAL(q)
+        result = flash_attention_forward(q, k, v, attn_mask, is_causal, scale,
+                                         precision=precision)
+        return result.out, result.lse, _NO_TENSOR(q)
     result, (out_residual, _) = flash_attention_forward(q, k, v, attn_mask, is_causal, scale,
-                                                        residuals=True)
+                                                        residuals=True, precision=precision)
     return result.out, result.lse, out_residual
 
 
 @_forward_op.register_fake
-def _(q, k, v, attn_mask, is_causal, scale, residual):
-    return _empty_out(q, v), _empty_rows(q), _empty_out(q, v) if residual else _NO_RESIDUAL(q)
+def _(q, k, v, attn_mask, is_causal, scale, residual, precision):
+    return _empty_out(q, v), _empty_rows(q), _empty_out(q, v) if residual else _NO_TENSOR(q)
 
 
 @torch.library.custom_op("jvp_attention::forward_jvp", mutates_args=(), tags=_FIXED_STRIDES)
 def _forward_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv: Tensor,
-                    attn_mask: Tensor | None, is_causal: bool, scale: float,
-                    residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    attn_mask: Tensor | None, mask_tangent: Tensor | None, is_causal: bool,
+                    scale: float, residual: bool, precision: str,
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     tangents = (tq, tk, tv)
     if not residual:
-        result = flash_attention_forward(q, k, v, attn_mask, is_causal, scale, tangents)
-        return (result.out, result.tangent_out, result.lse, result.mu, _NO_RESIDUAL(q),
-                _NO_RESIDUAL(q))
+        result = flash_attention_forward(q, k, v, attn_mask, is_causal, scale, tangents,
+                                         mask_tangent=mask_tangent, precision=precision)
+        return (result.out, result.tangent_out, result.lse, result.mu, _NO_TENSOR(q),
+                _NO_TENSOR(q))
     result, residuals = flash_attention_forward(q, k, v, attn_mask, is_causal, scale, tangents,
-                                                residuals=True)
+                                                residuals=True, mask_tangent=mask_tangent,
+                                                precision=precision)
     return result.out, result.tangent_out, result.lse, result.mu, *residuals
 
 
 @_forward_jvp_op.register_fake
-def _(q, k, v, tq, tk, tv, attn_mask, is_causal, scale, residual):
-    out_like = _empty_out(q, v) if residual else _NO_RESIDUAL(q)
+def _(q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual, precision):
+    out_like = _empty_out(q, v) if residual else _NO_TENSOR(q)
     return (_empty_out(q, v), _empty_out(q, v), _empty_rows(q), _empty_rows(q), out_like,
             out_like.new_empty(out_like.shape))
 
@@ -133,14 +139,19 @@ def _(q, k, v, tq, tk, tv, attn_mask, is_causal, scale, residual):
 @torch.library.custom_op("jvp_attention::backward", mutates_args=(), tags=_FIXED_STRIDES)
 def _backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  out_residual: Tensor, grad_out: Tensor, attn_mask: Tensor | None,
-                 is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return flash_attention_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale,
-                                    out_residual=_residual_or_none(out_residual))
+                 is_causal: bool, scale: float, mask_grad: bool, precision: str,
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    grads = flash_attention_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale,
+                                     out_residual=_tensor_or_none(out_residual),
+                                     mask_grad=mask_grad, precision=precision)
+    return grads if mask_grad else (*grads, _NO_TENSOR(q))
 
 
 @_backward_op.register_fake
-def _(q, k, v, out, lse, out_residual, grad_out, attn_mask, is_causal, scale):
-    return tuple(x.new_empty(x.shape) for x in (q, k, v))  # contiguous, like the kernels'
+def _(q, k, v, out, lse, out_residual, grad_out, attn_mask, is_causal, scale, mask_grad,
+      precision):
+    # contiguous, like the kernels' results
+    return (*(x.new_empty(x.shape) for x in (q, k, v)), _empty_mask_grad(q, k, mask_grad))
 
 
 @torch.library.custom_op("jvp_attention::backward_tangent", mutates_args=(), tags=_FIXED_STRIDES)
@@ -148,27 +159,32 @@ def _backward_tangent_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor
                          out: Tensor, lse: Tensor, tangent_out: Tensor, mu: Tensor,
                          out_residual: Tensor, tangent_out_residual: Tensor,
                          grad_out: Tensor, grad_tangent_out: Tensor, attn_mask: Tensor | None,
-                         is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor,
-                                                                 Tensor, Tensor, Tensor]:
-    return flash_attention_backward(
+                         mask_tangent: Tensor | None, is_causal: bool, scale: float,
+                         mask_grad: bool, precision: str,
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = flash_attention_backward(
         q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, (tq, tk, tv), tangent_out,
-        mu, grad_tangent_out, _residual_or_none(out_residual),
-        _residual_or_none(tangent_out_residual))
+        mu, grad_tangent_out, _tensor_or_none(out_residual),
+        _tensor_or_none(tangent_out_residual), mask_tangent=mask_tangent,
+        mask_grad=mask_grad, precision=precision)
+    return grads if mask_grad else (*grads, _NO_TENSOR(q), _NO_TENSOR(q))
 
 
 @_backward_tangent_op.register_fake
 def _(q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual, tangent_out_residual,
-      grad_out, grad_tangent_out, attn_mask, is_causal, scale):
-    return tuple(x.new_empty(x.shape) for x in (q, k, v, q, k, v))
+      grad_out, grad_tangent_out, attn_mask, mask_tangent, is_causal, scale, mask_grad,
+      precision):
+    return (*(x.new_empty(x.shape) for x in (q, k, v, q, k, v)),
+            _empty_mask_grad(q, k, mask_grad), _empty_mask_grad(q, k, mask_grad))
 
 
-def _NO_RESIDUAL(q: Tensor) -> Tensor:  # noqa: N802 - reads as a constant at the call sites
-    """The placeholder for "no rounding residual": an empty tensor."""
+def _NO_TENSOR(q: Tensor) -> Tensor:  # noqa: N802 - reads as a constant at the call sites
+    """The placeholder for an output that was not asked for: an empty tensor."""
     return q.new_empty((0,))
 
 
-def _residual_or_none(residual: Tensor) -> Tensor | None:
-    return residual if residual.numel() else None
+def _tensor_or_none(x: Tensor) -> Tensor | None:
+    return x if x.numel() else None
 
 
 def _wants_residual(*inputs: Tensor) -> bool:
@@ -184,6 +200,12 @@ def _empty_out(q: Tensor, v: Tensor) -> Tensor:
 
 def _empty_rows(q: Tensor) -> Tensor:
     return q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _empty_mask_grad(q: Tensor, k: Tensor, mask_grad: bool) -> Tensor:
+    """The fp32 (B, Hq, Nq, Nk) gradient of the mask, or the empty placeholder."""
+    shape = (*q.shape[:-1], k.shape[-2]) if mask_grad else (0,)
+    return q.new_empty(shape, dtype=torch.float32)
 
 
 # %% [markdown]
@@ -213,8 +235,68 @@ def _zeros_like(x: Tensor) -> Tensor:
     return x.new_zeros(()).expand_as(x)
 
 
-class _RefuseDoubleBackward(torch.autograd.Function):
-    """Passes gradients through; differentiating them again raises."""
+def _needs_graph(ctx, grad_outputs) -> bool:
+    """Whether a backward's results may be differentiated again (create_graph=True, any
+    torch.func.grad): autograd is on and something it saw requires a gradient."""
+    if not torch.is_grad_enabled():
+        return False
+    tensors = [*ctx.saved_tensors, *grad_outputs]
+    return any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+def _grads_by_reference(is_causal, scale, primals, tangents, mask, mask_tangent,
+                        grad_outputs):
+    """Gradients of (q, k, v[, tq, tk, tv], mask, mask_tangent) from chapter 1's reference in
+    PyTorch operations, as a graph that PyTorch can differentiate again."""
+    result = reference_attention(*primals, mask, is_causal, scale, enable_gqa=True,
+                                 tangents=tangents, mask_tangent=mask_tangent)
+    pairs = [(o, g) for o, g in zip((result.out, result.tangent_out), grad_outputs,
+                                    strict=False) if g is not None]
+    inputs = [*primals, *(tangents or ()), mask, mask_tangent]
+    wanted = [isinstance(x, Tensor) and x.requires_grad for x in inputs]
+    grads = iter(torch.autograd.grad(
+        [o for o, _ in pairs], [x for x, w in zip(inputs, wanted, strict=True) if w],
+        [g for _, g in pairs], create_graph=True, allow_unused=True) if any(wanted) else ())
+    return [next(grads) if w else None for w in wanted]
+
+
+class _ReferenceSecondOrder(torch.autograd.Function):
+    """Passes the kernels' gradients through unchanged; differentiating them again (a double
+    backward) differentiates chapter 1's reference gradients instead, which PyTorch can."""
+
+    @staticmethod
+    def forward(grads_of, n_inputs, *tensors):
+        return tuple(g.detach() for g in tensors[n_inputs:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grads_of, n_inputs, *tensors = inputs
+        ctx.grads_of = grads_of
+        ctx.save_for_backward(*tensors[:n_inputs])
+
+    @staticmethod
+    def backward(ctx, *grad_grads):
+        saved = ctx.saved_tensors
+        wanted = [isinstance(x, Tensor) and x.requires_grad for x in saved]
+        # Fresh leaves: the partial derivatives through the reference only; the engine
+        # carries them on through the graph that produced the inputs.
+        inputs = [x.detach().requires_grad_() if w else x for x, w in zip(saved, wanted,
+                                                                          strict=True)]
+        with torch.enable_grad():
+            pairs = [(g, gg) for g, gg in zip(ctx.grads_of(inputs), grad_grads, strict=True)
+                     if g is not None and gg is not None and g.requires_grad]
+            second = iter(torch.autograd.grad(
+                [g for g, _ in pairs], [x for x, w in zip(inputs, wanted, strict=True) if w],
+                [gg for _, gg in pairs], allow_unused=True)
+                if pairs and any(wanted) else [None] * sum(wanted))
+        second = [next(second) if w else None for w in wanted]
+        if torch.is_grad_enabled():  # the second derivative may be differentiated again
+            second = _refuse_third_derivatives(second, saved)
+        return (None, None, *second, *(None for _ in grad_grads))
+
+
+class _RefuseThirdDerivative(torch.autograd.Function):
+    """Passes second derivatives through; differentiating them again raises."""
 
     @staticmethod
     def forward(n_anchors, *tensors):
@@ -227,27 +309,37 @@ class _RefuseDoubleBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *_):
         raise NotImplementedError(
-            "jvp_attention has no derivative of its backward pass (double backward, e.g. "
-            "create_graph=True for a gradient penalty, or a gradient of a gradient). The "
-            "supported second-order case is the backward through the tangent output of jvp.")
+            "jvp_attention differentiates its gradients once more (double backward, through "
+            "chapter 1's reference) but not a third time.")
 
 
-def _differentiable_once(backward):
-    """Run a Function's backward with autograd off (the kernels are not differentiable). If
-    its result could be differentiated again (create_graph=True, nested torch.func.grad), tie
-    the gradients to the saved inputs through a node that raises when that happens, instead
-    of letting them pass as constants and give a silently wrong second derivative."""
-    def run(ctx, *grad_outputs):
-        with torch.no_grad():
-            grads = backward(ctx, *grad_outputs)
-        anchors = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
-        anchors += [g for g in grad_outputs if isinstance(g, Tensor) and g.requires_grad]
-        if not torch.is_grad_enabled() or not anchors:
-            return grads
-        present = [g for g in grads if g is not None]
-        tied = iter(_RefuseDoubleBackward.apply(len(anchors), *anchors, *present))
-        return tuple(None if g is None else next(tied) for g in grads)
-    return run
+def _refuse_third_derivatives(grads, anchors):
+    anchors = [a for a in anchors if isinstance(a, Tensor) and a.requires_grad]
+    present = [g for g in grads if g is not None]
+    tied = iter(_RefuseThirdDerivative.apply(len(anchors), *anchors, *present))
+    return [None if g is None else next(tied) for g in grads]
+
+
+def _second_order_by_reference(ctx, grads, primals, tangents, mask, mask_tangent,
+                               grad_outputs):
+    """The kernels' `grads`, tied to everything they depend on through
+    `_ReferenceSecondOrder` when they may be differentiated again (else returned as they
+    are): a gradient penalty gets the right second derivative, plain backwards pay nothing."""
+    if not _needs_graph(ctx, grad_outputs):
+        return grads
+    n_primals, n_tangents = len(primals), 0 if tangents is None else len(tangents)
+    inputs = (*primals, *(tangents or ()), mask, mask_tangent, *grad_outputs)
+
+    def grads_of(xs):
+        cut = n_primals + n_tangents
+        reference = _grads_by_reference(
+            ctx.is_causal, ctx.scale, xs[:n_primals], tuple(xs[n_primals:cut]) or None,
+            xs[cut], xs[cut + 1], xs[cut + 2:])
+        return [r for r, g in zip(reference, grads, strict=False) if g is not None]
+
+    present = [g for g in grads if g is not None]
+    tied = iter(_ReferenceSecondOrder.apply(grads_of, len(inputs), *inputs, *present))
+    return tuple(None if g is None else next(tied) for g in grads)
 
 
 def _fold_vmap_dim(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
@@ -271,24 +363,36 @@ class _Attention(torch.autograd.Function):
         return _vmap_by_folding(_Attention, info, in_dims, *args)
 
     @staticmethod
-    def forward(q, k, v, attn_mask, is_causal, scale, residual):
-        return torch.ops.jvp_attention.forward(q, k, v, attn_mask, is_causal, scale, residual)
+    def forward(q, k, v, attn_mask, is_causal, scale, residual, precision):
+        return torch.ops.jvp_attention.forward(q, k, v, attn_mask, is_causal, scale, residual,
+                                               precision)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, attn_mask, is_causal, scale, _ = inputs
+        q, k, v, attn_mask, is_causal, scale, _, precision = inputs
         out, lse, out_residual = output
         ctx.mark_non_differentiable(lse, out_residual)
-        ctx.save_for_backward(q, k, v, out, lse, out_residual, attn_mask)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.save_for_backward(q, k, v, attn_mask, out, lse, out_residual)
+        ctx.is_causal, ctx.scale, ctx.precision = is_causal, scale, precision
 
     @staticmethod
-    @_differentiable_once
-    def backward(ctx, grad_out, grad_lse, grad_residual):
-        q, k, v, out, lse, out_residual, attn_mask = ctx.saved_tensors
-        dq, dk, dv = torch.ops.jvp_attention.backward(q, k, v, out, lse, out_residual, grad_out,
-                                                      attn_mask, ctx.is_causal, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+    def backward(ctx, grad_out, *_):
+        q, k, v, attn_mask, out, lse, out_residual = ctx.saved_tensors
+        mask_grad = ctx.needs_input_grad[3]
+        with torch.no_grad():
+            dq, dk, dv, d_mask = torch.ops.jvp_attention.backward(
+                q, k, v, out, lse, out_residual, grad_out, attn_mask, ctx.is_causal,
+                ctx.scale, mask_grad, ctx.precision)
+        grads = _second_order_by_reference(
+            ctx, (dq, dk, dv, _mask_grad(d_mask, attn_mask, mask_grad)), (q, k, v), None,
+            attn_mask, None, (grad_out,))
+        return (*grads, None, None, None, None)
+
+
+def _mask_grad(d_mask: Tensor, attn_mask: Tensor | None, wanted: bool) -> Tensor | None:
+    """The kernels' fp32 mask gradient in the mask's dtype; autograd sums it over the
+    dimensions the mask was broadcast along."""
+    return d_mask.to(attn_mask.dtype) if wanted else None
 
 
 class _FusedTangent(torch.autograd.Function):
@@ -297,38 +401,48 @@ class _FusedTangent(torch.autograd.Function):
         return _vmap_by_folding(_FusedTangent, info, in_dims, *args)
 
     @staticmethod
-    def forward(q, k, v, tq, tk, tv, attn_mask, is_causal, scale, residual):
-        return torch.ops.jvp_attention.forward_jvp(q, k, v, tq, tk, tv, attn_mask, is_causal,
-                                                   scale, residual)
+    def forward(q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual,
+                precision):
+        return torch.ops.jvp_attention.forward_jvp(q, k, v, tq, tk, tv, attn_mask,
+                                                   mask_tangent, is_causal, scale, residual,
+                                                   precision)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, tq, tk, tv, attn_mask, is_causal, scale, _ = inputs
+        q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, _, precision = inputs
         out, tangent_out, lse, mu, out_residual, tangent_out_residual = output
         ctx.mark_non_differentiable(lse, mu, out_residual, tangent_out_residual)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual,
-                              tangent_out_residual, attn_mask)
-        ctx.save_for_forward(tangent_out)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.save_for_backward(q, k, v, tq, tk, tv, attn_mask, mask_tangent, out, lse,
+                              tangent_out, mu, out_residual, tangent_out_residual)
+        ctx.is_causal, ctx.scale, ctx.precision = is_causal, scale, precision
 
     @staticmethod
-    @_differentiable_once
     def backward(ctx, grad_out, grad_tangent_out, *_):
-        (q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual, tangent_out_residual,
-         attn_mask) = ctx.saved_tensors
+        (q, k, v, tq, tk, tv, attn_mask, mask_tangent, out, lse, tangent_out, mu,
+         out_residual, tangent_out_residual) = ctx.saved_tensors
         if grad_out is None and grad_tangent_out is None:
-            return (None,) * 10
+            return (None,) * 12
+        grad_outputs = (grad_out, grad_tangent_out)
         if grad_out is None:
             grad_out = _zeros_like(out)
-        if grad_tangent_out is None:
-            dq, dk, dv = torch.ops.jvp_attention.backward(q, k, v, out, lse, out_residual,
-                                                          grad_out, attn_mask, ctx.is_causal,
-                                                          ctx.scale)
-            return dq, dk, dv, None, None, None, None, None, None, None
-        grads = torch.ops.jvp_attention.backward_tangent(
-            q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual, tangent_out_residual,
-            grad_out, grad_tangent_out, attn_mask, ctx.is_causal, ctx.scale)
+        wants_mask, wants_mask_tangent = ctx.needs_input_grad[6], ctx.needs_input_grad[7]
+        with torch.no_grad():
+            if grad_tangent_out is None:
+                dq, dk, dv, d_mask = torch.ops.jvp_attention.backward(
+                    q, k, v, out, lse, out_residual, grad_out, attn_mask, ctx.is_causal,
+                    ctx.scale, wants_mask, ctx.precision)
+                grads = (dq, dk, dv, None, None, None, _mask_grad(d_mask, attn_mask, wants_mask),
+                         None)
+            else:
+                *grads, d_mask, d_mask_tangent = torch.ops.jvp_attention.backward_tangent(
+                    q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual,
+                    tangent_out_residual, grad_out, grad_tangent_out, attn_mask, mask_tangent,
+                    ctx.is_causal, ctx.scale, wants_mask or wants_mask_tangent, ctx.precision)
+                grads = (*grads, _mask_grad(d_mask, attn_mask, wants_mask),
+                         _mask_grad(d_mask_tangent, mask_tangent, wants_mask_tangent))
+        grads = _second_order_by_reference(ctx, grads, (q, k, v), (tq, tk, tv), attn_mask,
+                                           mask_tangent, grad_outputs)
         return (*grads, None, None, None, None)
 
 
@@ -338,15 +452,29 @@ class _AttentionWithTangent(_FusedTangent):
         return _vmap_by_folding(_AttentionWithTangent, info, in_dims, *args)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        _FusedTangent.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(output[1])
+
+    @staticmethod
     def jvp(ctx, gq, gk, gv, gtq, gtk, gtv, *_):
         if any(g is not None for g in (gtq, gtk, gtv)):
             raise NotImplementedError(
-                "jvp_attention computes first-order forward derivatives only; a jvp of a jvp "
-                "(forward-over-forward) is not supported. Use reverse-over-forward instead.")
+                "jvp_attention: a tangent of the tangents reached the fused operation (a "
+                "forward-over-forward derivative taken through attention_jvp); call "
+                "`attention` under nested torch.func.jvp instead.")
         (tangent_out,) = ctx.saved_tensors
         # A copy, not the output itself: forward AD refuses a tangent that is also an output
         # with a tangent of its own, and the copy keeps tO's autograd history for chapter 6.
         return tangent_out.clone(), _zeros_like(tangent_out), None, None, None, None
+
+
+# Under torch.compile, AOTAutograd differentiates the operators themselves (Dynamo traces a
+# Function's forward, not its backward): give them the Functions' rules.
+torch.library.register_autograd("jvp_attention::forward", _Attention.backward,
+                                setup_context=_Attention.setup_context)
+torch.library.register_autograd("jvp_attention::forward_jvp", _FusedTangent.backward,
+                                setup_context=_FusedTangent.setup_context)
 
 
 # %% [markdown]
@@ -361,12 +489,22 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
+class Unsupported(NotImplementedError):
+    """A call that PyTorch's SDPA takes but jvp_attention cannot; `reason` says which rule."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """SDPA's contract, after autocast's casts: the one validator of every entry point."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if dropout_p != 0.0:
-        raise NotImplementedError(
+        raise Unsupported(
+            "dropout_p > 0",
             f"dropout_p={dropout_p}: jvp_attention has no attention dropout; pass dropout_p=0.0"
             " (or leave the model in eval mode) or use torch's SDPA for this call")
     if query.dim() < 3 or not query.dim() == key.dim() == value.dim():
@@ -385,8 +523,9 @@ def _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, 
     _check_heads(query.shape[-3], key.shape[-3], enable_gqa)
     _check_dtypes_and_devices(query, key, value, attn_mask)
     if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
-        raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported; got query "
-                         f"{query.shape[-1]} and value {value.shape[-1]}")
+        raise Unsupported("head dim > 256",
+                          f"head dims up to {MAX_HEAD_DIM} are supported; got query "
+                          f"{query.shape[-1]} and value {value.shape[-1]}")
     if attn_mask is not None:
         _check_mask(attn_mask, query, key)
     if scale is not None and not isinstance(scale, (float, int)):
@@ -396,7 +535,7 @@ def _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, 
 
 
 def _check_heads(n_q_heads: int, n_kv_heads: int, enable_gqa: bool) -> None:
-    if enable_gqa and n_q_heads % n_kv_heads:
+    if enable_gqa and n_kv_heads and n_q_heads % n_kv_heads:
         raise ValueError(f"enable_gqa=True needs query heads ({n_q_heads}) to be a multiple "
                          f"of key/value heads ({n_kv_heads})")
     if not enable_gqa and n_q_heads != n_kv_heads:
@@ -406,20 +545,27 @@ def _check_heads(n_q_heads: int, n_kv_heads: int, enable_gqa: bool) -> None:
 
 def _check_dtypes_and_devices(query, key, value, attn_mask):
     if not query.dtype == key.dtype == value.dtype:
-        raise TypeError(f"query, key and value must share a dtype; got {query.dtype}, "
-                        f"{key.dtype}, {value.dtype}")
+        raise TypeError(f"query, key and value must share a dtype (outside autocast, which "
+                        f"casts them); got {query.dtype}, {key.dtype}, {value.dtype}")
     devices = {x.device for x in (query, key, value, attn_mask) if x is not None}
     if len(devices) > 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
-    if _uses_kernels(query) and query.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"dtype {query.dtype} is not supported by the kernels; use one of "
-                        "float16, bfloat16, float32")
+    if query.dtype not in (*KERNEL_DTYPES, torch.float64):
+        raise Unsupported(f"dtype {query.dtype}",
+                          f"dtype {query.dtype} is not supported; use float16, bfloat16, "
+                          "float32 (the kernels) or float64 (PyTorch operations)")
+    if query.dtype == torch.bfloat16 and interpreting() and not query.is_cuda:
+        raise Unsupported(
+            "bfloat16 in Triton's interpreter",
+            "bfloat16 inputs under TRITON_INTERPRET=1: Triton's interpreter computes bfloat16 "
+            "matrix products wrongly, so the kernels would return garbage. Use float16 or "
+            "float32 on the CPU, or unset TRITON_INTERPRET to run PyTorch operations there.")
 
 
 def _check_mask(attn_mask, query, key):
-    if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
-        raise TypeError(f"attn_mask must be bool or match query's dtype {query.dtype}; got "
-                        f"{attn_mask.dtype}")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise TypeError(f"attn_mask must be bool, float32 or query's dtype {query.dtype}, as "
+                        f"for torch's SDPA; got {attn_mask.dtype}")
     target = (*query.shape[:-1], key.shape[-2])
     try:
         torch.broadcast_shapes(attn_mask.shape, target)
@@ -431,10 +577,14 @@ def _check_mask(attn_mask, query, key):
                          f"(..., Hq, Nq, Nk) = {target}")
 
 
-def _uses_kernels(query: Tensor) -> bool:
-    """Triton kernels on CUDA tensors, and on CPU tensors under the interpreter; otherwise
-    chapter 1's tiled PyTorch implementation (differentiated by PyTorch itself)."""
-    return query.is_cuda or interpreting()
+def _uses_kernels(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """Triton kernels for CUDA tensors, and for CPU tensors under the interpreter, of the
+    kernels' dtypes and with something to compute; everything else runs chapter 1's tiled
+    PyTorch implementation, which PyTorch differentiates to any order: float64 (gradcheck),
+    empty inputs, and CPU tensors without the interpreter."""
+    if not (query.is_cuda or interpreting()) or query.dtype not in KERNEL_DTYPES:
+        return False
+    return query.numel() > 0 and key.shape[-2] > 0 and value.shape[-1] > 0
 
 
 # %% [markdown]
@@ -466,11 +616,14 @@ def attention(
     one fused Triton pass, and gradients flow back through both.
 
     Args:
-        query: (..., Hq, Nq, D), float16, bfloat16 or float32, any strides.
+        query: (..., Hq, Nq, D), float16, bfloat16 or float32 (the kernels) or float64
+            (PyTorch operations, on any device), any strides.
         key: (..., Hkv, Nk, D); Hkv == Hq unless `enable_gqa`.
         value: (..., Hkv, Nk, Dv); Dv may differ from D. Head dims up to 256.
-        attn_mask: None, a bool mask (True = attend) or an additive float mask of query's
-            dtype, broadcastable to (..., Hq, Nq, Nk). Never expanded in memory.
+        attn_mask: None, a bool mask (True = attend) or an additive float mask (float32 or
+            query's dtype), broadcastable to (..., Hq, Nq, Nk). Never expanded in memory. A
+            float mask may carry a tangent (it adds to the scores' tangent) and may require
+            grad (its gradient is summed over the dimensions it was broadcast along).
         dropout_p: Must be 0.0 (dropout is not implemented).
         is_causal: Causal mask aligned top-left, as in PyTorch (query i sees keys j <= i).
             Unlike SDPA it may be combined with `attn_mask`.
@@ -479,30 +632,53 @@ def attention(
 
     Returns:
         The attention output, (..., Hq, Nq, Dv), in query's dtype. A row that sees no key
-        gives zeros, as SDPA does.
+        (also every row when Nk = 0) gives zeros, as SDPA's math path does.
 
     Raises:
-        TypeError, ValueError: For arguments SDPA would reject or the kernels cannot take;
-            the message names the argument and what was expected.
-        NotImplementedError: For dropout_p > 0.
+        TypeError, ValueError: For arguments SDPA would reject; the message names the
+            argument and what was expected.
+        Unsupported: (a NotImplementedError) for calls SDPA takes but this library cannot:
+            dropout_p > 0, head dims above 256, bfloat16 under Triton's interpreter.
+
+    Under `torch.autocast`, query, key, value and a float mask are first cast to the
+    autocast dtype, as PyTorch's SDPA does.
 
     Example:
         >>> q, k, v = (torch.randn(2, 8, 128, 64) for _ in range(3))
         >>> t = tuple(torch.randn_like(x) for x in (q, k, v))
         >>> out, tangent = torch.func.jvp(attention, (q, k, v), t)
     """
+    autocast_dtype = _autocast_dtype(query)
+    if autocast_dtype is not None:
+        query, key, value, attn_mask = (_autocast(x, autocast_dtype)
+                                        for x in (query, key, value, attn_mask))
+        with torch.autocast(query.device.type, enabled=False):
+            return attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                             enable_gqa)
     _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if not _uses_kernels(query):
-        return tiled_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa).out
+    if not _uses_kernels(query, key, value) or _jvp_nesting() > 1:
+        return _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     q, k, v, mask = _as_4d(query, key, value, attn_mask)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    tangents = _tangents_of(q, k, v)
+    precision = _precision()
+    tangents = _tangents_of(q, k, v, mask)
     if tangents is None:
-        out, _, _ = _Attention.apply(q, k, v, mask, is_causal, scale,
-                                     _wants_residual(q, k, v))
+        out = _Attention.apply(q, k, v, mask, is_causal, scale, _wants_residual(q, k, v),
+                               precision)[0]
+    elif torch.compiler.is_compiling():
+        # Dynamo runs no custom `jvp` rule: unpack the duals, run the fused op on the
+        # primals and tangents, and hand forward-mode AD its result as a dual.
+        primals = [None if x is None else forward_ad.unpack_dual(x).primal
+                   for x in (q, k, v, mask)]
+        out, tangent_out = _FusedTangent.apply(
+            *primals[:3], *tangents[:3], primals[3], tangents[3], is_causal, scale,
+            _wants_residual(*primals[:3], *tangents[:3]), precision)[:2]
+        out = forward_ad.make_dual(out, tangent_out)
     else:
-        out = _AttentionWithTangent.apply(q, k, v, *tangents, mask, is_causal, scale,
-                                          _wants_residual(q, k, v, *tangents))[0]
+        out = _AttentionWithTangent.apply(q, k, v, *tangents[:3], mask, tangents[3],
+                                          is_causal, scale,
+                                          _wants_residual(q, k, v, *tangents[:3]),
+                                          precision)[0]
     return out.reshape(*query.shape[:-1], value.shape[-1])
 
 
@@ -515,16 +691,17 @@ def attention_jvp(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    mask_tangent: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention and its tangent with the tangents passed explicitly (no forward-mode AD).
 
     The same fused pass as `attention` under `torch.func.jvp`, as a plain differentiable
-    function: gradients flow to the inputs and to the tangents, and `torch.compile` can
-    trace it (Dynamo does not trace custom `jvp` rules).
+    function: gradients flow to the inputs and to the tangents.
 
     Args:
         query, key, value, attn_mask, is_causal, scale, enable_gqa: As in `attention`.
         tangents: (t_query, t_key, t_value), shaped like (query, key, value).
+        mask_tangent: The tangent of a float `attn_mask`, shaped like it; None for none.
 
     Returns:
         (out, tangent_out), both (..., Hq, Nq, Dv).
@@ -539,17 +716,60 @@ def attention_jvp(
         if not isinstance(t, Tensor) or t.shape != x.shape or t.dtype != x.dtype:
             raise ValueError(f"the tangent of {name} must be a tensor of shape "
                              f"{tuple(x.shape)} and dtype {x.dtype}")
-    if not _uses_kernels(query):
-        result = tiled_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
-                                 tangents=tuple(tangents))
-        return result.out, result.tangent_out
+    _check_mask_tangent(attn_mask, mask_tangent)
+    if not _uses_kernels(query, key, value):
+        with forward_ad.dual_level():
+            duals = [None if x is None else forward_ad.make_dual(x, t) for x, t in zip(
+                (query, key, value, attn_mask), (*tangents, mask_tangent), strict=True)]
+            out = _pytorch_attention(*duals[:3], duals[3], is_causal, scale, enable_gqa)
+            return tuple(forward_ad.unpack_dual(out))
     q, k, v, mask = _as_4d(query, key, value, attn_mask)
     tq, tk, tv = (t.reshape(x.shape) for t, x in zip(tangents, (q, k, v), strict=True))
+    t_mask = None if mask_tangent is None else _as_4d_mask(mask_tangent, query, key)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, tangent_out = _FusedTangent.apply(q, k, v, tq, tk, tv, mask, is_causal, scale,
-                                           _wants_residual(q, k, v, tq, tk, tv))[:2]
+    out, tangent_out = _FusedTangent.apply(q, k, v, tq, tk, tv, mask, t_mask, is_causal,
+                                           scale, _wants_residual(q, k, v, tq, tk, tv),
+                                           _precision())[:2]
     shape = (*query.shape[:-1], value.shape[-1])
     return out.reshape(shape), tangent_out.reshape(shape)
+
+
+def _check_mask_tangent(attn_mask: Tensor | None, mask_tangent: Tensor | None) -> None:
+    if mask_tangent is None:
+        return
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        raise ValueError("mask_tangent needs a float attn_mask (a bool mask has no tangent)")
+    if mask_tangent.shape != attn_mask.shape or mask_tangent.dtype != attn_mask.dtype:
+        raise ValueError(f"mask_tangent must have attn_mask's shape {tuple(attn_mask.shape)} "
+                         f"and dtype {attn_mask.dtype}")
+
+
+def _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa):
+    """Chapter 1's tiled implementation in PyTorch operations, differentiated by PyTorch."""
+    if query.shape[-3] == 0:  # no heads: nothing to compute, but keep the autograd links
+        return (query @ key.mT) @ value
+    return tiled_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa).out
+
+
+def _autocast_dtype(query: Tensor) -> torch.dtype | None:
+    """The dtype autocast casts SDPA's inputs to, or None outside autocast."""
+    device_type = query.device.type
+    if isinstance(query, Tensor) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _autocast(x: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """Autocast's rule for an op of its lower-precision list: floating tensors other than
+    float64 are cast (a differentiable cast: tangents and gradients follow)."""
+    if x is None or not x.is_floating_point() or x.dtype == torch.float64:
+        return x
+    return x.to(dtype)
+
+
+def _precision() -> str:
+    """The precision mode now; the forward captures it, and its backward uses the same."""
+    return "accurate" if accurate() else "fast"
 
 
 def _as_4d(query, key, value, attn_mask):
@@ -558,29 +778,32 @@ def _as_4d(query, key, value, attn_mask):
     q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (query, key, value))
     if attn_mask is None:
         return q, k, v, None
+    return q, k, v, _as_4d_mask(attn_mask, query, key)
+
+
+def _as_4d_mask(attn_mask: Tensor, query: Tensor, key: Tensor) -> Tensor:
     mask = attn_mask.expand(*query.shape[:-1], key.shape[-2])
-    return q, k, v, mask.reshape(-1, *mask.shape[-3:])
+    return mask.reshape(-1, *mask.shape[-3:])
 
 
-def _forward_transforms() -> int:
-    """How many torch.func.jvp transforms are active around this call."""
-    return sum(interpreter.key() == TransformType.Jvp
-               for interpreter in retrieve_all_functorch_interpreters())
+def _jvp_nesting() -> int:
+    """How many torch.func.jvp transforms are active around this call (Dynamo traces this
+    global, unlike functorch's interpreter stack)."""
+    return eager_transforms.JVP_NESTING
 
 
-def _tangents_of(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-    """The forward-mode tangents of q, k, v (zeros where one has none), or None if none has."""
-    if torch.compiler.is_compiling():
-        return None
+def _tangents_of(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+    """The forward-mode tangents of q, k, v (zeros where one has none) and of a float mask
+    (None if it has none), or None if no input has one."""
     tangents = [forward_ad.unpack_dual(x).tangent for x in (q, k, v)]
-    if all(t is None for t in tangents):
+    mask_tangent = None
+    if mask is not None and mask.is_floating_point():
+        mask_tangent = forward_ad.unpack_dual(mask).tangent
+    if all(t is None for t in tangents) and mask_tangent is None:
         return None
-    if _forward_transforms() > 1:
-        raise NotImplementedError(
-            "jvp_attention computes first-order forward derivatives only; a jvp of a jvp "
-            "(forward-over-forward) is not supported. Use reverse-over-forward instead.")
-    return tuple(_zeros_like(x) if t is None else t for x, t in zip((q, k, v), tangents,
-                                                                    strict=True))
+    return (*(_zeros_like(x) if t is None else t for x, t in zip((q, k, v), tangents,
+                                                                 strict=True)), mask_tangent)
 
 
 # %% [markdown]
@@ -613,26 +836,71 @@ def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
             "enable_gqa": enable_gqa}
 
 
-def _route(call: dict, strict: bool):
-    """Run an SDPA call on our kernels if `attention` takes it, else on PyTorch's SDPA."""
+@dataclass
+class SDPARouting:
+    """What `sdpa()` did with the calls it saw.
+
+    Attributes:
+        routed: Calls that ran on `attention`.
+        fell_through: Calls passed on to PyTorch's SDPA, counted by reason.
+    """
+
+    routed: int = 0
+    fell_through: Counter = field(default_factory=Counter)
+    passing_on: bool = field(default=False, repr=False)  # inside a call handed to PyTorch
+
+
+_warned_reasons: set[str] = set()
+
+
+def _has_tangents(*tensors: Tensor | None) -> bool:
+    return any(isinstance(x, Tensor) and forward_ad.unpack_dual(x).tangent is not None
+               for x in tensors)
+
+
+def _route(call: dict, strict: bool, routing: SDPARouting):
+    """Run an SDPA call on `attention` if it takes it, else on PyTorch's SDPA (its math
+    backend when forward-mode tangents are present: the fused backends raise on them)."""
+    autocast_dtype = _autocast_dtype(call["query"])
+    checked = dict(call)
+    if autocast_dtype is not None:
+        for name in ("query", "key", "value", "attn_mask"):
+            checked[name] = _autocast(call[name], autocast_dtype)
     try:
-        _check_arguments(**call)
-    except (TypeError, ValueError, NotImplementedError):
+        _check_arguments(**checked)
+    except Unsupported as error:
         if strict:
             raise
+        reason = error.reason
+    else:
+        routing.routed += 1
+        return attention(**call)
+    if routing.passing_on:  # our own call below, seen again by the mode: PyTorch's
         return _TORCH_SDPA(**call)
-    return attention(**call)
+    routing.fell_through[reason] += 1
+    if reason not in _warned_reasons:
+        _warned_reasons.add(reason)
+        warnings.warn(f"jvp_attention.sdpa(): a call fell through to torch's SDPA ({reason}); "
+                      "sdpa(strict=True) raises instead, and the object that sdpa() yields "
+                      "counts the calls by reason", stacklevel=4)
+    math_only = _has_tangents(call["query"], call["key"], call["value"], call["attn_mask"])
+    routing.passing_on = True
+    try:
+        with sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
+            return _TORCH_SDPA(**call)
+    finally:
+        routing.passing_on = False
 
 
 class _RouteSDPA(TorchFunctionMode):
-    def __init__(self, strict: bool):
+    def __init__(self, strict: bool, routing: SDPARouting):
         super().__init__()
-        self.strict = strict
+        self.strict, self.routing = strict, routing
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _TORCH_SDPA:
-            return _route(_sdpa_arguments(*args, **kwargs), self.strict)
+            return _route(_sdpa_arguments(*args, **kwargs), self.strict, self.routing)
         return func(*args, **kwargs)
 
 
@@ -640,27 +908,36 @@ class _RouteSDPA(TorchFunctionMode):
 def sdpa(strict: bool = False):
     """Route `torch.nn.functional.scaled_dot_product_attention` to `attention` in this block.
 
-    Calls that `attention` cannot take (dropout, unsupported dtypes or head dims) fall
-    through to PyTorch unchanged, unless `strict`, which raises instead.
+    Calls that `attention` cannot take (dropout, head dims above 256, bfloat16 under Triton's
+    interpreter) fall through to PyTorch's SDPA, to its math backend when they carry
+    forward-mode tangents (its fused backends raise on those); each reason is warned about
+    once per process and counted in the yielded `SDPARouting`. Invalid calls (bad shapes)
+    reach PyTorch, which raises as it would without this block.
 
     Args:
         strict: Raise on calls the library cannot take instead of falling through.
 
+    Yields:
+        SDPARouting: counts of the calls routed and fallen through (by reason) in the block.
+
     Example:
         >>> layer = torch.nn.TransformerEncoderLayer(64, 4, dropout=0.0, batch_first=True)
         >>> x, tx = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
-        >>> with sdpa():
+        >>> with sdpa() as routing:
         ...     y, ty = torch.func.jvp(layer, (x,), (tx,))
+        >>> routing.routed
+        1
     """
     previous = F.scaled_dot_product_attention
+    routing = SDPARouting()
 
     def routed(*args, **kwargs):
-        return _route(_sdpa_arguments(*args, **kwargs), strict)
+        return _route(_sdpa_arguments(*args, **kwargs), strict, routing)
 
     F.scaled_dot_product_attention = routed
     try:
-        with _RouteSDPA(strict):
-            yield
+        with _RouteSDPA(strict, routing):
+            yield routing
     finally:
         F.scaled_dot_product_attention = previous
 
@@ -670,9 +947,6 @@ def sdpa_flops(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, value_
     """FLOPs of one attention forward (two matrix products), halved for causal masking."""
     flops = 2.0 * batch * heads * n_q * n_k * (head_dim + value_dim)
     return flops / 2 if is_causal else flops
-
-
-assert math.isclose(sdpa_flops(1, 1, 2, 2, 4, 4), 64)
 
 
 # %% [markdown]
