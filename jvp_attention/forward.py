@@ -17,7 +17,9 @@ import triton.language as tl
 from jvp_attention.reference import AttentionOutputs
 
 LOG2E = 1.4426950408889634
-NO_MASK, BOOL_MASK, ADDITIVE_MASK = 0, 1, 2
+# MASK_KIND: what the mask operand holds. ADDITIVE_WITH_TANGENT: (bias, tangent of the bias)
+# pairs, each tangent in the element right after its bias (`mask_operand`).
+NO_MASK, BOOL_MASK, ADDITIVE_MASK, ADDITIVE_WITH_TANGENT = 0, 1, 2, 3
 
 
 @triton.jit
@@ -85,10 +87,10 @@ def _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n
                    CHECK_BOUNDS: tl.constexpr):
     """Apply the user's mask, and (when CHECK_BOUNDS) the key boundary and causal band, to
     log2-unit scores; masked entries become -inf."""
-    if MASK_KIND == 1:
+    if MASK_KIND == 1:  # BOOL_MASK
         keep = _load_tile(mask_ptr, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
         s = tl.where(keep != 0, s, float("-inf"))
-    if MASK_KIND == 2:
+    if MASK_KIND >= 2:  # ADDITIVE_MASK, or ADDITIVE_WITH_TANGENT (the bias is read the same)
         bias = _load_tile(mask_ptr, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
         s = s + bias.to(tl.float32) * 1.4426950408889634
     if CHECK_BOUNDS:
@@ -97,6 +99,17 @@ def _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n
             visible = visible & (cols[None, :] <= rows[:, None])
         s = tl.where(visible, s, float("-inf"))
     return s
+
+
+@triton.jit
+def _add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
+                      MASK_KIND: tl.constexpr):
+    """tS + tB for natural-unit tangent scores: with ADDITIVE_WITH_TANGENT (3) the tangent
+    of each bias sits in the element after it; any other mask has no tangent."""
+    if MASK_KIND == 3:  # ADDITIVE_WITH_TANGENT
+        t_bias = _load_tile(mask_ptr + 1, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
+        ts += t_bias.to(tl.float32)
+    return ts
 
 
 @triton.jit
@@ -172,6 +185,8 @@ def _forward_key_block(
         # Natural units: masked entries have p~ = 0, so their tS never matters.
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
+        ts = _add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
+                               n_k, MASK_KIND)
         # The running mu including this block; acc_t is kept centred on it.
         mu_new = (mu_i * l_i * alpha + tl.sum(p * ts, 1)) / tl.where(l_new == 0.0, 1.0, l_new)
         acc_t = acc_t * alpha[:, None] - (mu_new - mu_i)[:, None] * acc_o
@@ -397,11 +412,41 @@ _attention_forward_jvp = autotuned(_attention_forward_kernel, [
     (32, 32, 4, 2)])
 
 
-def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int]):
+def check_mask_tangent(attn_mask: torch.Tensor | None, mask_tangent: torch.Tensor | None,
+                       shape: tuple[int, int, int, int]) -> None:
+    """Raise ValueError unless `mask_tangent` is None, or a float tensor broadcastable to
+    `shape` = (B, Hq, Nq, Nk) that goes with an additive (float) `attn_mask`."""
+    if mask_tangent is None:
+        return
+    if attn_mask is None or not attn_mask.is_floating_point():
+        kind = "no attn_mask" if attn_mask is None else f"an attn_mask of dtype {attn_mask.dtype}"
+        raise ValueError(f"mask_tangent is the tangent of an additive (float) attn_mask; got "
+                         f"{kind}")
+    if not mask_tangent.is_floating_point():
+        raise ValueError(f"mask_tangent must be floating point, got {mask_tangent.dtype}")
+    try:
+        fits = torch.broadcast_shapes(mask_tangent.shape, shape) == torch.Size(shape)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"mask_tangent of shape {tuple(mask_tangent.shape)} does not "
+                         f"broadcast to the scores' shape {tuple(shape)}")
+
+
+def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int],
+                 mask_tangent: torch.Tensor | None = None):
     """The mask as the kernel reads it: broadcast to (B, H, Nq, Nk) as a stride-0 view (no
-    copy), booleans reinterpreted as bytes. Returns (tensor or None, MASK_KIND)."""
+    copy), booleans reinterpreted as bytes. With `mask_tangent` (see `check_mask_tangent`),
+    the bias and its tangent interleaved, (bias, tangent) pairs stored at their broadcast
+    shape in their common dtype: the view of the biases is returned, each tangent is the
+    element after its bias. Returns (tensor or None, MASK_KIND)."""
     if attn_mask is None:
         return None, NO_MASK
+    if mask_tangent is not None:
+        dtype = torch.promote_types(attn_mask.dtype, mask_tangent.dtype)
+        pairs = torch.stack(torch.broadcast_tensors(attn_mask.to(dtype), mask_tangent.to(dtype)),
+                            dim=-1)
+        return pairs[..., 0].expand(shape), ADDITIVE_WITH_TANGENT
     attn_mask = attn_mask.expand(shape)
     if attn_mask.dtype == torch.bool:
         return attn_mask.view(torch.uint8), BOOL_MASK
@@ -429,8 +474,14 @@ def set_precision(mode: str) -> None:
     _precision["mode"] = mode
 
 
-def accurate() -> bool:
-    """True when the "accurate" precision mode is on (see `set_precision`)."""
+def accurate(precision: str | None = None) -> bool:
+    """True when `precision` ("accurate" or "fast"), or, when it is None, the global mode
+    (see `set_precision`), is "accurate". The launchers take `precision` per call, so that
+    a backward can run in the mode its forward ran in."""
+    if precision is not None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
+        return precision == "accurate"
     if _precision["mode"] not in PRECISIONS:
         set_precision(_precision["mode"])  # raises for a bad JVP_ATTENTION_PRECISION
     return _precision["mode"] == "accurate"
@@ -517,6 +568,9 @@ def flash_attention_forward(
     scale: float | None = None,
     tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     residuals: bool = False,
+    *,
+    mask_tangent: torch.Tensor | None = None,
+    precision: str | None = None,
 ) -> AttentionOutputs | tuple[AttentionOutputs, tuple[torch.Tensor, torch.Tensor | None]]:
     """Run the fused forward kernel on (B, H, N, D) tensors.
 
@@ -530,15 +584,27 @@ def flash_attention_forward(
         tangents: Optional (tq, tk, tv) shaped like (q, k, v): also compute tO and mu.
         residuals: Also return the rounding residuals of out (and tangent_out), the parts
             of their fp32 values that the output dtype dropped, for an accurate backward.
+        mask_tangent: The tangent of an additive (float) attn_mask, any float dtype,
+            broadcastable to (B, Hq, Nq, Nk); needs `tangents`. It adds to tS.
+        precision: "accurate" or "fast" for this call; None uses the global mode
+            (`set_precision`).
 
     Returns:
         AttentionOutputs(out, lse, tangent_out, mu); lse and mu are fp32 (B, Hq, Nq);
         tangent_out and mu are None without tangents. With `residuals`, a pair
         (outputs, (out_residual, tangent_out_residual)).
+
+    Raises:
+        ValueError: For mismatched shapes, a bad `precision`, or a `mask_tangent` without
+            `tangents` or without an additive attn_mask.
     """
     check_kernel_shapes(q, k, v)
     batch, n_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    exact = accurate(precision)
+    check_mask_tangent(attn_mask, mask_tangent, (batch, n_heads, n_q, n_k))
+    if mask_tangent is not None and tangents is None:
+        raise ValueError("mask_tangent is part of the tangent: pass tangents=(tq, tk, tv) too")
     scale = head_dim**-0.5 if scale is None else scale
     out = torch.empty((batch, n_heads, n_q, value_dim), device=q.device, dtype=q.dtype)
     lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=torch.float32)
@@ -548,11 +614,15 @@ def flash_attention_forward(
     mu = torch.empty_like(lse) if has_tangent else lse
     out_res = torch.empty_like(out) if residuals else out
     t_out_res = torch.empty_like(out) if residuals and has_tangent else out_res
-    mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k))
+    mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k), mask_tangent)
     mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
 
     # bf16 tangents in "accurate" mode: exact fp16 copies of v and tv instead of the split.
-    carry = has_tangent and accurate() and carries(q) and min(q.numel(), k.numel()) > 0
+    # The shifts bound tS by the inputs' magnitudes, which a mask tangent's tB escapes (the
+    # kernel would also need tB in the shifted units): with one, the split instead, which is
+    # as accurate.
+    carry = (has_tangent and exact and carries(q) and mask_tangent is None
+             and min(q.numel(), k.numel()) > 0)
     factors = lse  # not read without CARRY
     if carry:
         with on_device(q):
@@ -572,7 +642,7 @@ def flash_attention_forward(
             scale * LOG2E, scale, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
-            **kernel_meta(q, head_dim, value_dim, split=has_tangent and accurate() and not carry),
+            **kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry),
         )
     outputs = AttentionOutputs(out, lse, t_out if has_tangent else None,
                                mu if has_tangent else None)

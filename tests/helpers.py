@@ -62,8 +62,10 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvp_attention.forward as forward_module
 from jvp_attention.backward import flash_attention_backward
@@ -94,6 +96,8 @@ FORWARD_NAMES = ("out", "lse", "tangent_out", "mu")
 ROW_STATISTICS = ("lse", "mu")
 GRAD_NAMES = ("dq", "dk", "dv")
 SECOND_ORDER_NAMES = ("dq", "dk", "dv", "dtq", "dtk", "dtv")
+# Gradients of an additive mask and of its tangent: fp32 (B, Hq, Nq, Nk) from the launchers.
+MASK_GRAD_NAMES = ("dmask", "dmask_tangent")
 MASK_KINDS = ("none", "keypad", "bool", "additive", "additive4d", "empty_rows",
               "empty_rows_additive", "empty_batch", "bool_transposed")
 
@@ -582,7 +586,8 @@ def assert_accurate(ours: dict[str, torch.Tensor], truth: dict[str, torch.Tensor
     for name, x in ours.items():
         assert x.shape == truth[name].shape, (
             f"{name} [{label}]: shape {tuple(x.shape)}, expected {tuple(truth[name].shape)}")
-        assert x.dtype == (torch.float32 if name in ("lse", "mu") else dtype), (
+        assert x.dtype == (torch.float32 if name in ("lse", "mu", *MASK_GRAD_NAMES)
+                           else dtype), (
             f"{name} [{label}]: dtype {x.dtype}")
     table = accuracy_table(ours, floor, truth)
     # The scale of eps: the largest true entry among the check's tensors (the gradients
@@ -596,7 +601,8 @@ def assert_accurate(ours: dict[str, torch.Tensor], truth: dict[str, torch.Tensor
         note = ""
         if not math.isfinite(floor_error):  # PyTorch gave NaN everywhere: no floor to use
             floor_error, note = 0.0, " (PyTorch's math path is NaN throughout: floor taken as 0)"
-        allowed = allowed_error(x.dtype, floor_error,
+        # The mask's gradients are fp32 but computed from `dtype` inputs: its roundings.
+        allowed = allowed_error(dtype if name in MASK_GRAD_NAMES else x.dtype, floor_error,
                                 scale[name] if name in ROW_STATISTICS else shared,
                                 x.device.type, row_statistic=name in ROW_STATISTICS,
                                 cancellation=0.0 if name in ROW_STATISTICS else cancellation)
@@ -714,3 +720,189 @@ def cpu_grid(cases=CPU_CASES, dtypes=CPU_DTYPES):
     return [pytest.param(case.with_(causal=causal), dtype,
                          id=f"{dtype_name(dtype)}-{case.with_(causal=causal).id}")
             for case in cases for causal in (False, True) for dtype in dtypes]
+
+
+# --- additive masks with a tangent or a gradient (learnable biases) -------------------------
+# Shapes of the bias as the user passes it: a bias per batch and head, one per head shared by
+# the batch, one (Nq, Nk) shared by all; the launchers read each broadcast to (B, Hq, Nq, Nk).
+BIAS_SHAPES = ("full", "head", "2d")
+
+
+def make_bias(spec: Spec, shape: str, dtype: torch.dtype = torch.float32, seed: int = 0,
+              device: str | torch.device = DEVICE, empty_rows: bool = False,
+              tangent_shape: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random additive mask of one of BIAS_SHAPES (about 15 % -inf, key 0 always finite)
+    and a random tangent for it (of `tangent_shape`, by default the same shape). With
+    `empty_rows`, query rows 0 and nq // 2 see no key (all -inf)."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    full = (spec.batch, spec.hq, spec.nq, spec.nk)
+    shapes = {"full": full, "head": (1, *full[1:]), "2d": full[2:]}
+    bias = torch.randn(shapes[shape], generator=gen)
+    bias = bias.masked_fill(torch.rand(bias.shape, generator=gen) < 0.15, -math.inf)
+    bias[..., 0] = 0.5
+    if empty_rows:
+        bias[..., [0, spec.nq // 2], :] = -math.inf
+    t_bias = torch.randn(shapes[tangent_shape or shape], generator=gen)
+    return bias.to(device=device, dtype=dtype), t_bias.to(device=device, dtype=dtype)
+
+
+def _explicit_attention(q, k, v, bias, is_causal, scale, enable_gqa):
+    """(out, lse) of softmax attention written out, the bias an ordinary input of autograd and
+    forward-mode AD; rows that see no key give out = 0, lse = -inf (no NaN)."""
+    if enable_gqa:
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = scale * q @ k.mT + bias
+    if is_causal:
+        band = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~band, -math.inf)
+    m = s.amax(-1, keepdim=True).detach()  # the softmax does not depend on the shift
+    m = m.masked_fill(m == -math.inf, 0.0)
+    e = torch.exp(s - m)
+    total = e.sum(-1, keepdim=True)
+    safe = torch.where(total == 0, 1.0, total)
+    lse = torch.where(total == 0, -math.inf, torch.log(safe) + m).squeeze(-1)
+    return e / safe @ v, lse
+
+
+def _math_path_attention(q, k, v, bias, is_causal, scale, enable_gqa):
+    """PyTorch's SDPA math path in q's dtype, the bias cast to it (the floor)."""
+    bias = bias.to(q.dtype)
+    if is_causal:
+        band = torch.ones(bias.shape[-2:], dtype=torch.bool, device=bias.device).tril()
+        bias = bias.masked_fill(~band, -math.inf)
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
+                                              enable_gqa=enable_gqa)
+
+
+def _bias_derivatives(attend, q, k, v, bias, tangents, t_bias, grad_out, grad_tangent_out,
+                      wide: bool) -> dict[str, torch.Tensor]:
+    """out (and lse), tangent_out (and mu) along (tangents, t_bias), and the gradients of
+    <grad_out, out> (+ <grad_tangent_out, tangent_out>) w.r.t. q, k, v, the bias (and the
+    tangents, the bias's tangent), from `attend(q, k, v, bias)` by torch.func.jvp and autograd.
+    The bias and its tangent are first broadcast to their common shape (forward-mode AD
+    needs a tangent of its primal's shape): the bias gradients have that shape."""
+    def cast(x):
+        return None if x is None else (x.double() if wide else x)
+
+    if t_bias is not None:
+        bias, t_bias = (x.contiguous() for x in torch.broadcast_tensors(bias, t_bias))
+    wants_grad = grad_out is not None
+    primals = [cast(x).detach().requires_grad_(wants_grad) for x in (q, k, v, bias)]
+    inputs, results = list(primals), {}
+    if tangents is None:
+        outputs = attend(*primals)
+    else:
+        tans = [cast(x).detach().requires_grad_(wants_grad) for x in (*tangents, t_bias)]
+        inputs += tans
+        outputs, t_outputs = torch.func.jvp(attend, tuple(primals), tuple(tans))
+    if isinstance(outputs, tuple):
+        results.update(out=outputs[0], lse=outputs[1])
+        if tangents is not None:
+            results.update(tangent_out=t_outputs[0], mu=t_outputs[1])
+    else:
+        results["out"] = outputs
+        if tangents is not None:
+            results["tangent_out"] = t_outputs
+    if wants_grad:
+        outs, cotangents = [results["out"]], [cast(grad_out)]
+        names = ("dq", "dk", "dv", "dmask")
+        if grad_tangent_out is not None:
+            outs.append(results["tangent_out"])
+            cotangents.append(cast(grad_tangent_out))
+            names += ("dtq", "dtk", "dtv", "dmask_tangent")
+        grads = torch.autograd.grad(outs, inputs, cotangents, allow_unused=True)
+        results.update((n, g) for n, g in zip(names, grads, strict=False) if g is not None)
+    return {name: x.detach() for name, x in results.items()}
+
+
+def expected_with_bias(p: Problem, bias: torch.Tensor, t_bias: torch.Tensor | None,
+                       grad: bool = False, second_order: bool = False) -> tuple[dict, dict]:
+    """(truth, floor) of attention on `p` with the additive mask `bias` (replacing
+    p.attn_mask) and its tangent `t_bias`: out, lse, tangent_out, mu when not `grad`; the
+    gradients (dq, dk, dv, dmask; with `second_order` also dtq, dtk, dtv, dmask_tangent) of
+    the loss <dO, out> (+ <dtO, tangent_out>) when `grad`. The truth is the written-out
+    softmax in float64; the floor PyTorch's math path in the inputs' dtype (for lse and mu,
+    the written-out softmax in float32, as `expected_forward`)."""
+    s = p.spec
+    options = (s.causal, s.scale, s.hq != s.hkv)
+    tangents = p.tangents if (second_order or not grad) else None
+    grad_out = p.grad_out if grad else None
+    grad_tangent_out = p.grad_tangent_out if second_order else None
+    t_bias = t_bias if tangents is not None else None
+
+    def run(fn, wide, q=p.q, k=p.k, v=p.v, tangents=tangents):
+        return _bias_derivatives(lambda *x: fn(*x, *options), q, k, v, bias, tangents, t_bias,
+                                 grad_out, grad_tangent_out, wide)
+
+    truth = run(_explicit_attention, True)
+    floor = run(_math_path_attention, False)
+    if not grad:
+        single = [x.float() for x in (p.q, p.k, p.v)]
+        row_stats = run(_explicit_attention, False, *single,
+                        tangents=tuple(x.float() for x in tangents))
+        floor.update(lse=row_stats["lse"], mu=row_stats["mu"])
+    else:
+        truth.pop("out", None), floor.pop("out", None)
+        truth.pop("tangent_out", None), floor.pop("tangent_out", None)
+    return truth, floor
+
+
+def kernel_with_bias(p: Problem, bias: torch.Tensor, t_bias: torch.Tensor | None,
+                     grad: bool = False, second_order: bool = False, poison: float = math.nan,
+                     precision: str | None = None) -> dict[str, torch.Tensor]:
+    """The launchers on `p` with the additive mask `bias` and its tangent `t_bias`: the
+    forward (out, lse, tangent_out, mu) when not `grad`; else the gradients with
+    `mask_grad=True`, each mask gradient summed over the dimensions `bias` broadcasts over
+    (what autograd of `expand` does), so that it compares with the truth's."""
+    s = p.spec
+    options = {"attn_mask": bias, "is_causal": s.causal, "scale": s.scale,
+               "precision": precision}
+    tangents = p.tangents if (second_order or not grad) else None
+    m_tangent = t_bias if tangents is not None else None
+    if not grad:
+        with poisoned_allocations(poison):
+            result = flash_attention_forward(p.q, p.k, p.v, **options, tangents=tangents,
+                                             mask_tangent=m_tangent)
+        return {name: getattr(result, name) for name in FORWARD_NAMES}
+    fwd, (out_res, t_out_res) = flash_attention_forward(
+        p.q, p.k, p.v, **options, tangents=tangents, mask_tangent=m_tangent, residuals=True)
+    second = {} if not second_order else {
+        "tangents": tangents, "tangent_out": fwd.tangent_out, "mu": fwd.mu,
+        "grad_tangent_out": p.grad_tangent_out, "tangent_out_residual": t_out_res}
+    with poisoned_allocations(poison):
+        grads = flash_attention_backward(p.q, p.k, p.v, fwd.out, fwd.lse, p.grad_out,
+                                         **options, out_residual=out_res, **second,
+                                         mask_tangent=m_tangent, mask_grad=True)
+    names = (*SECOND_ORDER_NAMES, *MASK_GRAD_NAMES) if second_order else (*GRAD_NAMES, "dmask")
+    results = dict(zip(names, grads, strict=True))
+    shape = (bias.shape if m_tangent is None
+             else torch.broadcast_shapes(bias.shape, m_tangent.shape))
+    for name in MASK_GRAD_NAMES:
+        if name in results:
+            results[name] = results[name].sum_to_size(shape)
+    return results
+
+
+def check_with_bias(spec: Spec, shape: str, dtype: torch.dtype, grad: bool = False,
+                    second_order: bool = False, seed: int = 0, device: str = DEVICE,
+                    mask_dtype: torch.dtype | None = None, empty_rows: bool = False,
+                    tangent_shape: str | None = None) -> dict[str, torch.Tensor]:
+    """The contract of a learnable additive mask on one problem: with `make_bias`'s mask of
+    `shape` (in `mask_dtype`, by default the inputs') and its tangent, the forward's outputs
+    (not `grad`), or the gradients including the mask's (`grad`; through the tangent with
+    `second_order`), accurate against the float64 truth, and zero on rows that see no key.
+    Returns the kernels' results (mask gradients summed to the mask's shape)."""
+    p = make_problem(spec, dtype, seed, device)
+    bias, t_bias = make_bias(spec, shape, mask_dtype or dtype, seed, device, empty_rows,
+                             tangent_shape)
+    p.attn_mask = bias
+    truth, floor = expected_with_bias(p, bias, t_bias, grad, second_order)
+    ours = kernel_with_bias(p, bias, t_bias, grad, second_order)
+    what = ("second order" if second_order else "backward") if grad else "forward"
+    cancellation = cancellation_scale(p, second_order) if grad else 0.0
+    assert_accurate(ours, truth, floor, dtype, f"{p.label} bias {shape}",
+                    f"{what} with a learnable mask", cancellation=cancellation)
+    assert_empty_rows_are_zero(p, ours)
+    return ours

@@ -22,13 +22,17 @@ from helpers import (
     assert_accurate,
     assert_deterministic,
     assert_empty_rows_are_zero,
+    check_with_bias,
     cpu_grid,
     dtype_name,
     expected_forward,
+    expected_with_bias,
     fuzz_settings,
     fuzz_spec,
     gpu_params,
     kernel_forward,
+    kernel_with_bias,
+    make_bias,
     make_problem,
     poisoned_allocations,
     precision,
@@ -36,6 +40,7 @@ from helpers import (
 from hypothesis import given
 
 import jvp_attention.forward
+from jvp_attention.forward import flash_attention_forward
 
 # Tiny tensors: one intra-op thread is ~10x faster than a contended pool (conftest).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -235,3 +240,112 @@ def test_carried_tangents_on_cpu(scales, monkeypatch) -> None:
 @pytest.mark.parametrize("scales", TANGENT_SCALES.values(), ids=TANGENT_SCALES)
 def test_carried_tangents_gpu(scales) -> None:
     check_carried_tangents(scales, torch.bfloat16, "cuda", 1000, 128)
+
+
+# --- an additive mask with a tangent (learnable biases: tS gains tB; notebook 02) ----------
+# (spec, shape of the bias): a per-head bias shared by the batch, an (Nq, Nk) bias with
+# causal, a bias per batch and head with GQA; each in fp32 and fp16.
+BIAS_CASES = [
+    (Spec(hq=2, hkv=2, nq=17, nk=33, d=16), "head"),
+    (Spec(batch=2, hq=2, hkv=2, nq=33, nk=17, d=16, causal=True), "2d"),
+    (Spec(batch=2, hq=4, hkv=2, nq=40, nk=40, d=16), "full"),
+]
+
+
+def bias_params(cases=BIAS_CASES, dtypes=(torch.float32, torch.float16)) -> list:
+    return [pytest.param(spec, shape, dtype, id=f"{dtype_name(dtype)}-{spec.id}-bias_{shape}")
+            for spec, shape in cases for dtype in dtypes]
+
+
+@pytest.mark.parametrize("spec, shape, dtype", bias_params())
+def test_forward_with_mask_tangent(spec: Spec, shape: str, dtype: torch.dtype) -> None:
+    check_with_bias(spec, shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+def test_mask_tangent_on_rows_that_see_no_key(dtype: torch.dtype) -> None:
+    """Rows whose bias is -inf throughout: out, tangent_out, mu zero (not NaN), lse -inf."""
+    check_with_bias(Spec(hq=2, hkv=1, nq=33, nk=17, d=16, causal=True), "full", dtype,
+                    empty_rows=True)
+
+
+def test_mask_tangent_of_another_shape_and_dtype() -> None:
+    """fp16 inputs with an fp32 (Nq, Nk) bias whose tangent is per head: the launcher reads
+    the pair at their common shape and dtype."""
+    check_with_bias(Spec(batch=2, hq=2, hkv=2, nq=17, nk=33, d=16), "2d", torch.float16,
+                    mask_dtype=torch.float32, tangent_shape="head")
+
+
+def test_the_mask_tangent_check_catches_a_wrong_sign() -> None:
+    """The check has teeth: the kernel run with -tB (or without tB) fails it."""
+    spec = Spec(batch=2, hq=2, hkv=2, nq=33, nk=17, d=16, causal=True)
+    p = make_problem(spec, torch.float32)
+    bias, t_bias = make_bias(spec, "2d")
+    truth, floor = expected_with_bias(p, bias, t_bias)
+    assert_accurate(kernel_with_bias(p, bias, t_bias), truth, floor, torch.float32, p.label)
+    for wrong in (-t_bias, torch.zeros_like(t_bias)):
+        with pytest.raises(AssertionError, match="tangent_out: max error"):
+            assert_accurate(kernel_with_bias(p, bias, wrong), truth, floor, torch.float32,
+                            p.label)
+
+
+def test_mask_tangent_needs_an_additive_mask_and_tangents() -> None:
+    p = make_problem(Spec(nq=17, nk=17, d=16), torch.float32)
+    bias = torch.randn(17, 17)
+    cases = [
+        ({"attn_mask": None}, "additive"),
+        ({"attn_mask": bias > 0}, "additive"),
+        ({"attn_mask": bias, "tangents": None}, "tangents"),
+        ({"attn_mask": bias, "mask_tangent": torch.randn(3, 17)}, "broadcast"),
+        ({"attn_mask": bias, "mask_tangent": torch.ones(17, 17, dtype=torch.int32)},
+         "floating point"),
+    ]
+    for options, message in cases:
+        options = {"tangents": p.tangents, "mask_tangent": torch.randn(17, 17), **options}
+        with pytest.raises(ValueError, match=message):
+            flash_attention_forward(p.q, p.k, p.v, **options)
+
+
+def test_zero_mask_tangent_changes_nothing() -> None:
+    """tB = 0 gives the additive mask's own tangent, bit for bit (one tile in the
+    interpreter; the interleaved operand reads the same biases)."""
+    p = make_problem(Spec(batch=2, hq=2, hkv=1, nq=33, nk=40, d=16, mask="additive4d"),
+                     torch.float32)
+    plain = kernel_forward(p)
+    with_zero = flash_attention_forward(p.q, p.k, p.v, **p.options, tangents=p.tangents,
+                                        mask_tangent=torch.zeros_like(p.attn_mask))
+    for name in plain:
+        assert torch.equal(plain[name], getattr(with_zero, name)), name
+
+
+def test_precision_argument_overrides_the_global_mode() -> None:
+    """precision="fast" on one call equals the global "fast" mode bit for bit (and differs
+    from "accurate" in fp16); a bad mode is a ValueError."""
+    p = make_problem(Spec(hq=2, hkv=1, nq=33, nk=40, d=16, causal=True), torch.float16)
+    with precision("accurate"):
+        per_call = flash_attention_forward(p.q, p.k, p.v, **p.options, tangents=p.tangents,
+                                           precision="fast")
+        accurate = flash_attention_forward(p.q, p.k, p.v, **p.options, tangents=p.tangents)
+    with precision("fast"):
+        global_fast = flash_attention_forward(p.q, p.k, p.v, **p.options, tangents=p.tangents)
+        per_call_accurate = flash_attention_forward(p.q, p.k, p.v, **p.options,
+                                                    tangents=p.tangents, precision="accurate")
+    assert torch.equal(per_call.tangent_out, global_fast.tangent_out)
+    assert torch.equal(per_call_accurate.tangent_out, accurate.tangent_out)
+    assert not torch.equal(per_call.tangent_out, accurate.tangent_out)
+    with pytest.raises(ValueError, match="precision"):
+        flash_attention_forward(p.q, p.k, p.v, precision="exact")
+
+
+GPU_BIAS_CASES = [
+    (Spec(batch=2, hq=8, hkv=2, nq=1000, nk=1000, d=64, causal=True), "head"),
+    (Spec(batch=1, hq=4, hkv=4, nq=4250, nk=1000, d=128), "2d"),
+    (Spec(batch=2, hq=4, hkv=4, nq=1000, nk=1000, d=64, dv=128), "full"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec, shape, dtype", bias_params(GPU_BIAS_CASES, (F16, BF16, F32)))
+def test_forward_with_mask_tangent_gpu(spec: Spec, shape: str, dtype: torch.dtype) -> None:
+    """bf16 with a mask tangent takes the split, not the fp16 copies (notebook 02)."""
+    check_with_bias(spec, shape, dtype, device="cuda")
