@@ -607,11 +607,8 @@ def attention_jvp(
                              f"{tuple(x.shape)} and dtype {x.dtype}")
     _check_mask_tangent(attn_mask, mask_tangent)
     if not _uses_kernels(query, key, value):
-        with forward_ad.dual_level():
-            duals = [None if x is None else forward_ad.make_dual(x, t) for x, t in zip(
-                (query, key, value, attn_mask), (*tangents, mask_tangent), strict=True)]
-            out = _pytorch_attention(*duals[:3], duals[3], is_causal, scale, enable_gqa)
-            return tuple(forward_ad.unpack_dual(out))
+        return _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                                  tuple(tangents), mask_tangent)
     q, k, v, mask = _as_4d(query, key, value, attn_mask)
     tq, tk, tv = (t.reshape(x.shape) for t, x in zip(tangents, (q, k, v), strict=True))
     t_mask = None if mask_tangent is None else _as_4d_mask(mask_tangent, query, key)
@@ -633,18 +630,32 @@ def _check_mask_tangent(attn_mask: Tensor | None, mask_tangent: Tensor | None) -
                          f"and dtype {attn_mask.dtype}")
 
 
-def _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa):
-    """Chapter 1's tiled implementation in PyTorch operations, differentiated by PyTorch."""
-    if query.shape[-3] == 0:  # no heads: nothing to compute, but keep the autograd links
-        return (query @ key.mT) @ value
-    return tiled_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa).out
+def _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                       tangents=None, mask_tangent=None):
+    """Chapter 1's tiled implementation in PyTorch operations, differentiated by PyTorch:
+    the output, or with `tangents` (out, tangent_out)."""
+    if query.numel() == 0 or key.shape[-2] == 0 or value.shape[-1] == 0:
+        out = _empty_attention(query, key, value)
+        if tangents is None:
+            return out
+        return out, _empty_attention(*tangents)
+    result = tiled_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                             tangents, mask_tangent=mask_tangent)
+    return result.out if tangents is None else (result.out, result.tangent_out)
+
+
+def _empty_attention(query, key, value):
+    """Attention with nothing to attend (Nk = 0) or nothing to compute: zeros, as SDPA's math
+    path gives, built from the inputs so that gradients and tangents are zeros, not None."""
+    group = max(query.shape[-3], 1) // max(key.shape[-3], 1)
+    key, value = (x.repeat_interleave(group, dim=-3) for x in (key, value))
+    return (query @ key.mT * 0) @ value
 
 
 def _autocast_dtype(query: Tensor) -> torch.dtype | None:
     """The dtype autocast casts SDPA's inputs to, or None outside autocast."""
-    device_type = query.device.type
-    if isinstance(query, Tensor) and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
+    if isinstance(query, Tensor) and torch.is_autocast_enabled(query.device.type):
+        return torch.get_autocast_dtype(query.device.type)
     return None
 
 

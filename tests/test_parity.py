@@ -1,0 +1,409 @@
+"""SDPA parity of the public API: every call a real model makes either gives PyTorch's answer
+(within the accuracy rule of tests/helpers.py) or raises, on every path a user can reach:
+eager, compiled, the drop-in, the kernels (GPU or interpreter) and the PyTorch fallback.
+
+Each test here failed before the parity work: the compiled tangent was zero, a float mask's
+gradient was None and its tangent dropped, float32 masks with 16-bit queries raised, empty
+inputs raised, the fallback and the kernels accepted different calls, the drop-in fell
+through silently (and then raised under forward-mode AD), the backward read the precision
+mode of its own time, and autocast's mixed dtypes were refused.
+"""
+
+import math
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (
+    DEVICE,
+    HAS_CUDA,
+    Spec,
+    assert_accurate,
+    expected_with_bias,
+    make_bias,
+    make_problem,
+    precision,
+)
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import jvp_attention.autograd as api
+from jvp_attention import attention, attention_jvp, sdpa
+from jvp_attention.forward import interpreting
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# The paths of a CPU machine: the kernels in Triton's interpreter (what CI runs), and the
+# PyTorch fallback (what a CPU machine without TRITON_INTERPRET runs). On a GPU: the kernels.
+PATHS = ["kernels", "fallback"] if not HAS_CUDA else ["kernels"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """Run the test on the kernels, or on the PyTorch fallback (the kernels switched off)."""
+    if request.param == "fallback":
+        monkeypatch.setattr(api, "_uses_kernels", lambda query, key, value: False)
+    return request.param
+
+
+def leaves(*tensors):
+    return [x.detach().clone().requires_grad_() for x in tensors]
+
+
+# --- 1. torch.compile around torch.func.jvp ------------------------------------------------
+
+
+def test_compiled_jvp_with_trainable_parameters_matches_eager() -> None:
+    """A MeanFlow-style loss compiled whole: torch.func.jvp through a model whose parameters
+    require grad, then a backward. The tangent was all zeros under compile (and with
+    parameters compilation failed); now every output and gradient equals eager mode's, the
+    backward runs on the kernels (never the reference), and fullgraph=True holds."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 48, device=DEVICE)
+    x, tx = torch.randn(2, 12, 16, device=DEVICE), torch.randn(2, 12, 16, device=DEVICE)
+
+    def model(x):
+        q, k, v = lin(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        return attention(q, k, v, is_causal=True)
+
+    def loss(x, tx):
+        out, t_out = torch.func.jvp(model, (x,), (tx,))
+        return out.square().sum() + (t_out * out.detach()).sum(), t_out
+
+    results = []
+    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        lin.zero_grad()
+        with mock.patch.object(api, "reference_attention",
+                               side_effect=AssertionError("reference used")):
+            value, t_out = fn(x, tx)
+            value.backward()
+        results.append((value.detach(), t_out.detach(), lin.weight.grad.clone()))
+    (eager_value, eager_tangent, eager_grad), (value, tangent, grad) = results
+    assert eager_tangent.abs().max() > 0.1
+    torch.testing.assert_close(tangent, eager_tangent, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(value, eager_value, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, eager_grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_jvp_step_on_the_gpu(mode: str) -> None:
+    """The same loss under inductor (and CUDA graphs): outputs and gradients as in eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 192, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 256, 64, device="cuda", dtype=torch.bfloat16)
+    tx = torch.randn_like(x)
+
+    def loss(x, tx):
+        def model(x):
+            q, k, v = lin(x).unflatten(-1, (3, 4, 16)).permute(2, 0, 3, 1, 4)
+            return attention(q, k, v)
+
+        out, t_out = torch.func.jvp(model, (x,), (tx,))
+        return out.float().square().mean() + (t_out.float() * out.detach().float()).mean()
+
+    compiled = torch.compile(loss, mode=mode)
+    results = []
+    for fn in (loss, compiled, compiled, compiled):  # CUDA graphs record, then replay
+        lin.zero_grad()
+        value = fn(x, tx)
+        value.backward()
+        results.append((value.detach().float(), lin.weight.grad.float().clone()))
+    for value, grad in results[1:]:
+        torch.testing.assert_close(value, results[0][0], rtol=2e-2, atol=1e-3)
+        torch.testing.assert_close(grad, results[0][1], rtol=5e-2, atol=5e-3)
+
+
+# --- 2. a float mask with a tangent and a gradient -----------------------------------------
+
+MASK_SPECS = [
+    Spec(batch=2, hq=4, hkv=2, nq=13, nk=19, d=16, causal=True),
+    Spec(nq=17, nk=11, d=16, dv=8, scale=0.4),
+]
+
+
+@pytest.mark.parametrize("shape", ["full", "head", "2d"])
+@pytest.mark.parametrize("spec", MASK_SPECS, ids=[s.id for s in MASK_SPECS])
+def test_learnable_bias_tangent_and_gradient(spec: Spec, shape: str, path: str) -> None:
+    """A learnable additive bias (relative positions, ALiBi) broadcast over batch and heads:
+    under torch.func.jvp its tangent adds to the scores' tangent, and a loss on both outputs
+    gives it (and its tangent) gradients summed over the broadcast dimensions."""
+    p = make_problem(spec, torch.float32)
+    bias, t_bias = make_bias(spec, shape)
+    xs = leaves(p.q, p.k, p.v, bias, *p.tangents, t_bias)
+    opts = {"is_causal": spec.causal, "scale": spec.scale, "enable_gqa": spec.hq != spec.hkv}
+    out, tangent_out = torch.func.jvp(
+        lambda q, k, v, b: attention(q, k, v, attn_mask=b, **opts), tuple(xs[:4]),
+        tuple(xs[4:]))
+    torch.autograd.backward((out, tangent_out), (p.grad_out, p.grad_tangent_out))
+    truth, floor = expected_with_bias(p, bias, t_bias)
+    names = ("out", "tangent_out")
+    assert_accurate({"out": out.detach(), "tangent_out": tangent_out.detach()},
+                    {n: truth[n] for n in names}, {n: floor[n] for n in names}, p.dtype,
+                    p.label, f"{path}: jvp with a bias tangent")
+    truth, floor = expected_with_bias(p, bias, t_bias, grad=True, second_order=True)
+    grads = dict(zip(("dq", "dk", "dv", "dmask", "dtq", "dtk", "dtv", "dmask_tangent"),
+                     (x.grad for x in xs), strict=True))
+    assert grads["dmask"] is not None and grads["dmask"].shape == bias.shape
+    assert_accurate(grads, truth, floor, p.dtype, p.label, f"{path}: bias gradients")
+
+
+@pytest.mark.parametrize("shape", ["head", "2d"])
+def test_learnable_bias_gradient_of_a_plain_backward(shape: str, path: str) -> None:
+    spec = MASK_SPECS[0]
+    p = make_problem(spec, torch.float32)
+    bias, _ = make_bias(spec, shape)
+    q, k, v, b = leaves(p.q, p.k, p.v, bias)
+    attention(q, k, v, attn_mask=b, is_causal=True, enable_gqa=True).backward(p.grad_out)
+    truth, floor = expected_with_bias(p, bias, None, grad=True)
+    assert_accurate({"dq": q.grad, "dk": k.grad, "dv": v.grad, "dmask": b.grad}, truth,
+                    floor, p.dtype, p.label, f"{path}: plain backward with a bias")
+
+
+def test_alibi_slopes_through_a_broadcast_bias(path: str) -> None:
+    """ALiBi: bias = slope[h] * -(i - j); the slopes' gradient and tangent flow through the
+    user's own broadcast, as with PyTorch's math path."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 10, 16, device=DEVICE) for _ in range(3))
+    distance = -(torch.arange(10, device=DEVICE)[:, None] - torch.arange(10, device=DEVICE))
+    distance = distance.abs().float()
+
+    def loss(attend, slopes, t_slopes):
+        def f(s):
+            return attend(q, k, v, attn_mask=s[:, None, None] * distance)
+        out, t_out = torch.func.jvp(f, (slopes,), (t_slopes,))
+        return out.square().sum() + t_out.square().sum(), t_out
+
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=DEVICE, requires_grad=True)
+    ref_slopes = slopes.detach().double().requires_grad_()
+    value, t_out = loss(attention, slopes, torch.ones_like(slopes))
+    value.backward()
+    with sdpa_kernel(SDPBackend.MATH):
+        want, want_t = loss(lambda q_, k_, v_, attn_mask: F.scaled_dot_product_attention(
+            q_.double(), k_.double(), v_.double(), attn_mask=attn_mask), ref_slopes,
+            torch.ones_like(ref_slopes))
+    want.backward()
+    torch.testing.assert_close(t_out.double(), want_t, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(slopes.grad.double(), ref_slopes.grad, rtol=1e-4, atol=1e-5)
+
+
+# --- 3. a float32 mask with 16-bit queries ------------------------------------------------
+
+
+def test_float32_mask_with_float16_queries(path: str) -> None:
+    """What autocast produces: PyTorch accepts a mask of bool, float32 or query's dtype."""
+    spec = MASK_SPECS[1]
+    p = make_problem(spec, torch.float16)
+    bias, t_bias = make_bias(spec, "2d", dtype=torch.float32)
+    out, tangent_out = torch.func.jvp(
+        lambda q, k, v: attention(q, k, v, attn_mask=bias, scale=spec.scale), (p.q, p.k, p.v),
+        p.tangents)
+    assert out.dtype == torch.float16
+    truth, floor = expected_with_bias(p, bias, torch.zeros_like(bias))
+    names = ("out", "tangent_out")
+    assert_accurate({"out": out, "tangent_out": tangent_out}, {n: truth[n] for n in names},
+                    {n: floor[n] for n in names}, p.dtype, p.label, f"{path}: float32 mask")
+
+
+# --- 4. empty inputs ----------------------------------------------------------------------
+
+EMPTY_SHAPES = {  # (query, key/value) shapes
+    "nq=0": ((2, 3, 0, 8), (2, 3, 5, 8)),
+    "nk=0": ((2, 3, 4, 8), (2, 3, 0, 8)),
+    "batch=0": ((0, 3, 4, 8), (0, 3, 5, 8)),
+    "heads=0": ((2, 0, 4, 8), (2, 0, 5, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(EMPTY_SHAPES))
+def test_empty_inputs_match_sdpa(name: str, path: str) -> None:
+    """PyTorch returns empty outputs (and zeros for Nk = 0: every row sees no key); so do we,
+    with zero gradients and tangents rather than an error."""
+    q_shape, kv_shape = EMPTY_SHAPES[name]
+    q, k, v = leaves(torch.randn(q_shape, device=DEVICE), torch.randn(kv_shape, device=DEVICE),
+                     torch.randn(kv_shape, device=DEVICE))
+    out = attention(q, k, v)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(q, k, v)
+    assert out.shape == want.shape
+    torch.testing.assert_close(out, want.detach())
+    out.sum().backward()
+    for x in (q, k, v):
+        assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()
+    _, tangent = torch.func.jvp(attention, (q.detach(), k.detach(), v.detach()),
+                                (torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)))
+    assert tangent.shape == want.shape and not tangent.any()
+
+
+# --- 5. one set of rules on every path ----------------------------------------------------
+
+
+def test_float64_everywhere_passes_gradcheck(path: str) -> None:
+    """float64 (what gradcheck needs) runs on every device, on PyTorch operations."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, device=DEVICE, requires_grad=True)
+               for _ in range(3))
+    mask = torch.randn(5, 5, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, m: attention(q, k, v, attn_mask=m, is_causal=True), (q, k, v, mask))
+    assert torch.autograd.gradgradcheck(lambda q, k, v: attention(q, k, v), (q, k, v))
+
+
+def _nested_jvp(attend, q, k, v, tangents, outer, which):
+    def inner(q_):
+        return torch.func.jvp(attend, (q_, k, v), tangents)[which]
+    return torch.func.jvp(inner, (q,), (outer,))[1]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["of-out", "of-tangent_out"])
+def test_jvp_of_jvp_is_right(which: int, path: str) -> None:
+    """Forward over forward, as PyTorch's math path computes it (it runs on PyTorch ops)."""
+    p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
+    outer = torch.randn_like(p.q)
+    got = _nested_jvp(attention, p.q, p.k, p.v, p.tangents, outer, which)
+    want = _nested_jvp(lambda q, k, v: api.reference_attention(q, k, v).out, p.q.double(),
+                       p.k.double(), p.v.double(), tuple(t.double() for t in p.tangents),
+                       outer.double(), which)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("through_jvp", [False, True], ids=["plain", "through-jvp"])
+def test_double_backward_is_right(through_jvp: bool, path: str) -> None:
+    """A gradient penalty (create_graph=True, then a loss on the gradient), also through
+    torch.func.jvp: the kernels' gradients, differentiated again through the reference."""
+    p = make_problem(Spec(nq=9, nk=12, d=16, mask="additive"), torch.float32)
+
+    def penalty_grad(attend, q, k, v, tangents):
+        q = q.detach().requires_grad_()
+        if through_jvp:
+            out, tangent_out = torch.func.jvp(lambda a, b, c: attend(a, b, c), (q, k, v),
+                                              tangents)
+            loss = out.square().sum() + tangent_out.square().sum()
+        else:
+            loss = attend(q, k, v).square().sum()
+        (dq,) = torch.autograd.grad(loss, q, create_graph=True)
+        return torch.autograd.grad(dq.square().sum() + q.square().sum(), q)[0]
+
+    mask = p.attn_mask
+    got = penalty_grad(lambda a, b, c: attention(a, b, c, attn_mask=mask), p.q, p.k, p.v,
+                       p.tangents)
+    want = penalty_grad(lambda a, b, c: api.reference_attention(a, b, c, mask.double()).out,
+                        p.q.double(), p.k.double(), p.v.double(),
+                        tuple(t.double() for t in p.tangents))
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
+def test_torch_func_grad_keeps_the_kernels() -> None:
+    """torch.func.grad differentiates with create_graph on: the first derivative must still
+    come from the kernels (the reference only runs if it is differentiated again)."""
+    p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
+    with mock.patch.object(api, "reference_attention", side_effect=AssertionError("reference")):
+        grad = torch.func.grad(lambda q: attention(q, p.k, p.v).square().sum())(p.q)
+    q = p.q.double().requires_grad_()
+    api.reference_attention(q, p.k.double(), p.v.double()).out.square().sum().backward()
+    torch.testing.assert_close(grad.double(), q.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not interpreting(), reason="only Triton's interpreter miscomputes bf16")
+def test_bfloat16_in_the_interpreter_raises() -> None:
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="interpreter"):
+        attention(q, q, q)
+
+
+# --- 6. the drop-in's fall-through ----------------------------------------------------------
+
+
+def test_sdpa_fall_through_is_counted_warned_and_runs_math_under_jvp(path: str) -> None:
+    """dropout_p > 0 falls through: once per reason a warning, always a count; under
+    torch.func.jvp it reaches PyTorch's math backend (the fused ones raise on tangents)."""
+    q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
+    api._warned_reasons.discard("dropout_p > 0")
+    with sdpa() as routing, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        F.scaled_dot_product_attention(q, k, v)
+        for _ in range(2):
+            _, tangent = torch.func.jvp(
+                lambda q_: F.scaled_dot_product_attention(q_, k, v, dropout_p=0.5), (q,), (q,))
+    assert routing.routed == 1 and routing.fell_through == {"dropout_p > 0": 2}
+    assert sum("dropout_p > 0" in str(w.message) for w in caught) == 1
+    assert tangent.shape == q.shape and tangent.isfinite().all()
+    with sdpa(strict=True), pytest.raises(NotImplementedError, match="dropout_p"):
+        F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+
+# --- 7. the precision mode travels with the call ------------------------------------------
+
+
+def test_backward_uses_the_precision_of_its_forward() -> None:
+    """Switching set_precision between a forward and its backward changes nothing."""
+    p = make_problem(Spec(nq=33, nk=40, d=16), torch.float16)
+
+    def grads(forward_mode, backward_mode):
+        xs = leaves(p.q, p.k, p.v, *p.tangents)
+        with precision(forward_mode):
+            outs = torch.func.jvp(attention, tuple(xs[:3]), tuple(xs[3:]))
+        with precision(backward_mode):
+            torch.autograd.backward(outs, (p.grad_out, p.grad_tangent_out))
+        return [x.grad for x in xs]
+
+    for mode, other in (("fast", "accurate"), ("accurate", "fast")):
+        for a, b in zip(grads(mode, other), grads(mode, mode), strict=True):
+            assert torch.equal(a, b), f"forward {mode}, backward switched to {other}"
+    assert any(not torch.equal(a, b) for a, b in zip(grads("fast", "fast"),
+                                                     grads("accurate", "accurate"),
+                                                     strict=True)), "the modes must differ"
+
+
+# --- 8. autocast --------------------------------------------------------------------------
+
+
+def _autocast_dtype() -> torch.dtype:
+    # bf16 on the GPU (what training uses); fp16 on the CPU (the interpreter refuses bf16)
+    return torch.bfloat16 if HAS_CUDA else torch.float16
+
+
+def test_autocast_casts_like_sdpa(path: str) -> None:
+    """Hugging Face Llama under autocast: float32 q and k (after rotary), a 16-bit v. PyTorch's
+    SDPA casts all three (and a float mask) to the autocast dtype; so does `attention`,
+    tangents included, directly and through the drop-in."""
+    dtype = _autocast_dtype()
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 4, 12, 16, device=DEVICE) for _ in range(2))
+    v = torch.randn(2, 4, 12, 16, device=DEVICE, dtype=dtype)
+    mask = torch.randn(12, 12, device=DEVICE)
+    tangents = (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
+    want, want_t = torch.func.jvp(
+        lambda q, k, v: attention(q.to(dtype), k.to(dtype), v, attn_mask=mask.to(dtype)),
+        (q, k, v), tangents)
+    with torch.autocast(DEVICE, dtype=dtype):
+        out, t_out = torch.func.jvp(lambda q, k, v: attention(q, k, v, attn_mask=mask),
+                                    (q, k, v), tangents)
+        with sdpa(strict=True) as routing:
+            routed, routed_t = torch.func.jvp(
+                lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                (q, k, v), tangents)
+    assert routing.routed == 1
+    for got in (out, t_out, routed, routed_t):
+        assert got.dtype == dtype
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(t_out, want_t, rtol=0, atol=0)
+    torch.testing.assert_close(routed_t, want_t, rtol=0, atol=0)
+    assert math.isfinite(t_out.float().abs().max().item())
+
+
+def test_mask_tangent_through_attention_jvp() -> None:
+    """The explicit API takes the mask's tangent too, and checks it."""
+    spec = MASK_SPECS[1]
+    p = make_problem(spec, torch.float32)
+    bias, t_bias = make_bias(spec, "2d")
+    _, tangent_out = attention_jvp(p.q, p.k, p.v, p.tangents, attn_mask=bias,
+                                   scale=spec.scale, mask_tangent=t_bias)
+    truth, floor = expected_with_bias(p, bias, t_bias)
+    assert_accurate({"tangent_out": tangent_out}, {"tangent_out": truth["tangent_out"]},
+                    {"tangent_out": floor["tangent_out"]}, p.dtype, p.label, "attention_jvp")
+    with pytest.raises(ValueError, match="mask_tangent"):
+        attention_jvp(p.q, p.k, p.v, p.tangents, mask_tangent=t_bias)
