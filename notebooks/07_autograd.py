@@ -27,7 +27,8 @@
 # output still differentiable, the way consistency-model and MeanFlow training use it), a
 # backward through the tangent output (chapter 6), `torch.func.vmap` and `torch.compile`.
 # For models one did not write, `with jvp_attention.sdpa():` routes every SDPA call the
-# library supports to it and lets everything else fall through to PyTorch unchanged.
+# library supports to it and lets everything else fall through to PyTorch, counted and
+# warned about once per reason.
 #
 # ## Three layers
 #
@@ -215,19 +216,27 @@ def _empty_mask_grad(q: Tensor, k: Tensor, mask_grad: bool) -> Tensor:
 #
 # `_FusedTangent` takes the tangents as ordinary inputs and returns (O, tO, LSE, μ) from the
 # one fused launch; its `backward` takes cotangents of O and tO. It is the explicit API
-# `attention_jvp` below, and it is what `torch.compile` traces, since Dynamo does not trace
-# Functions that define a custom `jvp`.
+# `attention_jvp` below, and it is what `torch.compile` traces, since Dynamo does not run
+# the `jvp` rule of a Function.
 #
 # `_AttentionWithTangent` adds that `jvp`: it hands tO to forward-mode AD as the tangent of
 # O (LSE and μ are internal and not differentiable). The tangent *of tO* would be a
 # second-order forward derivative, which this library does not compute: if forward-mode AD
-# asks for it (a nested `jvp`), we raise rather than return a silently wrong zero.
+# asks for it (a `jvp` of `attention_jvp`), we raise rather than return a silently wrong
+# zero; a nested `torch.func.jvp` of `attention` never gets here (see the wrapper).
 # `set_materialize_grads(False)` lets `backward` see `None` when nothing uses tO, and then the
 # plain backward runs at its plain cost.
 #
-# The backwards are `once_differentiable`: they run the kernels with autograd off, which is
-# also what lets `torch.func.grad` call them, and a third derivative (a gradient of the
-# backward) raises instead of silently returning zeros.
+# The backwards run the kernels with autograd off. When their results may be differentiated
+# again (a gradient penalty's `create_graph=True`, and every `torch.func.grad`, which always
+# asks for a graph) the kernels' gradients pass through `_ReferenceSecondOrder`: nothing
+# changes unless a second derivative is actually taken, and then it differentiates chapter 1's
+# reference gradients in PyTorch operations (O(N²) memory, but right). A third derivative
+# raises instead of silently returning zeros. Each Function records the precision mode of its
+# forward, and its backward runs in that mode whatever `set_precision` says by then.
+#
+# Under `torch.compile`, AOTAutograd differentiates the operators rather than the Functions,
+# so the operators get the same backward rules through `torch.library.register_autograd`.
 
 # %% tags=["export"]
 def _zeros_like(x: Tensor) -> Tensor:
@@ -481,8 +490,12 @@ torch.library.register_autograd("jvp_attention::forward_jvp", _FusedTangent.back
 # ## Validation
 #
 # SDPA's contract, checked up front with messages that name the argument, its shape and what
-# to change. `_check_arguments` raises; the drop-in of the last section reuses it to decide
-# whether a call is ours or PyTorch's.
+# to change. `_check_arguments` is the one validator of `attention`, `attention_jvp` and the
+# drop-in: invalid calls raise `TypeError`/`ValueError` as SDPA would, and calls that SDPA
+# takes but we cannot (dropout, head dims above 256, bfloat16 in Triton's interpreter, whose
+# bfloat16 products are wrong) raise `Unsupported`, a `NotImplementedError` with a short
+# `reason` that the drop-in counts. Masks may be bool, float32 or the query's dtype, as for
+# SDPA (autocast hands fp32 masks to 16-bit queries; the kernels add the bias in fp32).
 
 # %% tags=["export"]
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -595,8 +608,22 @@ def _uses_kernels(query: Tensor, key: Tensor, value: Tensor) -> bool:
 # `(B, N, H, D)` layout viewed as `(B, H, N, D)`. The mask is broadcast the same way; a mask
 # with leading dimensions that are already broadcast stays a stride-0 view.
 #
-# On a CPU without the interpreter, `attention` calls `tiled_attention` from chapter 1 and
-# lets PyTorch differentiate it: every transform works there too, at PyTorch speed.
+# What the kernels do not compute runs on chapter 1's `tiled_attention` in PyTorch
+# operations, which PyTorch differentiates to any order: CPU tensors without the
+# interpreter, float64 on any device (gradcheck's dtype), empty inputs (an output with no
+# entries, or Nk = 0, where every row sees no key and gives zeros), and a `jvp` of a `jvp`
+# (forward over forward: `torch.func.jvp`'s nesting counter says so, and Dynamo can trace
+# it). The same call therefore works on every device, or raises the same error.
+#
+# Under `torch.autocast` PyTorch casts SDPA's floating inputs (not float64) to the autocast
+# dtype; `attention` applies the same rule first, so Hugging Face's mixed fp32 q/k and bf16 v
+# work. A float mask's tangent is unpacked with the inputs' and passed to the fused kernel
+# (it adds to tS); its gradient comes from the kernels as (B, Hq, Nq, Nk) dS, and autograd of
+# the `expand` in `_as_4d` sums it over the broadcast dimensions.
+#
+# `torch.compile` does not run a Function's `jvp` rule; under Dynamo `attention` therefore
+# unpacks the duals itself, runs `_FusedTangent` on primals and tangents, and returns
+# `make_dual(out, tangent_out)`, which forward-mode AD (and AOTAutograd) take as they are.
 
 # %% tags=["export"]
 def attention(
@@ -831,8 +858,10 @@ def _tangents_of(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
 #   when the call is nested inside another overridable function such as
 #   `multi_head_attention_forward`: a mode is switched off while it handles a call.)
 #
-# The router answers the calls that `attention` supports and passes everything else on,
-# unchanged: dropout during training, float64 on the GPU, head dims above 256. The patch is
+# The router answers the calls that `attention` supports and passes the `Unsupported` ones
+# on: dropout during training, head dims above 256. It warns once per reason and counts
+# every call in the `SDPARouting` that `sdpa()` yields; with tangents present it passes them
+# to PyTorch's math backend, the only one that takes forward-mode AD. The patch is
 # process-wide while the block runs; enter it around the model call, not around threads
 # that must see PyTorch's own SDPA.
 
@@ -1058,6 +1087,53 @@ for bad in [
         raise AssertionError("bad input accepted")
 
 # %% [markdown]
+# ## What real models pass: learnable biases, empty batches, float64, gradient penalties
+#
+# A relative-position bias shared by the batch, its tangent under `torch.func.jvp` and its
+# gradient summed over the batch; a batch with no queries; float64 through `gradcheck`; and
+# a gradient penalty (double backward) through the jvp, each against float64 PyTorch.
+
+# %%
+bias = torch.randn(1, 4, N, N, device=DEVICE, requires_grad=True)
+t_bias = torch.randn_like(bias)
+xs = [x.clone().requires_grad_() for x in (q, k, v)]
+out, tangent = torch.func.jvp(lambda a, b, c, m: attention(a, b, c, attn_mask=m),
+                              (*xs, bias), (tq, tk, tv, t_bias))
+(out.square().sum() + tangent.square().sum()).backward()
+ref_bias = bias.detach().double().requires_grad_()
+ref_xs = [x.double().requires_grad_() for x in (q, k, v)]
+ref_out, ref_tangent = torch.func.jvp(lambda a, b, c, m: sdpa64(a, b, c, attn_mask=m),
+                                      (*ref_xs, ref_bias),
+                                      (tq.double(), tk.double(), tv.double(), t_bias.double()))
+(ref_out.square().sum() + ref_tangent.square().sum()).backward()
+report("bias with a tangent: tangent_out", tangent, ref_tangent)
+report("bias with a tangent: d bias (summed over the batch)", bias.grad, ref_bias.grad)
+
+empty = attention(q[:, :, :0], k, v)
+print("no queries:", tuple(empty.shape), "  no keys:",
+      attention(q, k[:, :, :0], v[:, :, :0]).abs().max().item())
+
+small = [torch.randn(1, 2, 6, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+         for _ in range(3)]
+print("float64 gradcheck and gradgradcheck:",
+      torch.autograd.gradcheck(lambda a, b, c: attention(a, b, c, is_causal=True), small),
+      torch.autograd.gradgradcheck(lambda a, b, c: attention(a, b, c), small))
+
+
+def penalty(attend, q, k, v, tangents):
+    q = q.detach().requires_grad_()
+    out, tangent = torch.func.jvp(attend, (q, k, v), tangents)
+    (dq,) = torch.autograd.grad(out.square().sum() + tangent.square().sum(), q,
+                                create_graph=True)
+    return torch.autograd.grad(dq.square().sum(), q)[0]
+
+
+report("gradient penalty through jvp (double backward)",
+       penalty(attention, q, k, v, (tq, tk, tv)),
+       penalty(lambda a, b, c: sdpa64(a, b, c), q.double(), k.double(), v.double(),
+               (tq.double(), tk.double(), tv.double())))
+
+# %% [markdown]
 # ## The drop-in on a stock PyTorch block
 #
 # `nn.TransformerEncoderLayer` calls SDPA through `nn.MultiheadAttention`. Under PyTorch's
@@ -1084,10 +1160,10 @@ assert spy.call_count == 1 and torch.allclose(ty, ty_ref, atol=1e-4)
 # ## `torch.compile`
 #
 # The custom operators' fake implementations let Dynamo trace `attention` into one graph
-# (`fullgraph=True`), forward and backward. Dynamo does not trace autograd Functions with a
-# custom `jvp`, so under `torch.compile` the tangent comes from `attention_jvp`, which takes
-# the tangents explicitly and runs the same fused kernel. We time the compilation and a
-# small model step with and without it.
+# (`fullgraph=True`), forward and backward, also inside `torch.func.jvp` (the wrapper hands
+# forward-mode AD an explicit dual there). `attention_jvp` takes the tangents explicitly and
+# runs the same fused kernel. We time the compilation and a small model step with and
+# without it, for the three ways to write it.
 
 # %%
 import time
@@ -1105,6 +1181,11 @@ def block_jvp(x, tx, w):
     q, k, v = (x @ w).view(b, n, 3, 4, -1).permute(2, 0, 3, 1, 4)
     tq, tk, tv = (tx @ w).view(b, n, 3, 4, -1).permute(2, 0, 3, 1, 4)
     return attention_jvp(q, k, v, (tq, tk, tv), is_causal=True)
+
+
+def block_func_jvp(x, tx, w):
+    """The same step written as users write it: torch.func.jvp around the block."""
+    return torch.func.jvp(lambda x_: block(x_, w), (x,), (tx,))
 
 
 width = 256 if FULL_SIZE else 64
@@ -1133,13 +1214,17 @@ def timed(fn, *args, repeats=10 if FULL_SIZE else 1):
 
 
 for name, fn, args in [("forward+backward", block, (x, w)),
-                       ("jvp+backward", block_jvp, (x, tx, w))]:
+                       ("jvp+backward", block_jvp, (x, tx, w)),
+                       ("func.jvp+backward", block_func_jvp, (x, tx, w))]:
     compiled = torch.compile(fn, fullgraph=True)
     start = time.perf_counter()
     step(compiled, *args)
     compile_s = time.perf_counter() - start
     eager_ms, compiled_ms = timed(fn, *args), timed(compiled, *args)
-    same = torch.allclose(fn(*args)[0] if name.startswith("jvp") else fn(*args),
-                          compiled(*args)[0] if name.startswith("jvp") else compiled(*args))
+    eager_out, compiled_out = fn(*args), compiled(*args)
+    same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(
+        eager_out if isinstance(eager_out, tuple) else (eager_out,),
+        compiled_out if isinstance(compiled_out, tuple) else (compiled_out,), strict=True))
+    assert same, f"{name}: compiled differs from eager"
     print(f"{name:17} first compiled step {compile_s:6.1f} s   eager {eager_ms:8.2f} ms   "
           f"compiled {compiled_ms:8.2f} ms   same result: {same}")
