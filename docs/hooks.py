@@ -2,7 +2,7 @@
 
 - The nav's `Chapters` section gets every `notebooks/NN_name.py`, in reading order.
 - A chapter whose executed copy `docs/executed/NN_name.ipynb` exists (written by
-  `tools/execute_notebooks.py` on the GPU machine) is shown from that copy, with its outputs;
+  `tools/execute_notebooks.py` on a GPU) is shown from that copy, with its outputs;
   the others are shown from the `.py` as written, without outputs. Either way the page keeps
   its address, `notebooks/NN_name/`, and its title.
 - Every chapter page says where its source is (`NN_name.py`, copied beside the page) and
