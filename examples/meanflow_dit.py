@@ -18,7 +18,8 @@ a data-parallel check. `notebooks/09_training.py` tells the story with it.
     torchrun --nproc_per_node=2 examples/meanflow_dit.py --ddp       # 2 ranks == 1 rank?
     torchrun --nproc_per_node=2 examples/meanflow_dit.py --fsdp      # the same with FSDP2
 
-Each writes a JSON file (see --out). examples/README.md has the commands used on the H200s.
+Each writes a JSON file (see --out). examples/README.md has the commands and the
+measured results.
 """
 
 from __future__ import annotations
@@ -47,11 +48,6 @@ try:
 except ImportError:  # run from a checkout that is not installed: the package sits beside us
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import jvp_attention
-
-# The H200 machines need NVLink multicast off: NCCL's NVLS and torch's symmetric memory.
-# Set before any process group (and so any NCCL communicator) exists.
-os.environ["NCCL_NVLS_ENABLE"] = "0"
-os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -609,6 +605,20 @@ def shard_fsdp2(model: MeanFlow) -> nn.Module:
     return fully_shard(model)
 
 
+# NVLink multicast (NCCL's NVLS algorithms, torch's symmetric memory) fails to initialise on
+# some multi-GPU hosts, e.g. containers without access to the NVLink fabric; the checks below
+# need none of it. `--ddp` and `--fsdp` turn it off unless asked not to (`--nvlink-multicast`)
+# or the variables are already set.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def disable_nvlink_multicast() -> None:
+    """Set MULTICAST_OFF in this process's environment (where not already set). Call it
+    before any process group, and so any NCCL communicator, exists."""
+    for name, value in MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
+
+
 def ddp_check(dit: DiTConfig, config: TrainConfig, out: Path, rtol: float,
               wrapper: str = "ddp") -> dict | None:
     """Under torchrun: train data-parallel over all ranks (`wrapper` "ddp":
@@ -705,6 +715,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--bench-sizes", type=int, nargs="+", default=list(BENCH_IMAGE_SIZES))
     run.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    parser.add_argument("--nvlink-multicast", action="store_true",
+                        help="--ddp/--fsdp: leave NVLink multicast as NCCL and torch choose "
+                             "(by default it is turned off: NCCL_NVLS_ENABLE=0, "
+                             "TORCH_SYMM_MEM_DISABLE_MULTICAST=1, unless already set)")
     return parser.parse_args(argv)
 
 
@@ -728,6 +742,8 @@ def main(argv=None) -> int:
         if world < 1:
             raise SystemExit(f"--{wrapper} runs under torchrun: torchrun --nproc_per_node=2 "
                              f"examples/meanflow_dit.py --{wrapper}")
+        if not args.nvlink_multicast:
+            disable_nvlink_multicast()
         rtol = args.rtol if args.rtol is not None else (1e-4 if dtype == "float32" else 2e-2)
         out = args.out or RESULTS / f"{wrapper}_{tag}x{world}.json"
         result = ddp_check(dit, config, out, rtol, wrapper)
