@@ -113,7 +113,7 @@ HEADLINE = ((4, 16, 4096, 128), (1, 16, 16384, 128))  # (B, H, N, d), causal and
 SMOKE_SHAPE = (1, 2, 64, 32)
 
 # Memory the math path needs, in bytes per element of the (B, H, Nq, Nk) score matrix: it
-# computes in fp32 and keeps ~5.5 such matrices for fwd_jvp (FACTS.md: 6.1 GB at B16 H16 N1k,
+# computes in fp32 and keeps ~5.5 such matrices for fwd_jvp (measured on an H200: 6.1 GB at B16 H16 N1k,
 # 21.5 GB at B4 H16 N4k, 83 GB at B1 H16 N16k), and ~10 saved for backward plus the
 # backward's own temporaries for bwd2 (counted with saved-tensor hooks on CPU).
 MATH_BYTES_PER_SCORE = {"fwd_jvp": 22.0, "bwd2": 64.0}

@@ -1094,7 +1094,7 @@ for name, got, expected in zip(("dQ", "dK", "dV"), grads, want, strict=True):
 #
 # When the loss also uses the tangent, say $L(O, t_O)$, cotangents $dO$ and $dt_O$ arrive, and
 # we need gradients for all six inputs $Q, K, V, t_Q, t_K, t_V$. Write $dt_P = dt_O V^\top$ for
-# the cotangent that reaches $t_P$ (the design notes call it $G$), and let
+# the cotangent that reaches $t_P$, and let
 #
 # $$c = \operatorname{rowsum}(P \circ dt_P) = \operatorname{rowsum}(dt_O \circ O).$$
 #

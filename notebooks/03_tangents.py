@@ -28,8 +28,8 @@
 # This chapter checks the tangent path against chapter 1 and then asks the question that
 # matters for training in 16-bit: **is it as accurate as PyTorch?** The yardstick is the
 # *floor*: the error that PyTorch's own math path makes in the same dtype, measured against
-# float64 on the same inputs. A kernel at ratio 1 is as good as the framework; the seed of this
-# project reached only an absolute 1e-3 on the tangent. This chapter exports the measuring
+# float64 on the same inputs. A kernel at ratio 1 is as good as the framework; the Triton kernel
+# this project started from was checked only to an absolute 1e-3 on the tangent. This chapter exports the measuring
 # tools; chapters 5 and 6 and the tests reuse them.
 
 # %%

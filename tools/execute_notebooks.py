@@ -3,7 +3,7 @@
     python tools/execute_notebooks.py OUT_DIR notebooks/01_reference.py [...]
     python tools/execute_notebooks.py --refresh-prose docs/executed/*.ipynb
 
-The GPU machine has no Jupyter stack and no network, so this runs each notebook's code cells
+It needs neither Jupyter nor a kernel nor a network: it runs each notebook's code cells
 in one namespace in this process, records what they print (stdout, stderr), the value of a
 final bare expression, errors, and every matplotlib figure a cell leaves open (as PNG), and
 writes an nbformat-4 notebook per source, with the machine it ran on in its metadata. The
