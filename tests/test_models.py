@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -430,7 +431,31 @@ def check_vit(model, dtype, batch, img, label: str) -> None:
 
 def _build(factory, dtype, seed=0):
     torch.manual_seed(seed)
-    return factory().to(DEVICE, dtype)
+    model = factory().to(DEVICE, dtype)
+    if HAS_CUDA and dtype in (torch.float16, torch.bfloat16):
+        _layer_norms_in_fp32(model)
+    return model
+
+
+def _layer_norms_in_fp32(model: torch.nn.Module) -> None:
+    """Compute each nn.LayerNorm of a 16-bit model in fp32 (rounding its output back).
+
+    PyTorch (2.11, CUDA): torch.func.jvp through a 16-bit nn.LayerNorm gives an fp32 tangent
+    (its forward-AD formula uses the fp32 mean and rstd it saves), and the next Linear then
+    refuses fp32 tangent x 16-bit weight ("expected mat1 and mat2 to have the same dtype"):
+    the unrouted PyTorch run fails before any attention. Mixed-precision models keep their
+    norms in fp32 anyway (autocast runs layer_norm in fp32). All three runs see this model;
+    the float64 truth's copy takes the plain path."""
+    def forward(self, x):
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        weight, bias = (None if p is None else p.float() for p in (self.weight, self.bias))
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias,
+                            self.eps).to(x.dtype)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.forward = types.MethodType(forward, module)
 
 
 # --- CPU-sized tests (they also run on the GPU) ----------------------------------------------
