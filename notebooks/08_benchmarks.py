@@ -24,7 +24,7 @@
 #    forward-mode AD), which materialises the $N \times N$ scores in fp32: O(N²) memory
 #    and about 20 TFLOP/s. The other option is
 #    [jvp-flash-attention](https://pypi.org/project/jvp_flash_attention/) 0.14, a Triton
-#    kernel from the same seed as this project.
+#    kernel grown from the same starting code as this project.
 # 3. **How far is the plain path from the best?** Our primal forward and backward against
 #    PyTorch's own best SDPA backend (flash, cuDNN or memory-efficient, as PyTorch picks).
 #
@@ -103,7 +103,7 @@ from jvp_attention.autograd import sdpa_flops
 REPO = Path(jvp_attention.__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 ASSETS = REPO / "docs" / "assets" / "benchmarks"
-H200_BF16_PEAK = 778.0  # TFLOP/s, bf16 8192^3 matmul through torch (FACTS.md)
+H200_BF16_PEAK = 778.0  # TFLOP/s, bf16 8192^3 matmul through torch, measured on the H200
 
 IMPL_NAMES = {"ours": "ours (jvp_attention)", "ours_fast": "ours, fast precision",
               "sdpa": "SDPA best", "sdpa_math": "SDPA math + forward AD",
