@@ -10,6 +10,7 @@ import triton.language as tl
 
 from jvp_attention.forward import (
     LOG2E,
+    _add_mask_tangent,
     _carry_factor,
     _dot_rounded,
     _key_block_ranges,
@@ -25,6 +26,7 @@ from jvp_attention.forward import (
     autotuned,
     carries,
     check_kernel_shapes,
+    check_mask_tangent,
     fp16_operand,
     kernel_meta,
     mask_operand,
@@ -116,6 +118,8 @@ def _backward_tile(
     if HAS_TANGENT:
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
+        ts = _add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
+                               n_k, MASK_KIND)
         g = tl.dot(dto, tl.trans(v), input_precision=DOT_PRECISION)
         dp = tl.dot(dto, tl.trans(tv), acc=dp, input_precision=DOT_PRECISION)
         centred = ts - mu[:, None]
@@ -274,13 +278,15 @@ def _dq_key_block(
     acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
     k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
     tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
-    mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim, qk_scale, scale,
+    mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
+    n_q, n_k, head_dim, value_dim, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, MASK_GRAD: tl.constexpr,
 ):
-    """Fold the key block starting at `start_n` into dQ (and dtQ)."""
+    """Fold the key block starting at `start_n` into dQ (and dtQ); with MASK_GRAD, store
+    its tile of dS (and dtS) as the gradient of the additive mask (and of its tangent)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(k_src, start_n, stride_kn, stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D,
                    USE_TMA)
@@ -297,6 +303,11 @@ def _dq_key_block(
         q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
         mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
         IS_CAUSAL, MASK_KIND, HAS_TANGENT, CHECK_BOUNDS, DOT_PRECISION)
+    if MASK_GRAD:  # dS, dtS in natural units: the launcher does not carry with MASK_GRAD
+        wide_rows = rows.to(tl.int64)  # a head's Nq x Nk entries can pass 2**31
+        _store_rows(dmask_ptr, ds, wide_rows, rows, cols, n_q, n_k)
+        if HAS_TANGENT:
+            _store_rows(dtmask_ptr, dts, wide_rows, rows, cols, n_q, n_k)
     acc_dq = _dot_rounded(ds, k, acc_dq, DOT_PRECISION, SPLIT)
     if HAS_TANGENT:
         acc_dq = _dot_rounded(dts, tk, acc_dq, DOT_PRECISION, SPLIT)
@@ -307,7 +318,7 @@ def _dq_key_block(
 @triton.jit
 def _attention_backward_dq_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr,
-    lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, dq_ptr, dtq_ptr,
+    lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, dq_ptr, dtq_ptr, dmask_ptr, dtmask_ptr,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -322,9 +333,10 @@ def _attention_backward_dq_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    USE_TMA: tl.constexpr, CARRY: tl.constexpr,
+    USE_TMA: tl.constexpr, CARRY: tl.constexpr, MASK_GRAD: tl.constexpr,
 ):
-    """dQ (and dtQ) of one query block of one (batch, head)."""
+    """dQ (and dtQ) of one query block of one (batch, head); with MASK_GRAD also its rows of
+    the mask's gradient dS (and dtS), contiguous (B, H, Nq, Nk) fp32."""
     qk_scale *= _carry_factor(factors_ptr, 0, CARRY, 1.0)
     delta_factor = _carry_factor(factors_ptr, 1, CARRY, 1.0)
     p_exponent = _carry_factor(factors_ptr, 5, CARRY, 0.0)
@@ -364,6 +376,8 @@ def _attention_backward_dq_kernel(
     else:
         tk_src, tv_src = k_src, v_src
     mask_ptr += batch * stride_mask_b + head * stride_mask_h
+    dmask_ptr += stats * n_k  # this program's (batch, head); it alone writes its rows
+    dtmask_ptr += stats * n_k
     acc_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_end, end = _key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
@@ -371,17 +385,17 @@ def _attention_backward_dq_kernel(
             acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
             k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
             tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
-            mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
-            qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
+            mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr, n_q, n_k,
+            head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD)
     for start_n in range(full_end, end, BLOCK_N):
         acc_dq, acc_dtq = _dq_key_block(
             acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
             k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
             tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
-            mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
-            qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
+            mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr, n_q, n_k,
+            head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
+            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD)
     flat_rows = stats + rows
     dq_factor = scale * _carry_factor(factors_ptr, 2, CARRY, 1.0)
     _store_rows(dq_ptr, acc_dq * dq_factor, flat_rows, rows, dims, n_q, head_dim)
@@ -420,6 +434,10 @@ def flash_attention_backward(
     grad_tangent_out: torch.Tensor | None = None,
     out_residual: torch.Tensor | None = None,
     tangent_out_residual: torch.Tensor | None = None,
+    *,
+    mask_tangent: torch.Tensor | None = None,
+    mask_grad: bool = False,
+    precision: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of attention on (B, H, N, D) tensors, from the forward's saved outputs.
 
@@ -434,14 +452,32 @@ def flash_attention_backward(
         out_residual, tangent_out_residual: The forward's rounding residuals
             (`flash_attention_forward(..., residuals=True)`): with them the row statistics
             use the fp32 outputs, which keeps 16-bit gradients at PyTorch's accuracy.
+        mask_tangent: The forward's tangent of an additive attn_mask: the backward through
+            the tangent needs it (it changes tS); the first-order backward ignores it.
+        mask_grad: Also return the gradient of the additive (float) attn_mask, dS, as fp32
+            (B, Hq, Nq, Nk) (and, through the tangent, that of `mask_tangent`, dtS); the
+            caller sums it over the dimensions its mask was broadcast along.
+        precision: "accurate" or "fast" for this call; None uses the global mode
+            (`set_precision`). Pass the mode the forward ran in.
 
     Returns:
-        (dq, dk, dv), or (dq, dk, dv, dtq, dtk, dtv) when `grad_tangent_out` is given.
+        (dq, dk, dv), or (dq, dk, dv, dtq, dtk, dtv) when `grad_tangent_out` is given;
+        with `mask_grad`, followed by dmask (and dmask_tangent).
+
+    Raises:
+        ValueError: For mismatched shapes, a bad `precision`, missing tangent inputs, or a
+            `mask_tangent` or `mask_grad` without an additive attn_mask.
     """
     check_kernel_shapes(q, k, v)
     batch, n_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     scale = head_dim**-0.5 if scale is None else scale
+    exact = accurate(precision)
+    scores_shape = (batch, n_heads, n_q, n_k)
+    check_mask_tangent(attn_mask, mask_tangent, scores_shape)
+    if mask_grad and (attn_mask is None or not attn_mask.is_floating_point()):
+        raise ValueError("mask_grad needs an additive (float) attn_mask: a boolean mask or "
+                         "no mask has no gradient")
     has_tangent = grad_tangent_out is not None
     if has_tangent and (tangents is None or tangent_out is None or mu is None):
         raise ValueError("the backward through the tangent needs tangents, tangent_out and mu")
@@ -460,16 +496,23 @@ def flash_attention_backward(
     dv = torch.empty((batch, n_kv_heads, n_k, value_dim), device=q.device, dtype=v.dtype)
     dtq, dtk, dtv = ((torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv))
                      if has_tangent else (dq, dk, dv))
-    mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k))
+    mask, mask_kind = mask_operand(attn_mask, scores_shape,
+                                   mask_tangent if has_tangent else None)
+    # The mask's gradients (not written without MASK_GRAD): entries that the dQ programs
+    # skip (above the causal band) stay 0.
+    dmask = (torch.zeros(scores_shape, device=q.device, dtype=torch.float32) if mask_grad
+             else lse)
+    dmask_tangent = torch.zeros_like(dmask) if mask_grad and has_tangent else dmask
     # bf16 first-order gradients in "accurate" mode: exact fp16 copies instead of the split.
-    carry = (accurate() and not has_tangent and carries(q)
+    # Carried dS is in shifted units, so the mask's gradient takes the split (as accurate).
+    carry = (exact and not has_tangent and not mask_grad and carries(q)
              and min(q.numel(), k.numel(), grad_out.numel()) > 0)
     grad_operand, factors = grad_out, lse  # `factors` is not read without CARRY
     if carry:
         with on_device(q):
             q, k, v, grad_operand, factors = backward_operands(q, k, v, grad_out)
         tq, tk, tv, dto = q, k, v, grad_operand
-    meta = kernel_meta(q, head_dim, value_dim, split=accurate() and not carry)
+    meta = kernel_meta(q, head_dim, value_dim, split=exact and not carry)
     strides = (*q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(),
                *tv.stride(), *(mask.stride() if mask is not None else (0, 0, 0, 0)),
                *grad_operand.stride(), *dto.stride())
@@ -495,7 +538,9 @@ def flash_attention_backward(
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
         dq_kernel[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
-            dq, dtq, *strides, n_heads, *sizes, **switches, **meta)
-    if has_tangent:
-        return dq, dk, dv, dtq, dtk, dtv
-    return dq, dk, dv
+            dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes, **switches, **meta,
+            MASK_GRAD=mask_grad)
+    grads = (dq, dk, dv, dtq, dtk, dtv) if has_tangent else (dq, dk, dv)
+    if mask_grad:
+        return (*grads, dmask, dmask_tangent) if has_tangent else (*grads, dmask)
+    return grads

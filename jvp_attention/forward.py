@@ -185,6 +185,7 @@ def _forward_key_block(
         # Natural units: masked entries have p~ = 0, so their tS never matters.
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
+        # + tB, in natural units (never with CARRY, whose tS is in units of w: see the launcher)
         ts = _add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
                                n_k, MASK_KIND)
         # The running mu including this block; acc_t is kept centred on it.

@@ -22,20 +22,26 @@ from helpers import (
     assert_empty_rows_are_zero,
     cancellation_scale,
     check_other_backward_path,
+    check_with_bias,
     cpu_grid,
     dtype_name,
     expected_backward,
     expected_forward,
+    expected_with_bias,
     fuzz_settings,
     fuzz_spec,
     gpu_params,
     kernel_backward,
+    kernel_with_bias,
+    make_bias,
     make_problem,
     other_backward_paths,
+    precision,
 )
 from hypothesis import given
 
 from jvp_attention.backward import flash_attention_backward
+from jvp_attention.forward import flash_attention_forward
 
 # Tiny tensors: one intra-op thread is ~10x faster than a contended pool (conftest).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -170,3 +176,97 @@ def test_bf16_gradients_through_fp16_operands_on_cpu(spec: Spec, scales: str) ->
         error = (grad.double() - truth[name]).abs().max().item()
         tiny = 2.0**-20 * truth[name].abs().max().item()  # for gradients that are all ~0
         assert error <= 1.25 * floor + tiny, f"{p.label} {name}: {error:.2e} vs {floor:.2e}"
+
+
+# --- the gradient of an additive mask (learnable biases: dL/dB = dS; notebook 05) ----------
+# The launcher returns dS as fp32 (B, Hq, Nq, Nk); the tests sum it over the dimensions the
+# bias was broadcast along (as autograd of `expand` will) and compare with float64 autograd.
+BIAS_CASES = [
+    (Spec(hq=2, hkv=2, nq=17, nk=33, d=16), "head"),
+    (Spec(batch=2, hq=2, hkv=2, nq=33, nk=17, d=16, causal=True), "2d"),
+    (Spec(batch=2, hq=4, hkv=2, nq=40, nk=40, d=16, causal=True), "full"),
+]
+
+
+def bias_params(cases=BIAS_CASES, dtypes=(torch.float32, torch.float16)) -> list:
+    return [pytest.param(spec, shape, dtype, id=f"{dtype_name(dtype)}-{spec.id}-bias_{shape}")
+            for spec, shape in cases for dtype in dtypes]
+
+
+@pytest.mark.parametrize("spec, shape, dtype", bias_params())
+def test_backward_mask_gradient(spec: Spec, shape: str, dtype: torch.dtype) -> None:
+    check_with_bias(spec, shape, dtype, grad=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+def test_mask_gradient_is_zero_where_no_key_is_seen(dtype: torch.dtype) -> None:
+    """Rows that see no key, -inf biases and the causal band: dmask exactly 0 there, and
+    finite everywhere (the kernels skip tiles above the band: the buffer's zeros remain)."""
+    spec = Spec(hq=2, hkv=1, nq=33, nk=40, d=16, causal=True)
+    ours = check_with_bias(spec, "full", dtype, grad=True, empty_rows=True)
+    p = make_problem(spec, dtype)
+    p.attn_mask, _ = make_bias(spec, "full", dtype, empty_rows=True)
+    unseen = ~p.visible()
+    assert p.empty_rows().any() and not ours["dmask"][unseen].any()
+
+
+def test_mask_gradient_of_an_fp32_mask_with_fp16_inputs() -> None:
+    check_with_bias(Spec(batch=2, hq=2, hkv=1, nq=17, nk=33, d=16), "2d", torch.float16,
+                    grad=True, mask_dtype=torch.float32)
+
+
+def test_the_mask_gradient_check_catches_a_wrong_sign() -> None:
+    spec = Spec(batch=2, hq=2, hkv=2, nq=33, nk=17, d=16, causal=True)
+    p = make_problem(spec, torch.float32)
+    bias, _ = make_bias(spec, "2d")
+    truth, floor = expected_with_bias(p, bias, None, grad=True)
+    ours = kernel_with_bias(p, bias, None, grad=True)
+    assert_accurate(ours, truth, floor, torch.float32, p.label)
+    with pytest.raises(AssertionError, match="dmask: max error"):
+        assert_accurate({**ours, "dmask": -ours["dmask"]}, truth, floor, torch.float32,
+                        p.label)
+
+
+def test_mask_gradient_needs_an_additive_mask() -> None:
+    p = make_problem(Spec(nq=17, nk=17, d=16, mask="bool"), torch.float32)
+    fwd = flash_attention_forward(p.q, p.k, p.v, **p.options)
+    for mask in (p.attn_mask, None):
+        with pytest.raises(ValueError, match="mask_grad needs an additive"):
+            flash_attention_backward(p.q, p.k, p.v, fwd.out, fwd.lse, p.grad_out, mask,
+                                     mask_grad=True)
+
+
+def test_mask_gradient_is_deterministic() -> None:
+    p = make_problem(Spec(hq=2, hkv=1, nq=33, nk=17, d=16, causal=True), torch.float16)
+    bias, _ = make_bias(p.spec, "full", torch.float16)
+    assert_deterministic(lambda p, poison: kernel_with_bias(p, bias, None, grad=True,
+                                                            poison=poison), p)
+
+
+def test_backward_precision_argument_overrides_the_global_mode() -> None:
+    p = make_problem(Spec(hq=2, hkv=1, nq=33, nk=17, d=16, causal=True), torch.float16)
+    fwd = flash_attention_forward(p.q, p.k, p.v, **p.options)
+    args = (p.q, p.k, p.v, fwd.out, fwd.lse, p.grad_out, None, True)
+    with precision("accurate"):
+        per_call = flash_attention_backward(*args, precision="fast")
+        accurate = flash_attention_backward(*args)
+    with precision("fast"):
+        global_fast = flash_attention_backward(*args)
+    assert all(torch.equal(a, b) for a, b in zip(per_call, global_fast, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(per_call, accurate, strict=True))
+    with pytest.raises(ValueError, match="precision"):
+        flash_attention_backward(*args, precision="exact")
+
+
+GPU_BIAS_CASES = [
+    (Spec(batch=2, hq=8, hkv=2, nq=1000, nk=1000, d=64, causal=True), "head"),
+    (Spec(batch=1, hq=4, hkv=4, nq=4250, nk=1000, d=128), "2d"),
+    (Spec(batch=2, hq=4, hkv=4, nq=1000, nk=1000, d=64, dv=128), "full"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec, shape, dtype", bias_params(GPU_BIAS_CASES, (F16, BF16, F32)))
+def test_backward_mask_gradient_gpu(spec: Spec, shape: str, dtype: torch.dtype) -> None:
+    """bf16 with the mask's gradient takes the split, not the fp16 copies (notebook 05)."""
+    check_with_bias(spec, shape, dtype, grad=True, device="cuda")

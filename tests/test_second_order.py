@@ -23,18 +23,25 @@ from helpers import (
     assert_empty_rows_are_zero,
     cancellation_scale,
     check_other_backward_path,
+    check_with_bias,
     cpu_grid,
     dtype_name,
     expected_second_order,
+    expected_with_bias,
     fuzz_settings,
     fuzz_spec,
     gpu_params,
     kernel_backward,
     kernel_second_order,
+    kernel_with_bias,
+    make_bias,
     make_problem,
     other_backward_paths,
 )
 from hypothesis import given
+
+from jvp_attention.backward import flash_attention_backward
+from jvp_attention.forward import flash_attention_forward
 
 # Tiny tensors: one intra-op thread is ~10x faster than a contended pool (conftest).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -121,3 +128,79 @@ GPU_CASES = COMMON_GPU_CASES + [
 @pytest.mark.parametrize("spec, dtype", gpu_params(GPU_CASES))
 def test_second_order_gpu(spec: Spec, dtype: torch.dtype) -> None:
     check_second_order(spec, dtype, device="cuda")
+
+
+# --- a learnable additive mask through the tangent (dL/dB = dS, dL/dtB = dtS; notebook 06) --
+BIAS_CASES = [
+    (Spec(hq=2, hkv=2, nq=17, nk=33, d=16), "head"),
+    (Spec(batch=2, hq=2, hkv=2, nq=33, nk=17, d=16, causal=True), "2d"),
+    (Spec(batch=2, hq=4, hkv=2, nq=40, nk=40, d=16, causal=True), "full"),
+]
+
+
+def bias_params(cases=BIAS_CASES, dtypes=(torch.float32, torch.float16)) -> list:
+    return [pytest.param(spec, shape, dtype, id=f"{dtype_name(dtype)}-{spec.id}-bias_{shape}")
+            for spec, shape in cases for dtype in dtypes]
+
+
+@pytest.mark.parametrize("spec, shape, dtype", bias_params())
+def test_second_order_with_a_learnable_mask(spec: Spec, shape: str, dtype) -> None:
+    """The eight gradients of <dO, O> + <dtO, tO> with a mask tangent: dq..dtv, dmask,
+    dmask_tangent."""
+    check_with_bias(spec, shape, dtype, grad=True, second_order=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+def test_second_order_mask_gradients_where_no_key_is_seen(dtype) -> None:
+    spec = Spec(hq=4, hkv=2, nq=33, nk=17, d=16, causal=True)
+    ours = check_with_bias(spec, "full", dtype, grad=True, second_order=True, empty_rows=True)
+    p = make_problem(spec, dtype)
+    p.attn_mask, _ = make_bias(spec, "full", dtype, empty_rows=True)
+    unseen = ~p.visible()
+    for name in ("dmask", "dmask_tangent"):
+        assert not ours[name][unseen].any(), f"{name} must be 0 where no key is seen"
+
+
+def test_second_order_needs_the_mask_tangent() -> None:
+    """The check has teeth: leaving tB out of the backward (tS without it) or flipping the
+    sign of dtS fails it."""
+    spec = Spec(batch=2, hq=2, hkv=1, nq=33, nk=17, d=16, causal=True)
+    p = make_problem(spec, torch.float32)
+    bias, t_bias = make_bias(spec, "2d")
+    truth, floor = expected_with_bias(p, bias, t_bias, grad=True, second_order=True)
+    ours = kernel_with_bias(p, bias, t_bias, grad=True, second_order=True)
+    assert_accurate(ours, truth, floor, torch.float32, p.label)
+    with pytest.raises(AssertionError, match="dmask_tangent: max error"):
+        assert_accurate({**ours, "dmask_tangent": -ours["dmask_tangent"]}, truth, floor,
+                        torch.float32, p.label)
+    fwd, (out_res, t_out_res) = flash_attention_forward(
+        p.q, p.k, p.v, bias, True, tangents=p.tangents, mask_tangent=t_bias, residuals=True)
+    without = flash_attention_backward(
+        p.q, p.k, p.v, fwd.out, fwd.lse, p.grad_out, bias, True, tangents=p.tangents,
+        tangent_out=fwd.tangent_out, mu=fwd.mu, grad_tangent_out=p.grad_tangent_out,
+        out_residual=out_res, tangent_out_residual=t_out_res, mask_grad=True)
+    stale = dict(zip(("dq", "dk", "dv", "dtq", "dtk", "dtv", "dmask", "dmask_tangent"),
+                     without, strict=True))
+    stale = {n: x.sum_to_size(bias.shape) if n.startswith("dmask") else x
+             for n, x in stale.items()}
+    with pytest.raises(AssertionError, match="max error"):
+        assert_accurate(stale, truth, floor, torch.float32, p.label)
+
+
+def test_second_order_mask_gradients_are_deterministic() -> None:
+    p = make_problem(Spec(hq=2, hkv=1, nq=33, nk=17, d=16, causal=True), torch.float16)
+    bias, t_bias = make_bias(p.spec, "full", torch.float16)
+    assert_deterministic(lambda p, poison: kernel_with_bias(
+        p, bias, t_bias, grad=True, second_order=True, poison=poison), p)
+
+
+GPU_BIAS_CASES = [
+    (Spec(batch=2, hq=8, hkv=2, nq=1000, nk=1000, d=64, causal=True), "head"),
+    (Spec(batch=1, hq=4, hkv=4, nq=4250, nk=1000, d=128), "2d"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec, shape, dtype", bias_params(GPU_BIAS_CASES, (F16, BF16)))
+def test_second_order_with_a_learnable_mask_gpu(spec: Spec, shape: str, dtype) -> None:
+    check_with_bias(spec, shape, dtype, grad=True, second_order=True, device="cuda")
