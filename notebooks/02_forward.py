@@ -867,7 +867,7 @@ def flash_attention_forward(
 # key-padding mask, an additive mask, $d_{qk} \ne d_v$ with a head dimension that is not a
 # power of two, and inputs in the `(B, N, H, D)` memory layout that most models produce
 # (a transposed view: no copy is made). bf16 is checked on the GPU only: Triton's interpreter
-# multiplies raw bf16 bits (FACTS.md).
+# multiplies raw bf16 bits (its bf16 dot products are wrong).
 
 # %%
 from jvp_attention.forward import flash_attention_forward

@@ -230,7 +230,7 @@ def check_carried_tangents(scales, dtype: torch.dtype, device: str, n: int, d: i
 @pytest.mark.parametrize("scales", TANGENT_SCALES.values(), ids=TANGENT_SCALES)
 def test_carried_tangents_on_cpu(scales, monkeypatch) -> None:
     """The shifts and the factors that undo them. The interpreter multiplies bf16 bits
-    wrongly (FACTS.md), so here fp16 inputs are forced down the carrying path; carried fp16
+    wrongly (it multiplies raw bf16 bits), so here fp16 inputs are forced down the carrying path; carried fp16
     is as accurate as "fast", within the rule."""
     monkeypatch.setattr(jvp_attention.forward, "carries", lambda q: True)
     check_carried_tangents(scales, torch.float16, "cpu", 40, 32)
