@@ -132,42 +132,11 @@ for name, shape, options in [
 # $$\frac{\partial L}{\partial B} = dS = P \circ (dP - \Delta_2),\qquad
 # \frac{\partial L}{\partial t_B} = dt_S = P \circ (G - c).$$
 #
-# With `mask_grad=True` the dQ kernel stores both tiles, as in chapter 5. The check: float64
-# reverse-over-forward (autograd through `torch.func.jvp`) of attention written out with the
-# bias as an input, a per-head bias $(1, H, N_q, N_k)$, causal.
-
-# %%
-import math
-
-
-def biased_attention(q, k, v, bias):
-    """Causal softmax attention written out, the bias an input."""
-    s = q @ k.mT * q.shape[-1] ** -0.5 + bias
-    s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
-                      -math.inf)
-    return torch.softmax(s, -1) @ v
-
-
-q, k, v, tangents, grad_out, grad_tangent_out = random_inputs(2, 2, 2, N, N, 64, torch.float32)
-bias, bias_tangent = (torch.randn(1, 2, N, N, device=DEVICE) for _ in range(2))
-primals = [x.double().requires_grad_() for x in (q, k, v, bias)]
-duals = [x.double().requires_grad_() for x in (*tangents, bias_tangent)]
-out, tangent_out = torch.func.jvp(biased_attention, tuple(primals), tuple(duals))
-truth = torch.autograd.grad([out, tangent_out], primals + duals,
-                            [grad_out.double(), grad_tangent_out.double()])
-fwd, (out_res, t_out_res) = flash_attention_forward(
-    q, k, v, bias, True, tangents=tangents, mask_tangent=bias_tangent, residuals=True)
-ours = flash_attention_backward(
-    q, k, v, fwd.out, fwd.lse, grad_out, bias, True, tangents=tangents,
-    tangent_out=fwd.tangent_out, mu=fwd.mu, grad_tangent_out=grad_tangent_out,
-    out_residual=out_res, tangent_out_residual=t_out_res, mask_tangent=bias_tangent,
-    mask_grad=True)
-names = ("dq", "dk", "dv", "dB", "dtq", "dtk", "dtv", "dtB")
-ours = (*ours[:3], ours[6].sum(0, keepdim=True), *ours[3:6], ours[7].sum(0, keepdim=True))
-errors = {n: (a.double() - b).abs().max().item() for n, a, b in zip(names, ours, truth,
-                                                                      strict=True)}
-print("  ".join(f"{n} {e:.1e}" for n, e in errors.items()))
-assert max(errors.values()) < 1e-4
+# With `mask_grad=True` the dQ kernel stores both tiles, as in chapter 5. The tests check them
+# against float64 reverse-over-forward (autograd through `torch.func.jvp`) of attention
+# written out with the bias as an input: `tests/test_second_order.py` for the kernels (biases
+# per head, shared by all, full; causal; GQA; rows that see no key) and
+# `tests/test_parity.py` through the public API.
 
 # %% [markdown]
 # ## Accuracy against PyTorch's math path

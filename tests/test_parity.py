@@ -108,10 +108,12 @@ def test_compiled_jvp_step_on_the_gpu(mode: str) -> None:
     compiled = torch.compile(loss, mode=mode)
     results = []
     for fn in (loss, compiled, compiled, compiled):  # CUDA graphs record, then replay
+        torch.compiler.cudagraph_mark_step_begin()
         lin.zero_grad()
         value = fn(x, tx)
         value.backward()
-        results.append((value.detach().float(), lin.weight.grad.float().clone()))
+        # clones: a replay overwrites the graph's outputs in place
+        results.append((value.detach().float().clone(), lin.weight.grad.float().clone()))
     for value, grad in results[1:]:
         torch.testing.assert_close(value, results[0][0], rtol=2e-2, atol=1e-3)
         torch.testing.assert_close(grad, results[0][1], rtol=5e-2, atol=5e-3)

@@ -119,7 +119,9 @@ def _machine() -> dict:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (no CUDA device)"
     return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat()}
+            "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+            # one tile per kernel (JVP_ATTENTION_AUTOTUNE=0) makes timings lower bounds
+            "autotune": os.environ.get("JVP_ATTENTION_AUTOTUNE", "1") != "0"}
 
 
 def execute(path: Path, out_dir: Path) -> bool:
