@@ -23,4 +23,4 @@ __all__ = [
     "set_precision",
     "tiled_attention",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the package's one version: pyproject.toml reads it from here
