@@ -1,0 +1,61 @@
+"""The measured numbers that README.md and the site quote come from the saved results.
+
+`tools/bench_tables.py` builds the tables from the benchmark JSON and chapter 9's training
+JSON; the site's hook fills them in at build time, README.md holds a generated copy that must
+match. The memory of a call is counted one way everywhere, chapter 8's "held during the call"
+(inputs and saved state plus the call's own peak), so the ratio the home page states is the one
+chapter 8's executed notebook prints.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench_tables", REPO / "tools" / "bench_tables.py")
+bench_tables = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_tables)
+
+
+def test_readme_tables_match_the_results(capsys) -> None:
+    status = bench_tables.main(["--check"])
+    assert status == 0, (
+        "README.md's generated tables differ from the saved results; run "
+        "`python tools/bench_tables.py`:\n" + capsys.readouterr().out)
+
+
+def test_every_marker_has_a_table() -> None:
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for name in bench_tables.MARKER.findall(page.read_text()):
+            assert name in bench_tables.TABLES, f"{page.name}: no table named {name!r}"
+    filled = bench_tables.fill_markers((REPO / "docs" / "index.md").read_text())
+    assert "<!-- table:" not in filled
+    assert "| **jvp_attention**" in filled
+
+
+def test_memory_ratio_is_chapter_8s() -> None:
+    """The headline's 'Nx less memory' is the ratio chapter 8 prints for the same case."""
+    bench = bench_tables.Benchmark()
+    shape = bench_tables.HEADLINE
+    ratio = bench.held_gb("sdpa_math", "fwd_jvp", shape) / bench.held_gb("ours", "fwd_jvp", shape)
+    assert f"in {ratio:.0f}x less memory" in bench_tables.headline_summary(bench)
+    notebook = json.loads((REPO / "docs" / "executed" / "08_benchmarks.ipynb").read_text())
+    printed = "".join(
+        "".join(output.get("text", ""))
+        for cell in notebook["cells"] if cell["cell_type"] == "code"
+        for output in cell.get("outputs", [])
+    )
+    label = "B{} H{} N{} d{} full".format(*shape)
+    line = next(line for line in printed.splitlines() if line.startswith(label))
+    assert re.search(rf"\b{ratio:.0f}x less memory than math", line), line
+
+
+def test_training_table_shows_where_ours_is_not_faster() -> None:
+    table = bench_tables.training_table()
+    for tokens in (256, 1024, 4096):
+        speedup = bench_tables.training_speedup(tokens)
+        assert f"(**{speedup:.2f}x**)" in table
+    assert bench_tables.training_speedup(1024) < 1 < bench_tables.training_speedup(4096)
