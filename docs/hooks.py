@@ -11,14 +11,16 @@
 - `<!-- table:NAME -->` becomes a table of measured numbers built from the saved results
   (`tools/bench_tables.py`: the benchmark JSON and chapter 9's training steps), so that the
   pages cannot drift from them.
-- `<!-- api -->` becomes the mkdocstrings blocks for the package and each generated module
-  (the modules that tools/export.py wrote, in notebook order), each linked to its chapter.
+- `<!-- api -->` becomes one mkdocstrings block per object of the public API (what
+  `jvp_attention/__init__.py` exports, plus `SDPARouting` and `Unsupported`), each linked to
+  its chapter, then the list of generated modules (the internals) and their chapters.
 - Notebook pages lose the scripts that nbconvert's template adds for MathJax and Mermaid from a
   CDN: this site typesets math with its own copy of KaTeX and must load nothing from elsewhere.
 """
 
 from __future__ import annotations
 
+import ast
 import html
 import importlib.util
 import json
@@ -108,19 +110,64 @@ def chapter_list(page_path: str) -> str:
     return "\n".join(f"- [{title}]({up}{path})" for title, path in items)
 
 
+# The public API in reading order: what `jvp_attention/__init__.py` exports (its `__all__`), and
+# the names of the public modules that a user meets without importing them from the package
+# (`sdpa()` yields an SDPARouting; the library raises Unsupported). Names exported later are
+# added after these, in `__all__`'s order.
+API_ORDER = ["attention", "attention_jvp", "sdpa", "SDPARouting", "set_precision", "Unsupported",
+             "reference_attention", "tiled_attention", "AttentionOutputs"]
+API_EXTRAS = {"SDPARouting": "autograd", "Unsupported": "autograd"}
+
+
+def public_api() -> list[tuple[str, str, bool]]:
+    """(name, module, exported by the package) of each object of the public API, read from
+    `__init__.py` without importing it: the names in `__all__`, where each is imported from,
+    and `API_EXTRAS`."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    exported: list[str] = []
+    origin: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jvp_attention."):
+            for alias in node.names:
+                origin[alias.asname or alias.name] = node.module.removeprefix("jvp_attention.")
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+        ):
+            exported = list(ast.literal_eval(node.value))
+    names = {name: origin.get(name, "") for name in exported}
+    for name, module in API_EXTRAS.items():
+        names.setdefault(name, module)
+    ordered = [name for name in API_ORDER if name in names]
+    ordered += [name for name in exported if name not in ordered]
+    return [(name, names[name], name in exported) for name in ordered]
+
+
 def api_reference(page_path: str) -> str:
-    """Markdown with mkdocstrings blocks for the package and its generated modules."""
+    """Markdown with one mkdocstrings block per public object, each linked to the chapter that
+    builds it, then the list of generated modules (the internals) and their chapters."""
     if not (PACKAGE / "__init__.py").exists():
         return "*No module has been exported yet.*"
     up = "../" * page_path.count("/")
-    blocks = ["## `jvp_attention`", "::: jvp_attention"]
-    for name, notebook in generated_modules():
-        page = chapter_page(Path(notebook).stem)
-        blocks += [
-            f"## `jvp_attention.{name}`",
-            f"Exported from [`notebooks/{notebook}`]({up}{page}).",
-            f"::: jvp_attention.{name}\n    options:\n      heading_level: 3",
-        ]
+    notebooks = {name: notebook for name, notebook in generated_modules()}
+    blocks = []
+    for name, module, exported in public_api():
+        # `jvp_attention.NAME` for what the package exports, else the module's own path.
+        path = f"jvp_attention.{name}" if exported else f"jvp_attention.{module}.{name}"
+        block = f"::: {path}\n    options:\n      heading_level: 2"
+        if module in notebooks:
+            page = chapter_page(Path(notebooks[module]).stem)
+            block += (f"\n\nDefined in `jvp_attention.{module}`, exported from "
+                      f"[`notebooks/{notebooks[module]}`]({up}{page}).")
+        blocks.append(block)
+    modules = [
+        f"- `jvp_attention.{name}`: [`notebooks/{notebook}`]({up}{chapter_page(Path(notebook).stem)})"
+        for name, notebook in generated_modules()
+    ]
+    if modules:
+        blocks.append(
+            "## Modules\n\nEverything else in the package is internal: the kernels, their "
+            "launchers and helpers, each generated from the chapter that derives and tests "
+            "it.\n\n" + "\n".join(modules))
     return "\n\n".join(blocks)
 
 
