@@ -665,7 +665,7 @@ check("online: m + log l vs LSE", (row_max + row_sum.log()).squeeze(-1), torch.l
 # of scores ever reaches memory. The chapter's three figures share three small helpers and
 # draw inside functions, which keeps their sizes out of the chapter's variables.
 
-# %%
+# %% tags=["hide_input"]
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
@@ -796,7 +796,7 @@ check("online: tO = (G + H) / l - mu O vs torch.func.jvp", acc_tangent / row_sum
 # makes one $B_M \times B_N$ tile of $\tilde P_j$ and $t_{S_j}$, folds it into the state and
 # drops it. The state does not grow with $N_k$.
 
-# %%
+# %% tags=["hide_input"]
 def draw_state(d=4, d_v=3, block_m=8, block_n=3):
     """What one program streams in from memory and what it keeps in registers."""
     _, ax = plt.subplots(figsize=(10, 4.6))
@@ -980,7 +980,7 @@ for name, mask, causal in [
 # `attention_bias`'s own causal mask; chapter 2's `_key_block_ranges` computes the same split
 # from indices alone.
 
-# %%
+# %% tags=["hide_input"]
 def draw_causal_tiles(shapes=((16, 16), (12, 20), (20, 12)), block_m=4, block_n=2):
     """The causal tiles of each (N_q, N_k) in `shapes`: skipped, full, or on the diagonal."""
     kinds = {

@@ -85,7 +85,7 @@
 # before the call (inputs and saved forward state: `setup_memory_mb`). For the math path's
 # `bwd2` the O(N²) part *is* the saved graph, so the plots below show the sum.
 
-# %%
+# %% tags=["hide_input"]
 import json
 import os
 import subprocess
@@ -96,6 +96,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import HTML
 
 import jvp_attention
 from jvp_attention.autograd import sdpa_flops
@@ -163,7 +164,10 @@ print(f"commit {DATA['git']['commit']} | {DATA['date']} | {len(DATA['cases'])} c
       f"{DATA.get('wall_seconds', float('nan')):.0f} s")
 print(f"command: {DATA['command']}")
 CASES = DATA["cases"]
-FIGURES = ASSETS if REAL else Path(tempfile.mkdtemp())
+# The site's images are rewritten only when the chapter is executed for the site
+# (tools/execute_notebooks.py says so); test runs draw into a temporary folder.
+WRITE_ASSETS = REAL and os.environ.get("JVP_ATTENTION_EXECUTING") == "1"
+FIGURES = ASSETS if WRITE_ASSETS else Path(tempfile.mkdtemp())
 FIGURES.mkdir(parents=True, exist_ok=True)
 
 # %% [markdown]
@@ -194,13 +198,15 @@ for case in errors:
 # %% [markdown]
 # ## The headline shapes
 #
-# Each cell is the median time and, in brackets, TFLOP/s. The JVP columns are the point of
-# the project: ours is one fused kernel; the math path is what `torch.func.jvp` through SDPA
-# does today; jvp-flash-attention is the other fused kernel. The "ours fast" columns are the
-# same kernels in the fast precision mode ("-" in runs made before it was measured). Memory
-# (GB, held during the call) is shown for the forward+JVP of ours and of the math path.
+# Three focused tables, each cell the median time and, in brackets, TFLOP/s. First the point
+# of the project, the forward+JVP: ours is one fused kernel; the math path is what
+# `torch.func.jvp` through SDPA does today; jvp-flash-attention is the other fused kernel;
+# "fast" is our fast precision mode. Memory is what the call holds on the GPU: inputs, saved
+# state and the call's own peak (GB), the same definition for every column. Then the plain
+# passes against PyTorch's best SDPA backend, and the backward through both outputs. The
+# whole grid, every case of the run, is one click away below them.
 
-# %%
+# %% tags=["hide_input"]
 def find(impl, mode, B, H, N, d, causal):
     for case in CASES:
         if (case["impl"], case["mode"], case["B"], case["H"], case["N"], case["d"],
@@ -231,25 +237,53 @@ HEADLINE = [(4, 16, 4096, 128), (1, 16, 16384, 128)]
 shapes = sorted({(c["B"], c["H"], c["N"], c["d"]) for c in CASES})
 if not REAL or not any(s in shapes for s in HEADLINE):
     HEADLINE = shapes[:2]
-COLUMNS = [("ours", "fwd_jvp", False), ("ours_fast", "fwd_jvp", False),
-           ("sdpa_math", "fwd_jvp", False), ("jfa", "fwd_jvp", False),
-           ("ours", "fwd", False), ("sdpa", "fwd", False), ("jfa", "fwd", False),
-           ("ours", "bwd", False), ("ours_fast", "bwd", False), ("sdpa", "bwd", False),
-           ("jfa", "bwd", False), ("ours", "bwd2", False), ("ours_fast", "bwd2", False),
-           ("sdpa_math", "bwd2", False), ("ours", "fwd_jvp", True), ("sdpa_math", "fwd_jvp", True)]
-TITLES = ["ours fwd+JVP", "ours fast fwd+JVP", "math fwd+JVP", "jfa fwd+JVP", "ours fwd",
-          "SDPA fwd", "jfa fwd", "ours bwd", "ours fast bwd", "SDPA bwd", "jfa bwd", "ours bwd2",
-          "ours fast bwd2", "math bwd2", "ours JVP mem", "math JVP mem"]
-rows = []
-for B, H, N, d in HEADLINE:
-    for causal in (False, True):
-        label = f"B{B} H{H} N{N} d{d}{' causal' if causal else ''}"
-        rows.append([label] + [cell(find(impl, mode, B, H, N, d, causal), memory)
-                               for impl, mode, memory in COLUMNS])
-widths = [max(len(r[i]) for r in rows + [["shape", *TITLES]]) for i in range(len(TITLES) + 1)]
-for r in [["shape", *TITLES]] + rows:
-    print("  ".join(text.rjust(w) if i else text.ljust(w) for i, (text, w) in
-                    enumerate(zip(r, widths, strict=True))))
+TABLES = {
+    "Forward + JVP": [("ours", "fwd_jvp", False, "ours"), ("ours_fast", "fwd_jvp", False, "ours fast"),
+                      ("sdpa_math", "fwd_jvp", False, "math"), ("jfa", "fwd_jvp", False, "jfa"),
+                      ("ours", "fwd_jvp", True, "ours memory"),
+                      ("sdpa_math", "fwd_jvp", True, "math memory")],
+    "Plain forward and backward": [("ours", "fwd", False, "ours fwd"),
+                                   ("sdpa", "fwd", False, "SDPA best fwd"),
+                                   ("ours", "bwd", False, "ours bwd"),
+                                   ("ours_fast", "bwd", False, "ours fast bwd"),
+                                   ("sdpa", "bwd", False, "SDPA best bwd")],
+    "Backward through output and tangent": [("ours", "bwd2", False, "ours"),
+                                            ("ours_fast", "bwd2", False, "ours fast"),
+                                            ("sdpa_math", "bwd2", False, "math")],
+}
+
+
+def html_table(header, rows):
+    head = "".join(f"<th>{x}</th>" for x in header)
+    body = "".join("<tr>" + "".join(f"<td>{x}</td>" for x in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def headline_rows(columns):
+    rows = []
+    for B, H, N, d in HEADLINE:
+        for causal in (False, True):
+            label = f"B{B} H{H} N{N} d{d}{' causal' if causal else ''}"
+            rows.append([label] + [cell(find(impl, mode, B, H, N, d, causal), memory)
+                                   for impl, mode, memory, _ in columns])
+    return rows
+
+
+def full_grid():
+    """Every case of the run, in a collapsed HTML table."""
+    header = ["impl", "mode", "B", "H", "N", "d", "causal", "median", "memory"]
+    rows = []
+    for c in sorted(CASES, key=lambda c: (c["d"], c["N"], c["causal"], c["mode"], c["impl"])):
+        rows.append([c["impl"], MODE_NAMES.get(c["mode"], c["mode"]), *map(str, (
+            c["B"], c["H"], c["N"], c["d"])), "yes" if c["causal"] else "", cell(c),
+            cell(c, memory=True) if c.get("median_ms") else ""])
+    return (f"<details><summary>The whole grid: {len(rows)} cases</summary>"
+            f"{html_table(header, rows)}</details>")
+
+
+HTML("".join(f"<h4>{title}</h4>" + html_table(["shape", *(name for *_, name in columns)],
+                                               headline_rows(columns))
+             for title, columns in TABLES.items()) + full_grid())
 
 # %% [markdown]
 # The same shapes in words: how much the tangent costs over a plain forward, how much
@@ -306,7 +340,7 @@ for B, H, N, d in HEADLINE:
 # wall budget) or failed; the tables above and the JSON say which. The fast precision has no
 # line in the forward row: the plain forward is the same kernel in both modes.
 
-# %%
+# %% tags=["hide_input"]
 def series(impl, mode, d, causal, value):
     points = sorted((c["N"], value(c)) for c in CASES
                     if (c["impl"], c["mode"], c["d"], c["causal"]) == (impl, mode, d, causal)
@@ -360,7 +394,7 @@ fig.savefig(FIGURES / "throughput.png", dpi=110)
 # $N \times N$ score-sized tensors, so it grows like $N^2$ (slope 2) until it no longer fits
 # and is skipped. The gray guides have slopes 1 and 2.
 
-# %%
+# %% tags=["hide_input"]
 def per_sequence_gb(case):
     if case.get("peak_memory_mb") is None:
         return None
@@ -410,7 +444,7 @@ else:
 # jvp-flash-attention, at the same shape (above 1, ours is faster). A run made before the
 # fast mode was measured leaves its panels empty.
 
-# %%
+# %% tags=["hide_input"]
 def paired(impl_a, mode_a, impl_b, mode_b, d, causal, faster=False):
     """N and the time ratio b/a (faster=True) or throughput ratio a/b, where both ran."""
     ns, values = [], []
@@ -466,7 +500,7 @@ fig.savefig(FIGURES / "ratio.png", dpi=110)
 # reference for what a forward alone reaches on this GPU. This is the figure the
 # documentation's landing page shows.
 
-# %%
+# %% tags=["hide_input"]
 bars = [("ours", "fwd_jvp", "ours fwd+JVP"), ("ours_fast", "fwd_jvp", "ours fwd+JVP, fast precision"),
         ("jfa", "fwd_jvp", "jvp-flash-attention fwd+JVP"),
         ("sdpa_math", "fwd_jvp", "SDPA math + forward AD"),

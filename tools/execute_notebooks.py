@@ -105,8 +105,11 @@ def run_cell(source: str, namespace: dict, count: int) -> tuple[list[dict], bool
         outputs.insert(1 if stdout.getvalue() else 0, _stream("stderr", stderr.getvalue()))
     outputs.extend(_figures())
     if value is not None:
+        data = {"text/plain": repr(value)}
+        if hasattr(value, "_repr_html_"):  # IPython.display.HTML, pandas tables
+            data["text/html"] = value._repr_html_()
         outputs.append({"output_type": "execute_result", "execution_count": count,
-                        "metadata": {}, "data": {"text/plain": repr(value)}})
+                        "metadata": {}, "data": data})
     return outputs, ok
 
 
@@ -127,6 +130,8 @@ def _machine() -> dict:
 def execute(path: Path, out_dir: Path) -> bool:
     """Execute one notebook; write OUT_DIR/<name>.ipynb; return True if no cell failed."""
     os.environ.setdefault("MPLBACKEND", "Agg")
+    # Chapters that draw the site's images (chapter 8) write them only for this run.
+    os.environ["JVP_ATTENTION_EXECUTING"] = "1"
     cells = parse_percent(path.read_text())
     namespace = {"__name__": "__main__"}
     nb_cells, count, ok = [], 0, True
