@@ -1,10 +1,13 @@
 """The documentation site builds without warnings and reads well in a real browser.
 
-The browser test serves the built site on localhost and opens the home page and the first
-chapter in Debian's headless Chromium (/usr/bin/chromium), driven by Playwright, which never
-downloads a browser of its own. It checks that the math is typeset by the vendored KaTeX, that
-every image loads, that nothing is fetched from another host and that the console stays free
-of errors. With SAVE_SCREENSHOTS=1 it also saves docs/screenshots/landing.png and chapter.png.
+The browser test serves the built site on localhost and opens the home page, the first
+chapter, the limitations page and the API reference in Debian's headless Chromium
+(/usr/bin/chromium), driven by Playwright, which never downloads a browser of its own. It
+checks that the math is typeset by the vendored KaTeX, that every image loads, that nothing is
+fetched from another host and that the console stays free of errors; that the home page shows
+the tables generated from the saved results and links the limitations page; and that the API
+reference's examples render as code. With SAVE_SCREENSHOTS=1 it also saves
+docs/screenshots/landing.png, chapter.png, limitations.png and api.png.
 
 A chapter is shown from its executed copy docs/executed/NN_name.ipynb when there is one (with
 the outputs of a GPU run), else from notebooks/NN_name.py; either way its page links the .py.
@@ -68,7 +71,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_site_builds_with_every_chapter(site: Path) -> None:
-    for page in ["index.html", "install/index.html", "api/index.html"]:
+    for page in ["index.html", "install/index.html", "limitations/index.html", "api/index.html"]:
         assert (site / page).is_file(), page
     for notebook in CHAPTERS:
         assert (site / "notebooks" / notebook.stem / "index.html").is_file(), notebook.name
@@ -187,8 +190,9 @@ IMAGES = """() => Array.from(document.images).map(
     (image) => ({src: image.src, ok: image.complete && image.naturalWidth > 0}))"""
 
 
-def check_page(context: object, url: str, screenshot: str) -> None:
-    """Open `url` and check math, images, requests and console; maybe save a screenshot."""
+def check_page(context: object, url: str, screenshot: str, math: bool = True) -> object:
+    """Open `url` and check math (on a page that has some), images, requests and console;
+    maybe save a screenshot. Returns the open page; the caller closes it."""
     page = context.new_page()  # type: ignore[attr-defined]
     problems: list[str] = []
     page.on(
@@ -208,7 +212,8 @@ def check_page(context: object, url: str, screenshot: str) -> None:
 
     page.route("**/*", only_localhost)
     page.goto(url, wait_until="load")
-    page.wait_for_function("document.querySelectorAll('.katex').length > 0", timeout=15_000)
+    if math:
+        page.wait_for_function("document.querySelectorAll('.katex').length > 0", timeout=15_000)
     page.evaluate("document.fonts.ready.then(() => true)")
     page.wait_for_load_state("networkidle")
 
@@ -230,14 +235,84 @@ def check_page(context: object, url: str, screenshot: str) -> None:
         page.set_viewport_size({"width": 1280, "height": height})
         page.wait_for_timeout(1_000)  # the theme's transitions
         page.screenshot(path=str(target))
-    page.close()
+    return page
+
+
+# The header cells of each table in the page's content.
+TABLE_HEADERS = """() => Array.from(document.querySelectorAll("article table")).map(
+    (table) => Array.from(table.querySelectorAll("th")).map((th) => th.textContent.trim()))"""
 
 
 def test_landing_page_in_browser(server: str, browser_context: object) -> None:
-    check_page(browser_context, f"{server}/", "landing.png")
+    page = check_page(browser_context, f"{server}/", "landing.png")
+    headers = page.evaluate(TABLE_HEADERS)
+    assert any("forward + JVP, TFLOP/s" in row for row in headers), (
+        f"the home page has no generated benchmark table: {headers}")
+    assert any(any(h.startswith("PyTorch math") for h in row) for row in headers), (
+        f"the home page has no generated training-step table: {headers}")
+    content = page.locator("article").inner_text()
+    assert "table:" not in content, "a table marker was left unfilled"
+    assert "x less memory" in content
+    link = page.locator('article a[href="limitations/"]')
+    assert link.count() > 0, "the home page does not link the limitations page"
+    link.first.click()
+    page.wait_for_load_state("load")
+    assert page.url.rstrip("/").endswith("/limitations"), page.url
+    assert page.locator("h1").first.inner_text().strip().startswith("Support and limitations")
+    page.close()
 
 
 def test_chapter_in_browser(server: str, browser_context: object) -> None:
     if not CHAPTERS:
         pytest.skip("skipped: notebooks/ has no chapter yet")
-    check_page(browser_context, f"{server}/notebooks/{CHAPTERS[0].stem}/", "chapter.png")
+    check_page(browser_context, f"{server}/notebooks/{CHAPTERS[0].stem}/", "chapter.png").close()
+
+
+def test_limitations_page_in_browser(server: str, browser_context: object) -> None:
+    page = check_page(browser_context, f"{server}/limitations/", "limitations.png", math=False)
+    headings = page.locator("article h2").all_inner_texts()
+    for expected in ["GPUs and versions", "What it accepts", "Transforms and derivatives",
+                     "On a CPU", "Precision modes and their cost", "The sdpa() drop-in"]:
+        assert any(expected in heading for heading in headings), f"no section {expected!r}"
+    headers = page.evaluate(TABLE_HEADERS)
+    assert ["shape", "forward + JVP", "backward", "backward through output and tangent"] in [
+        [h.strip() for h in row] for row in headers], f"no generated precision table: {headers}"
+    nav = page.locator("nav a", has_text="Support and limitations")
+    assert nav.count() > 0, "the limitations page is not in the navigation"
+    page.close()
+
+
+# Code blocks of the rendered docstrings, outside the collapsed "Source code" listings.
+DOCSTRING_CODE = """() => Array.from(document.querySelectorAll(".doc-contents .highlight pre > code"))
+    .filter((code) => !code.closest("details.mkdocstrings-source"))
+    .map((code) => code.textContent)"""
+
+
+def test_api_page_in_browser(server: str, browser_context: object) -> None:
+    page = check_page(browser_context, f"{server}/api/", "api.png", math=False)
+    examples = page.evaluate(DOCSTRING_CODE)
+    assert any(">>>" in code and "torch.func.jvp" in code for code in examples), (
+        f"the docstrings' examples do not render as code blocks: {examples}")
+    assert any("with sdpa() as routing:" in code for code in examples), examples
+    quoted = page.locator(".doc-contents blockquote").all_inner_texts()
+    assert not quoted, f"docstring text rendered as blockquotes: {quoted}"
+    ids = page.evaluate("""() => Array.from(document.querySelectorAll(".doc-heading"))
+        .map((heading) => heading.id)""")
+    for name in ["jvp_attention.attention", "jvp_attention.attention_jvp", "jvp_attention.sdpa",
+                 "jvp_attention.set_precision", "jvp_attention.autograd.SDPARouting",
+                 "jvp_attention.autograd.Unsupported"]:
+        assert name in ids, f"{name} is not documented: {ids}"
+    internal = [i for i in ids if i.startswith(("jvp_attention.forward.",
+                                                "jvp_attention.backward."))]
+    assert not internal, f"internal helpers on the API page: {internal}"
+    returns = page.evaluate("""() => {
+        const heading = document.getElementById("jvp_attention.attention");
+        const title = Array.from(heading.parentElement.querySelectorAll(".doc-section-title"))
+            .find((span) => span.textContent.trim() === "Returns:");
+        // the theme wraps each table in scrolling <div>s
+        const next = title && title.closest("p").nextElementSibling;
+        const table = next && (next.tagName === "TABLE" ? next : next.querySelector("table"));
+        return table ? table.querySelectorAll("tbody tr").length : -1;
+    }""")
+    assert returns == 1, f"attention's Returns shows {returns} values, not one"
+    page.close()
