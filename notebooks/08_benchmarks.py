@@ -531,7 +531,7 @@ else:
 ax.legend(fontsize=8)
 fig.tight_layout()
 fig.savefig(FIGURES / "headline.png", dpi=110)
-print(f"figures saved in {FIGURES if not REAL else FIGURES.relative_to(REPO)}")
+print(f"figures saved in {FIGURES.relative_to(REPO) if WRITE_ASSETS else FIGURES}")
 
 # %% [markdown]
 # ## Cold starts
