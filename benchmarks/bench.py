@@ -532,21 +532,18 @@ def device_info() -> dict:
     return info
 
 
-def header(args: argparse.Namespace) -> dict:
-    sdpa_flags = {}
-    if HAS_CUDA:
-        b = torch.backends.cuda
-        sdpa_flags = {"flash": b.flash_sdp_enabled(), "mem_efficient": b.mem_efficient_sdp_enabled(),
-                      "cudnn": b.cudnn_sdp_enabled(), "math": b.math_sdp_enabled()}
+def run_record(schema: str, smoke: bool) -> dict:
+    """What every results file opens with: its schema, when, the command, the machine, the
+    versions and the commit."""
     device = device_info()
     return {
-        "schema": SCHEMA,
+        "schema": schema,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]),
         "argv": sys.argv,
         "gpu": device["name"],
         "device": device,
-        "smoke": bool(args.smoke),
+        "smoke": bool(smoke),
         "interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1",
         "versions": {
             "python": platform.python_version(),
@@ -557,6 +554,17 @@ def header(args: argparse.Namespace) -> dict:
             "numpy": package_version("numpy"),
         },
         "git": git_info(),
+    }
+
+
+def header(args: argparse.Namespace) -> dict:
+    sdpa_flags = {}
+    if HAS_CUDA:
+        b = torch.backends.cuda
+        sdpa_flags = {"flash": b.flash_sdp_enabled(), "mem_efficient": b.mem_efficient_sdp_enabled(),
+                      "cudnn": b.cudnn_sdp_enabled(), "math": b.math_sdp_enabled()}
+    return {
+        **run_record(SCHEMA, args.smoke),
         "settings": {
             "dtype": args.dtype, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
             "cpu_reps": args.cpu_reps, "max_seconds": args.max_seconds,

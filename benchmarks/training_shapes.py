@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import re
-import shlex
 import shutil
 import statistics
 import sys
@@ -652,24 +651,8 @@ def complete_record(case: Case, record: dict) -> dict:
 
 # --------------------------------------------------------------------------- bookkeeping
 def header(args: argparse.Namespace, cycles_per_ms: float | None) -> dict:
-    device = bench.device_info()
     return {
-        "schema": SCHEMA,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "argv": sys.argv,
-        "gpu": device["name"],
-        "device": device,
-        "smoke": bool(args.smoke),
-        "interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1",
-        "versions": {
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "jvp_attention": getattr(jvp_attention, "__version__", None),
-            "jvp_flash_attention": bench.package_version("jvp_flash_attention"),
-        },
-        "git": bench.git_info(),
+        **bench.run_record(SCHEMA, args.smoke),
         "settings": {
             "dtype": args.dtype, "precision": bench.precision_mode(),
             "warmup_steps": args.warmup_steps, "rep_ms": args.rep_ms, "groups": args.groups,
