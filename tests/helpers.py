@@ -906,3 +906,23 @@ def check_with_bias(spec: Spec, shape: str, dtype: torch.dtype, grad: bool = Fal
                     f"{what} with a learnable mask", cancellation=cancellation)
     assert_empty_rows_are_zero(p, ours)
     return ours
+
+
+# (spec, shape of the bias) for the learnable-mask tests of the launchers: a per-head bias
+# shared by the batch, an (Nq, Nk) bias with causal, a bias per batch and head with GQA.
+BIAS_CASES = [
+    (Spec(hq=2, hkv=2, nq=17, nk=33, d=16), "head"),
+    (Spec(batch=2, hq=2, hkv=2, nq=33, nk=17, d=16, causal=True), "2d"),
+    (Spec(batch=2, hq=4, hkv=2, nq=40, nk=40, d=16, causal=True), "full"),
+]
+GPU_BIAS_CASES = [
+    (Spec(batch=2, hq=8, hkv=2, nq=1000, nk=1000, d=64, causal=True), "head"),
+    (Spec(batch=1, hq=4, hkv=4, nq=4250, nk=1000, d=128), "2d"),
+    (Spec(batch=2, hq=4, hkv=4, nq=1000, nk=1000, d=64, dv=128), "full"),
+]
+
+
+def bias_params(cases=BIAS_CASES, dtypes=(torch.float32, torch.float16)) -> list:
+    """pytest parameters (spec, bias shape, dtype) with readable ids."""
+    return [pytest.param(spec, shape, dtype, id=f"{dtype_name(dtype)}-{spec.id}-bias_{shape}")
+            for spec, shape in cases for dtype in dtypes]

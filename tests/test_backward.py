@@ -16,10 +16,12 @@ from helpers import (
     F16,
     F32,
     FUZZ_STRATEGIES,
+    GPU_BIAS_CASES,
     Spec,
     assert_accurate,
     assert_deterministic,
     assert_empty_rows_are_zero,
+    bias_params,
     cancellation_scale,
     check_other_backward_path,
     check_with_bias,
@@ -181,18 +183,6 @@ def test_bf16_gradients_through_fp16_operands_on_cpu(spec: Spec, scales: str) ->
 # --- the gradient of an additive mask (learnable biases: dL/dB = dS; notebook 05) ----------
 # The launcher returns dS as fp32 (B, Hq, Nq, Nk); the tests sum it over the dimensions the
 # bias was broadcast along (as autograd of `expand` will) and compare with float64 autograd.
-BIAS_CASES = [
-    (Spec(hq=2, hkv=2, nq=17, nk=33, d=16), "head"),
-    (Spec(batch=2, hq=2, hkv=2, nq=33, nk=17, d=16, causal=True), "2d"),
-    (Spec(batch=2, hq=4, hkv=2, nq=40, nk=40, d=16, causal=True), "full"),
-]
-
-
-def bias_params(cases=BIAS_CASES, dtypes=(torch.float32, torch.float16)) -> list:
-    return [pytest.param(spec, shape, dtype, id=f"{dtype_name(dtype)}-{spec.id}-bias_{shape}")
-            for spec, shape in cases for dtype in dtypes]
-
-
 @pytest.mark.parametrize("spec, shape, dtype", bias_params())
 def test_backward_mask_gradient(spec: Spec, shape: str, dtype: torch.dtype) -> None:
     check_with_bias(spec, shape, dtype, grad=True)
@@ -258,11 +248,6 @@ def test_backward_precision_argument_overrides_the_global_mode() -> None:
         flash_attention_backward(*args, precision="exact")
 
 
-GPU_BIAS_CASES = [
-    (Spec(batch=2, hq=8, hkv=2, nq=1000, nk=1000, d=64, causal=True), "head"),
-    (Spec(batch=1, hq=4, hkv=4, nq=4250, nk=1000, d=128), "2d"),
-    (Spec(batch=2, hq=4, hkv=4, nq=1000, nk=1000, d=64, dv=128), "full"),
-]
 
 
 @pytest.mark.gpu

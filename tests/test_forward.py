@@ -16,12 +16,14 @@ from helpers import (
     F16,
     F32,
     FUZZ_STRATEGIES,
+    GPU_BIAS_CASES,
     MASK_KINDS,
     OTHER_PATH_CASES,
     Spec,
     assert_accurate,
     assert_deterministic,
     assert_empty_rows_are_zero,
+    bias_params,
     check_with_bias,
     cpu_grid,
     dtype_name,
@@ -245,19 +247,14 @@ def test_carried_tangents_gpu(scales) -> None:
 # --- an additive mask with a tangent (learnable biases: tS gains tB; notebook 02) ----------
 # (spec, shape of the bias): a per-head bias shared by the batch, an (Nq, Nk) bias with
 # causal, a bias per batch and head with GQA; each in fp32 and fp16.
-BIAS_CASES = [
+FORWARD_BIAS_CASES = [
     (Spec(hq=2, hkv=2, nq=17, nk=33, d=16), "head"),
     (Spec(batch=2, hq=2, hkv=2, nq=33, nk=17, d=16, causal=True), "2d"),
     (Spec(batch=2, hq=4, hkv=2, nq=40, nk=40, d=16), "full"),
 ]
 
 
-def bias_params(cases=BIAS_CASES, dtypes=(torch.float32, torch.float16)) -> list:
-    return [pytest.param(spec, shape, dtype, id=f"{dtype_name(dtype)}-{spec.id}-bias_{shape}")
-            for spec, shape in cases for dtype in dtypes]
-
-
-@pytest.mark.parametrize("spec, shape, dtype", bias_params())
+@pytest.mark.parametrize("spec, shape, dtype", bias_params(FORWARD_BIAS_CASES))
 def test_forward_with_mask_tangent(spec: Spec, shape: str, dtype: torch.dtype) -> None:
     check_with_bias(spec, shape, dtype)
 
@@ -337,11 +334,6 @@ def test_precision_argument_overrides_the_global_mode() -> None:
         flash_attention_forward(p.q, p.k, p.v, precision="exact")
 
 
-GPU_BIAS_CASES = [
-    (Spec(batch=2, hq=8, hkv=2, nq=1000, nk=1000, d=64, causal=True), "head"),
-    (Spec(batch=1, hq=4, hkv=4, nq=4250, nk=1000, d=128), "2d"),
-    (Spec(batch=2, hq=4, hkv=4, nq=1000, nk=1000, d=64, dv=128), "full"),
-]
 
 
 @pytest.mark.gpu
