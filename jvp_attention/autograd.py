@@ -24,9 +24,34 @@ from jvp_attention.reference import reference_attention, tiled_attention
 Tensor = torch.Tensor
 # The kernels take any strides, but Inductor must hand them the layouts it traced.
 _FIXED_STRIDES = (torch.Tag.needs_fixed_stride_order,)
+_LAUNCHERS: dict = {}
 
 
-@torch.library.custom_op("jvp_attention::forward", mutates_args=(), tags=_FIXED_STRIDES)
+def _operator(name: str):
+    """Register a launcher as the custom operator `jvp_attention::name`, keeping the plain
+    function for eager calls (see `_launch`)."""
+    def register(launcher):
+        _LAUNCHERS[name] = launcher
+        return torch.library.custom_op(f"jvp_attention::{name}", launcher, mutates_args=(),
+                                       tags=_FIXED_STRIDES)
+    return register
+
+
+def _launch(name: str, *args):
+    """Run operator `name`: in eager mode on plain tensors the launcher itself, which skips
+    the dispatcher's per-call work; under torch.compile the operator (opaque to Dynamo, with
+    its fake implementation), and also for functorch's wrapped tensors (a backward inside
+    torch.func.grad), which the operator unwraps and Triton cannot read."""
+    if torch.compiler.is_compiling() or any(
+            isinstance(x, Tensor) and _is_functorch_wrapped(x) for x in args):
+        return getattr(torch.ops.jvp_attention, name)(*args)
+    return _LAUNCHERS[name](*args)
+
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+@_operator("forward")
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
                 scale: float, residual: bool, precision: str) -> tuple[Tensor, Tensor, Tensor]:
     if not residual:
@@ -43,7 +68,7 @@ def _(q, k, v, attn_mask, is_causal, scale, residual, precision):
     return _empty_out(q, v), _empty_rows(q), _empty_out(q, v) if residual else _NO_TENSOR(q)
 
 
-@torch.library.custom_op("jvp_attention::forward_jvp", mutates_args=(), tags=_FIXED_STRIDES)
+@_operator("forward_jvp")
 def _forward_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv: Tensor,
                     attn_mask: Tensor | None, mask_tangent: Tensor | None, is_causal: bool,
                     scale: float, residual: bool, precision: str,
@@ -67,7 +92,7 @@ def _(q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual, 
             out_like.new_empty(out_like.shape))
 
 
-@torch.library.custom_op("jvp_attention::backward", mutates_args=(), tags=_FIXED_STRIDES)
+@_operator("backward")
 def _backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  out_residual: Tensor, grad_out: Tensor, attn_mask: Tensor | None,
                  is_causal: bool, scale: float, mask_grad: bool, precision: str,
@@ -85,7 +110,7 @@ def _(q, k, v, out, lse, out_residual, grad_out, attn_mask, is_causal, scale, ma
     return (*(x.new_empty(x.shape) for x in (q, k, v)), _empty_mask_grad(q, k, mask_grad))
 
 
-@torch.library.custom_op("jvp_attention::backward_tangent", mutates_args=(), tags=_FIXED_STRIDES)
+@_operator("backward_tangent")
 def _backward_tangent_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv: Tensor,
                          out: Tensor, lse: Tensor, tangent_out: Tensor, mu: Tensor,
                          out_residual: Tensor, tangent_out_residual: Tensor,
@@ -273,8 +298,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, attn_mask, is_causal, scale, residual, precision):
-        return torch.ops.jvp_attention.forward(q, k, v, attn_mask, is_causal, scale, residual,
-                                               precision)
+        return _launch("forward", q, k, v, attn_mask, is_causal, scale, residual, precision)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -289,9 +313,9 @@ class _Attention(torch.autograd.Function):
         q, k, v, attn_mask, out, lse, out_residual = ctx.saved_tensors
         mask_grad = ctx.needs_input_grad[3]
         with torch.no_grad():
-            dq, dk, dv, d_mask = torch.ops.jvp_attention.backward(
-                q, k, v, out, lse, out_residual, grad_out, attn_mask, ctx.is_causal,
-                ctx.scale, mask_grad, ctx.precision)
+            dq, dk, dv, d_mask = _launch(
+                "backward", q, k, v, out, lse, out_residual, grad_out, attn_mask,
+                ctx.is_causal, ctx.scale, mask_grad, ctx.precision)
         grads = _second_order_by_reference(
             ctx, (dq, dk, dv, _mask_grad(d_mask, attn_mask, mask_grad)), (q, k, v), None,
             attn_mask, None, (grad_out,))
@@ -312,9 +336,8 @@ class _FusedTangent(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual,
                 precision):
-        return torch.ops.jvp_attention.forward_jvp(q, k, v, tq, tk, tv, attn_mask,
-                                                   mask_tangent, is_causal, scale, residual,
-                                                   precision)
+        return _launch("forward_jvp", q, k, v, tq, tk, tv, attn_mask, mask_tangent,
+                                        is_causal, scale, residual, precision)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -338,14 +361,14 @@ class _FusedTangent(torch.autograd.Function):
         wants_mask, wants_mask_tangent = ctx.needs_input_grad[6], ctx.needs_input_grad[7]
         with torch.no_grad():
             if grad_tangent_out is None:
-                dq, dk, dv, d_mask = torch.ops.jvp_attention.backward(
-                    q, k, v, out, lse, out_residual, grad_out, attn_mask, ctx.is_causal,
-                    ctx.scale, wants_mask, ctx.precision)
+                dq, dk, dv, d_mask = _launch(
+                    "backward", q, k, v, out, lse, out_residual, grad_out, attn_mask,
+                    ctx.is_causal, ctx.scale, wants_mask, ctx.precision)
                 grads = (dq, dk, dv, None, None, None, _mask_grad(d_mask, attn_mask, wants_mask),
                          None)
             else:
-                *grads, d_mask, d_mask_tangent = torch.ops.jvp_attention.backward_tangent(
-                    q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual,
+                *grads, d_mask, d_mask_tangent = _launch(
+                    "backward_tangent", q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual,
                     tangent_out_residual, grad_out, grad_tangent_out, attn_mask, mask_tangent,
                     ctx.is_causal, ctx.scale, wants_mask or wants_mask_tangent, ctx.precision)
                 grads = (*grads, _mask_grad(d_mask, attn_mask, wants_mask),
@@ -353,29 +376,6 @@ class _FusedTangent(torch.autograd.Function):
         grads = _second_order_by_reference(ctx, grads, (q, k, v), (tq, tk, tv), attn_mask,
                                            mask_tangent, grad_outputs)
         return (*grads, None, None, None, None)
-
-
-class _AttentionWithTangent(_FusedTangent):
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return _vmap_by_folding(_AttentionWithTangent, info, in_dims, *args)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _FusedTangent.setup_context(ctx, inputs, output)
-        ctx.save_for_forward(output[1])
-
-    @staticmethod
-    def jvp(ctx, gq, gk, gv, gtq, gtk, gtv, *_):
-        if any(g is not None for g in (gtq, gtk, gtv)):
-            raise NotImplementedError(
-                "jvp_attention: a tangent of the tangents reached the fused operation (a "
-                "forward-over-forward derivative taken through attention_jvp); call "
-                "`attention` under nested torch.func.jvp instead.")
-        (tangent_out,) = ctx.saved_tensors
-        # A copy, not the output itself: forward AD refuses a tangent that is also an output
-        # with a tangent of its own, and the copy keeps tO's autograd history for chapter 6.
-        return tangent_out.clone(), _zeros_like(tangent_out), None, None, None, None
 
 
 # Under torch.compile, AOTAutograd differentiates the operators themselves (Dynamo traces a
@@ -554,20 +554,15 @@ def attention(
     if tangents is None:
         out = _Attention.apply(q, k, v, mask, is_causal, scale, _wants_residual(q, k, v),
                                precision)[0]
-    elif torch.compiler.is_compiling():
-        # Dynamo runs no custom `jvp` rule: unpack the duals, run the fused op on the
-        # primals and tangents, and hand forward-mode AD its result as a dual.
+    else:
+        # Unpack the duals, run the fused op on primals and tangents as plain inputs, and
+        # hand forward-mode AD tO as the tangent of O: no copy, and Dynamo can trace it.
         primals = [None if x is None else forward_ad.unpack_dual(x).primal
                    for x in (q, k, v, mask)]
         out, tangent_out = _FusedTangent.apply(
             *primals[:3], *tangents[:3], primals[3], tangents[3], is_causal, scale,
             _wants_residual(*primals[:3], *tangents[:3]), precision)[:2]
         out = forward_ad.make_dual(out, tangent_out)
-    else:
-        out = _AttentionWithTangent.apply(q, k, v, *tangents[:3], mask, tangents[3],
-                                          is_causal, scale,
-                                          _wants_residual(q, k, v, *tangents[:3]),
-                                          precision)[0]
     return out.reshape(*query.shape[:-1], value.shape[-1])
 
 

@@ -36,20 +36,27 @@
 #    `::forward_jvp`, `::backward` and `::backward_tangent` wrap the launchers of chapters 2
 #    and 5. Each has a *fake* implementation that only computes output shapes, so
 #    `torch.compile` traces through them without running Triton or seeing Python it cannot
-#    graph.
+#    graph. In eager mode the Functions call the launchers directly: the dispatcher's work
+#    per call (schema checks, its autograd and fake-tensor layers, Dynamo guards around
+#    the implementation) is about as long as the kernels themselves at training shapes.
 # 2. **Two autograd Functions**. `_Attention` takes (q, k, v) and returns O; its `backward`
-#    runs the backward kernels. `_AttentionWithTangent` takes (q, k, v, tq, tk, tv) and
-#    returns (O, tO) from the *one* fused pass; its `jvp` hands tO back to forward-mode AD as
-#    the tangent of O, and its `backward` takes cotangents of both O and tO (chapter 6's
-#    kernels run only when tO's cotangent exists).
+#    runs the backward kernels. `_FusedTangent` takes (q, k, v, tq, tk, tv) and returns
+#    (O, tO) from the *one* fused pass, and its `backward` takes cotangents of both O and tO
+#    (chapter 6's kernels run only when tO's cotangent exists).
 # 3. **The wrapper** `attention`: validates arguments, flattens leading dimensions, and asks
-#    forward-mode AD whether the inputs carry tangents. If they do, it calls the fused
-#    Function with the tangents as explicit inputs, so the forward kernel sees them.
+#    forward-mode AD whether the inputs carry tangents. If they do, it unpacks the duals,
+#    calls the fused Function with primals and tangents as plain inputs, so the forward
+#    kernel sees them, and hands forward-mode AD the dual `make_dual(O, tO)`.
 #
-# Why the explicit tangents? An autograd Function's `forward` receives plain tensors, and
-# its `jvp` is only called *after* `forward`. A Function that waited for `jvp` would have
-# to run a second kernel. Unpacking the duals first (`forward_ad.unpack_dual`, which also
-# works inside `torch.func.jvp`) lets one launch produce O and tO together.
+# Why not a Function with a `jvp` rule? An autograd Function's `forward` receives plain
+# tensors, and its `jvp` is only called *after* `forward`: a Function that waited for `jvp`
+# would have to run a second kernel. Unpacking the duals first (`forward_ad.unpack_dual`,
+# which also works inside `torch.func.jvp`) lets one launch produce O and tO together. And a
+# `jvp` rule could not return tO itself (forward-mode AD refuses a tangent that is an output
+# with a tangent of its own): it would cost a copy of tO per call, plus a zero tangent for
+# tO that forward-mode AD materialises in full. `make_dual` takes tO as it is, with its
+# autograd history, so a backward through the tangent (chapter 6) still reaches the
+# Function. Dynamo, which runs no `jvp` rule at all, traces the same code.
 
 # %%
 import os
@@ -94,9 +101,34 @@ from jvp_attention.reference import reference_attention, tiled_attention
 Tensor = torch.Tensor
 # The kernels take any strides, but Inductor must hand them the layouts it traced.
 _FIXED_STRIDES = (torch.Tag.needs_fixed_stride_order,)
+_LAUNCHERS: dict = {}
 
 
-@torch.library.custom_op("jvp_attention::forward", mutates_args=(), tags=_FIXED_STRIDES)
+def _operator(name: str):
+    """Register a launcher as the custom operator `jvp_attention::name`, keeping the plain
+    function for eager calls (see `_launch`)."""
+    def register(launcher):
+        _LAUNCHERS[name] = launcher
+        return torch.library.custom_op(f"jvp_attention::{name}", launcher, mutates_args=(),
+                                       tags=_FIXED_STRIDES)
+    return register
+
+
+def _launch(name: str, *args):
+    """Run operator `name`: in eager mode on plain tensors the launcher itself, which skips
+    the dispatcher's per-call work; under torch.compile the operator (opaque to Dynamo, with
+    its fake implementation), and also for functorch's wrapped tensors (a backward inside
+    torch.func.grad), which the operator unwraps and Triton cannot read."""
+    if torch.compiler.is_compiling() or any(
+            isinstance(x, Tensor) and _is_functorch_wrapped(x) for x in args):
+        return getattr(torch.ops.jvp_attention, name)(*args)
+    return _LAUNCHERS[name](*args)
+
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+@_operator("forward")
 def _forward_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
                 scale: float, residual: bool, precision: str) -> tuple[Tensor, Tensor, Tensor]:
     if not residual:
@@ -113,7 +145,7 @@ def _(q, k, v, attn_mask, is_causal, scale, residual, precision):
     return _empty_out(q, v), _empty_rows(q), _empty_out(q, v) if residual else _NO_TENSOR(q)
 
 
-@torch.library.custom_op("jvp_attention::forward_jvp", mutates_args=(), tags=_FIXED_STRIDES)
+@_operator("forward_jvp")
 def _forward_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv: Tensor,
                     attn_mask: Tensor | None, mask_tangent: Tensor | None, is_causal: bool,
                     scale: float, residual: bool, precision: str,
@@ -137,7 +169,7 @@ def _(q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual, 
             out_like.new_empty(out_like.shape))
 
 
-@torch.library.custom_op("jvp_attention::backward", mutates_args=(), tags=_FIXED_STRIDES)
+@_operator("backward")
 def _backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  out_residual: Tensor, grad_out: Tensor, attn_mask: Tensor | None,
                  is_causal: bool, scale: float, mask_grad: bool, precision: str,
@@ -155,7 +187,7 @@ def _(q, k, v, out, lse, out_residual, grad_out, attn_mask, is_causal, scale, ma
     return (*(x.new_empty(x.shape) for x in (q, k, v)), _empty_mask_grad(q, k, mask_grad))
 
 
-@torch.library.custom_op("jvp_attention::backward_tangent", mutates_args=(), tags=_FIXED_STRIDES)
+@_operator("backward_tangent")
 def _backward_tangent_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv: Tensor,
                          out: Tensor, lse: Tensor, tangent_out: Tensor, mu: Tensor,
                          out_residual: Tensor, tangent_out_residual: Tensor,
@@ -215,17 +247,16 @@ def _empty_mask_grad(q: Tensor, k: Tensor, mask_grad: bool) -> Tensor:
 # `_Attention` is the primal path: forward and backward kernels, nothing else.
 #
 # `_FusedTangent` takes the tangents as ordinary inputs and returns (O, tO, LSE, μ) from the
-# one fused launch; its `backward` takes cotangents of O and tO. It is the explicit API
-# `attention_jvp` below, and it is what `torch.compile` traces, since Dynamo does not run
-# the `jvp` rule of a Function.
+# one fused launch; its `backward` takes cotangents of O and tO. It serves `attention` under
+# forward-mode AD (eager and compiled alike), and the explicit API `attention_jvp` below.
 #
-# `_AttentionWithTangent` adds that `jvp`: it hands tO to forward-mode AD as the tangent of
-# O (LSE and μ are internal and not differentiable). The tangent *of tO* would be a
-# second-order forward derivative, which this library does not compute: if forward-mode AD
-# asks for it (a `jvp` of `attention_jvp`), we raise rather than return a silently wrong
-# zero; a nested `torch.func.jvp` of `attention` never gets here (see the wrapper).
-# `set_materialize_grads(False)` lets `backward` see `None` when nothing uses tO, and then the
-# plain backward runs at its plain cost.
+# The tangent *of tO* would be a second-order forward derivative, which the fused pass does
+# not compute: `_FusedTangent` has no `jvp` rule (Dynamo could not trace it if it had one),
+# so forward-mode AD raises if it asks for one (a `jvp` of `attention_jvp`) rather than
+# returning a silently wrong zero; a nested `torch.func.jvp` of `attention` never gets here
+# (see the wrapper). `set_materialize_grads(False)` lets
+# `backward` see `None` when nothing uses tO, and then the plain backward runs at its plain
+# cost.
 #
 # The backwards run the kernels with autograd off. When their results may be differentiated
 # again (a gradient penalty's `create_graph=True`, and every `torch.func.grad`, which always
@@ -373,8 +404,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, attn_mask, is_causal, scale, residual, precision):
-        return torch.ops.jvp_attention.forward(q, k, v, attn_mask, is_causal, scale, residual,
-                                               precision)
+        return _launch("forward", q, k, v, attn_mask, is_causal, scale, residual, precision)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -389,9 +419,9 @@ class _Attention(torch.autograd.Function):
         q, k, v, attn_mask, out, lse, out_residual = ctx.saved_tensors
         mask_grad = ctx.needs_input_grad[3]
         with torch.no_grad():
-            dq, dk, dv, d_mask = torch.ops.jvp_attention.backward(
-                q, k, v, out, lse, out_residual, grad_out, attn_mask, ctx.is_causal,
-                ctx.scale, mask_grad, ctx.precision)
+            dq, dk, dv, d_mask = _launch(
+                "backward", q, k, v, out, lse, out_residual, grad_out, attn_mask,
+                ctx.is_causal, ctx.scale, mask_grad, ctx.precision)
         grads = _second_order_by_reference(
             ctx, (dq, dk, dv, _mask_grad(d_mask, attn_mask, mask_grad)), (q, k, v), None,
             attn_mask, None, (grad_out,))
@@ -412,9 +442,8 @@ class _FusedTangent(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual,
                 precision):
-        return torch.ops.jvp_attention.forward_jvp(q, k, v, tq, tk, tv, attn_mask,
-                                                   mask_tangent, is_causal, scale, residual,
-                                                   precision)
+        return _launch("forward_jvp", q, k, v, tq, tk, tv, attn_mask, mask_tangent,
+                                        is_causal, scale, residual, precision)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -438,14 +467,14 @@ class _FusedTangent(torch.autograd.Function):
         wants_mask, wants_mask_tangent = ctx.needs_input_grad[6], ctx.needs_input_grad[7]
         with torch.no_grad():
             if grad_tangent_out is None:
-                dq, dk, dv, d_mask = torch.ops.jvp_attention.backward(
-                    q, k, v, out, lse, out_residual, grad_out, attn_mask, ctx.is_causal,
-                    ctx.scale, wants_mask, ctx.precision)
+                dq, dk, dv, d_mask = _launch(
+                    "backward", q, k, v, out, lse, out_residual, grad_out, attn_mask,
+                    ctx.is_causal, ctx.scale, wants_mask, ctx.precision)
                 grads = (dq, dk, dv, None, None, None, _mask_grad(d_mask, attn_mask, wants_mask),
                          None)
             else:
-                *grads, d_mask, d_mask_tangent = torch.ops.jvp_attention.backward_tangent(
-                    q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual,
+                *grads, d_mask, d_mask_tangent = _launch(
+                    "backward_tangent", q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual,
                     tangent_out_residual, grad_out, grad_tangent_out, attn_mask, mask_tangent,
                     ctx.is_causal, ctx.scale, wants_mask or wants_mask_tangent, ctx.precision)
                 grads = (*grads, _mask_grad(d_mask, attn_mask, wants_mask),
@@ -453,29 +482,6 @@ class _FusedTangent(torch.autograd.Function):
         grads = _second_order_by_reference(ctx, grads, (q, k, v), (tq, tk, tv), attn_mask,
                                            mask_tangent, grad_outputs)
         return (*grads, None, None, None, None)
-
-
-class _AttentionWithTangent(_FusedTangent):
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return _vmap_by_folding(_AttentionWithTangent, info, in_dims, *args)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _FusedTangent.setup_context(ctx, inputs, output)
-        ctx.save_for_forward(output[1])
-
-    @staticmethod
-    def jvp(ctx, gq, gk, gv, gtq, gtk, gtv, *_):
-        if any(g is not None for g in (gtq, gtk, gtv)):
-            raise NotImplementedError(
-                "jvp_attention: a tangent of the tangents reached the fused operation (a "
-                "forward-over-forward derivative taken through attention_jvp); call "
-                "`attention` under nested torch.func.jvp instead.")
-        (tangent_out,) = ctx.saved_tensors
-        # A copy, not the output itself: forward AD refuses a tangent that is also an output
-        # with a tangent of its own, and the copy keeps tO's autograd history for chapter 6.
-        return tangent_out.clone(), _zeros_like(tangent_out), None, None, None, None
 
 
 # Under torch.compile, AOTAutograd differentiates the operators themselves (Dynamo traces a
@@ -621,9 +627,9 @@ def _uses_kernels(query: Tensor, key: Tensor, value: Tensor) -> bool:
 # (it adds to tS); its gradient comes from the kernels as (B, Hq, Nq, Nk) dS, and autograd of
 # the `expand` in `_as_4d` sums it over the broadcast dimensions.
 #
-# `torch.compile` does not run a Function's `jvp` rule; under Dynamo `attention` therefore
-# unpacks the duals itself, runs `_FusedTangent` on primals and tangents, and returns
-# `make_dual(out, tangent_out)`, which forward-mode AD (and AOTAutograd) take as they are.
+# With tangents, `attention` unpacks the duals itself, runs `_FusedTangent` on primals and
+# tangents, and returns `make_dual(out, tangent_out)`, which forward-mode AD (eager, and
+# under `torch.compile`, which runs no `jvp` rule of a Function) takes as it is.
 
 # %% tags=["export"]
 def attention(
@@ -692,20 +698,15 @@ def attention(
     if tangents is None:
         out = _Attention.apply(q, k, v, mask, is_causal, scale, _wants_residual(q, k, v),
                                precision)[0]
-    elif torch.compiler.is_compiling():
-        # Dynamo runs no custom `jvp` rule: unpack the duals, run the fused op on the
-        # primals and tangents, and hand forward-mode AD its result as a dual.
+    else:
+        # Unpack the duals, run the fused op on primals and tangents as plain inputs, and
+        # hand forward-mode AD tO as the tangent of O: no copy, and Dynamo can trace it.
         primals = [None if x is None else forward_ad.unpack_dual(x).primal
                    for x in (q, k, v, mask)]
         out, tangent_out = _FusedTangent.apply(
             *primals[:3], *tangents[:3], primals[3], tangents[3], is_causal, scale,
             _wants_residual(*primals[:3], *tangents[:3]), precision)[:2]
         out = forward_ad.make_dual(out, tangent_out)
-    else:
-        out = _AttentionWithTangent.apply(q, k, v, *tangents[:3], mask, tangents[3],
-                                          is_causal, scale,
-                                          _wants_residual(q, k, v, *tangents[:3]),
-                                          precision)[0]
     return out.reshape(*query.shape[:-1], value.shape[-1])
 
 

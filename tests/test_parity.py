@@ -272,6 +272,14 @@ def test_jvp_of_jvp_is_right(which: int, path: str) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
+def test_jvp_of_attention_jvp_raises() -> None:
+    """The explicit API's tO has no tangent of its own (a forward-over-forward derivative of
+    the fused pass): forward-mode AD raises rather than returning a zero."""
+    p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
+    with pytest.raises(NotImplementedError, match="jvp"):
+        torch.func.jvp(lambda q: attention_jvp(q, p.k, p.v, p.tangents)[1], (p.q,), (p.q,))
+
+
 @pytest.mark.parametrize("through_jvp", [False, True], ids=["plain", "through-jvp"])
 def test_double_backward_is_right(through_jvp: bool, path: str) -> None:
     """A gradient penalty (create_graph=True, then a loss on the gradient), also through
