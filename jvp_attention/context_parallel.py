@@ -132,6 +132,11 @@ def _precision() -> str:
     return _library._precision()
 
 
+def _jvp_nesting() -> int:
+    """How many `torch.func.jvp` are active around this call."""
+    return _library._jvp_nesting()
+
+
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...] | None,
                    mask: Tensor | None, is_causal: bool, scale: float,
                    precision: str) -> AttentionOutputs:
@@ -471,20 +476,6 @@ class _RingAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, tq, tk, tv, mask, out, t_out, lse, mu, out_res, t_res)
         ctx.ring = ring
-        if tq is not None:
-            ctx.save_for_forward(t_out)
-
-    @staticmethod
-    def jvp(ctx, gq, gk, gv, gtq, gtk, gtv, *_):
-        if any(g is not None for g in (gtq, gtk, gtv)):
-            raise Unsupported(
-                "ring forward over forward",
-                "context_parallel_attention(method='ring') computes the tangent of the output "
-                "but not the tangent of that tangent (a jvp of a jvp); use method='ulysses'")
-        (t_out,) = ctx.saved_tensors
-        # A copy: forward AD refuses an output as its own tangent, and the copy keeps the
-        # autograd history that a loss on the tangent needs.
-        return t_out.clone(), t_out.new_zeros(()).expand_as(t_out), None, None, None, None
 
     @staticmethod
     def backward(ctx, grad_out, grad_tangent_out, *_):
@@ -556,9 +547,20 @@ def _ring(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_cau
     if mask is not None:  # (B, 1, 1, N), B matching the flattened batch
         mask = mask.expand(*query.shape[:-3], 1, 1, mask.shape[-1]).reshape(
             -1, 1, 1, mask.shape[-1])
+    if _jvp_nesting() > 1:  # the fused tangent would be taken for the outer one's
+        raise Unsupported(
+            "ring forward over forward",
+            "context_parallel_attention(method='ring') computes the tangent of its output but "
+            "not the tangent of that tangent (torch.func.jvp nested in torch.func.jvp); use "
+            "method='ulysses'")
     ring = _make_ring(group, world, is_causal, layout, scale, q.shape[-2])
     tangents = _tangents_of(q, k, v)
-    out = _RingAttention.apply(q, k, v, *(tangents or (None,) * 3), mask, ring)[0]
+    if tangents is None:
+        out = _RingAttention.apply(q, k, v, None, None, None, mask, ring)[0]
+    else:  # one pass for O and tO; tO goes back to forward-mode AD as it is
+        primals = [forward_ad.unpack_dual(x).primal for x in (q, k, v)]
+        out, t_out = _RingAttention.apply(*primals, *tangents, mask, ring)[:2]
+        out = forward_ad.make_dual(out, t_out)
     return out.reshape(*query.shape[:-1], value.shape[-1])
 
 
@@ -788,6 +790,10 @@ def run_on_processes(fn: Callable[..., Any], world_size: int, *args: Any,
     Raises:
         RuntimeError: If a process fails (with the end of its output) or time runs out.
     """
+    if getattr(fn, "__module__", "__main__") == "__main__":
+        raise ValueError(f"run_on_processes runs {getattr(fn, '__name__', fn)!r} in new "
+                         "processes, which import it by name: define it in a module, not in "
+                         "a script or notebook")
     backend = backend or ("nccl" if torch.cuda.device_count() >= world_size else "gloo")
     with tempfile.TemporaryDirectory() as folder:
         with open(os.path.join(folder, "job.pkl"), "wb") as file:

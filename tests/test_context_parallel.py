@@ -1,0 +1,273 @@
+"""context_parallel_attention (chapter 10) on 2 and 4 CPU processes over gloo.
+
+Each world size starts its processes once (`run_on_processes`) and runs every check in them:
+
+* `compare_with_one_process` on a list of cases: the output, the tangent under
+  `torch.func.jvp`, the gradients of the plain backward, of the MeanFlow step (jvp, then a
+  backward through the primal output) and through both outputs (second order), each rank's
+  shard against `attention` on the whole sequence. float64 (PyTorch operations) must agree
+  with the float64 truth to 1e-12; float32 (the kernels, in Triton's interpreter) is held to
+  tests/helpers.py's rule: at most FLOOR_FACTOR times `attention`'s own error on one process
+  plus EPS_ROUNDINGS roundings at the problem's scale. The float64 cases cover the methods'
+  logic (causal in both layouts, GQA with fewer key/value heads than ranks, key-padding
+  masks, 4 ranks); the float32 ones the library's kernels through the adapter, at 2 ranks.
+* (2 ranks) `torch.autograd.forward_ad`, a gradient penalty through Ulysses, `vmap`, what the
+  ring refuses (a gradient of its gradients, forward over forward), and every bad call:
+  each must raise on *every* rank, with its message, instead of leaving one waiting.
+
+One test per world size, so that pytest-xdist never starts the same processes twice; the
+whole file runs in well under a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from jvp_attention import attention, context_parallel_attention, shard_sequence
+from jvp_attention.context_parallel import CheckCase, compare_with_one_process, run_on_processes
+
+F64, F32 = torch.float64, torch.float32
+TINY = {"batch": 1, "heads": 2, "kv_heads": 2, "length": 16, "head_dim": 8}
+TWO_RANKS = [
+    CheckCase("ulysses", F64, batch=2, heads=4, kv_heads=4, key_padding=True),
+    CheckCase("ulysses", F64, heads=4, kv_heads=1, is_causal=True, layout="zigzag"),
+    CheckCase("ring", F64, batch=2, heads=4, kv_heads=2, key_padding=True),
+    CheckCase("ring", F64, heads=4, kv_heads=4, is_causal=True),
+    CheckCase("ring", F64, batch=2, heads=4, kv_heads=2, is_causal=True, layout="zigzag",
+              key_padding=True),
+    CheckCase("ulysses", F32, **dict(TINY, kv_heads=1), is_causal=True, layout="zigzag",
+              key_padding=True),
+    CheckCase("ring", F32, **TINY, is_causal=True, layout="zigzag", key_padding=True),
+]
+FOUR_RANKS = [
+    CheckCase("ulysses", F64, heads=8, kv_heads=2, is_causal=True, key_padding=True),
+    CheckCase("ulysses", F64, heads=4, kv_heads=1, is_causal=True, layout="zigzag"),
+    CheckCase("ring", F64, batch=2, heads=2, kv_heads=1, key_padding=True),
+    CheckCase("ring", F64, heads=2, kv_heads=2, is_causal=True),
+    CheckCase("ring", F64, batch=2, heads=4, kv_heads=2, is_causal=True, layout="zigzag",
+              key_padding=True),
+]
+
+
+# --- what the processes run (imported by name in each of them) ------------------------------
+
+
+def checks_on_ranks(cases: list[CheckCase], probes: bool) -> dict:
+    """Every check of one world size, run on every rank; rank 0's result comes back."""
+    results = {"cases": compare_with_one_process(cases)}
+    if probes:
+        results["errors"] = bad_calls()
+        results["transforms"] = transforms()
+    return results
+
+
+def _sharded(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [shard_sequence(x, rank, world) for x in tensors]
+
+
+def _inputs(heads: int = 2, length: int = 8, dtype: torch.dtype = F64) -> list[torch.Tensor]:
+    """q, k, v, tq, tk, tv of the whole sequence, the same on every rank."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(1, heads, length, 4, generator=gen, dtype=dtype) for _ in range(6)]
+
+
+def _raised(call) -> list[str]:
+    """Every rank's exception, 'Type: message' (or 'no error'), gathered on every rank."""
+    try:
+        call()
+        mine = "no error"
+    except Exception as error:  # each rank reports what it raised, whatever it was
+        mine = f"{type(error).__name__}: {error}"
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def bad_calls() -> dict[str, list[str]]:
+    """Calls that must fail on every rank: what each rank raised, by call."""
+    rank = dist.get_rank()
+    q, k, v = _sharded(*_inputs()[:3])
+    keypad = torch.ones(1, 1, 1, q.shape[-2], dtype=torch.bool)
+    odd = [x[..., :3, :] for x in (q, k, v)]
+    return {
+        "unequal shards": _raised(lambda: context_parallel_attention(
+            q[..., : q.shape[-2] - rank, :], k, v)),
+        "heads not divisible": _raised(lambda: context_parallel_attention(
+            *(torch.cat([x, x[:, :1]], 1) for x in (q, k, v)))),
+        "query-varying mask": _raised(lambda: context_parallel_attention(
+            q, k, v, attn_mask=keypad.expand(1, 1, q.shape[-2], -1))),
+        "per-head mask": _raised(lambda: context_parallel_attention(
+            q, k, v, attn_mask=keypad.expand(1, 2, 1, -1), method="ring")),
+        "learnable mask": _raised(lambda: context_parallel_attention(
+            q, k, v, attn_mask=torch.zeros(1, 1, 1, q.shape[-2], dtype=F64,
+                                           requires_grad=True))),
+        "one rank's bad dtype": _raised(lambda: context_parallel_attention(
+            q, k.float() if rank == 1 else k, v)),
+        "ranks disagree on the method": _raised(lambda: context_parallel_attention(
+            q, k, v, method=("ulysses", "ring")[rank])),
+        "unknown method": _raised(lambda: context_parallel_attention(q, k, v, method="tree")),
+        "odd zigzag shard": _raised(lambda: context_parallel_attention(
+            *odd, layout="zigzag", is_causal=True)),
+        "causal cross-attention": _raised(lambda: context_parallel_attention(
+            q, k[..., :2, :], v[..., :2, :], is_causal=True, method="ring")),
+        "ring gradient penalty": _raised(lambda: _gradient_penalty("ring", q, k, v)),
+        "ring forward over forward": _raised(lambda: _forward_over_forward("ring", q, k, v)),
+    }
+
+
+def _gradient_penalty(method: str, q, k, v) -> torch.Tensor:
+    """d/dq of |d/dq sum(out^2)|^2 (a double backward)."""
+    q = q.detach().requires_grad_()
+    if method == "one":
+        out = attention(q, k, v, is_causal=True)
+    else:
+        out = context_parallel_attention(q, k, v, is_causal=True, method=method)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    return torch.autograd.grad(dq.square().sum(), q)[0]
+
+
+def _forward_over_forward(method: str, q, k, v) -> torch.Tensor:
+    """The tangent along k of the tangent along q (nested torch.func.jvp)."""
+    def attend(a, b):
+        if method == "one":
+            return attention(a, b, v, is_causal=True)
+        return context_parallel_attention(a, b, v, is_causal=True, method=method)
+
+    def inner(b):
+        return torch.func.jvp(lambda a: attend(a, b), (q,), (torch.ones_like(q),))[1]
+
+    return torch.func.jvp(inner, (k,), (torch.ones_like(k),))[1]
+
+
+def transforms() -> dict[str, float]:
+    """Largest differences from one process (or, for forward_ad, from torch.func.jvp)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    whole = _inputs()
+    q, k, v, tq, tk, tv = _sharded(*whole)
+    found = {}
+    for method in ("ulysses", "ring"):
+        def attend(a, b, c, method=method):
+            return context_parallel_attention(a, b, c, is_causal=True, method=method)
+
+        _, tangent = torch.func.jvp(attend, (q, k, v), (tq, tk, tv))
+        with torch.autograd.forward_ad.dual_level():
+            duals = [torch.autograd.forward_ad.make_dual(x, t)
+                     for x, t in zip((q, k, v), (tq, tk, tv), strict=True)]
+            dual_tangent = torch.autograd.forward_ad.unpack_dual(attend(*duals)).tangent
+        found[f"{method} forward_ad"] = (dual_tangent - tangent).abs().max().item()
+        batched = torch.func.vmap(attend, in_dims=(0, None, None))(torch.stack([q, 2 * q]), k, v)
+        one = torch.stack([attention(s * whole[0], *whole[1:3], is_causal=True) for s in (1, 2)])
+        found[f"{method} vmap"] = (batched - shard_sequence(one, rank, world)).abs().max().item()
+    penalty = _gradient_penalty("ulysses", q, k, v)
+    one = shard_sequence(_gradient_penalty("one", *whole[:3]), rank, world)
+    found["ulysses gradient penalty"] = (penalty - one).abs().max().item()
+    nested = _forward_over_forward("ulysses", q, k, v)
+    one = shard_sequence(_forward_over_forward("one", *whole[:3]), rank, world)
+    found["ulysses forward over forward"] = (nested - one).abs().max().item()
+    for name, value in found.items():  # the largest over the ranks
+        found[name] = max(_all(value))
+    return found
+
+
+def _all(value: float) -> list[float]:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+# --- the tests -------------------------------------------------------------------------------
+
+
+def allowance(case: CheckCase, numbers: dict) -> float:
+    """float64: 1e-12 at the problem's scale; kernels: tests/helpers.py's accuracy rule."""
+    from helpers import EPS_ROUNDINGS, FLOOR_FACTOR, UNIT_ROUNDOFF
+
+    scale = max(1.0, numbers["scale"])
+    if case.dtype == F64:
+        return 1e-12 * scale
+    roundings = EPS_ROUNDINGS["cpu"][case.dtype] * UNIT_ROUNDOFF[case.dtype]
+    return FLOOR_FACTOR * numbers["floor"] + roundings * scale
+
+
+def assert_match_one_process(cases: list[CheckCase], report: dict) -> None:
+    failures = []
+    for case in cases:
+        rows = report[case.label]
+        assert len(rows) == 15, f"{case.label}: quantities {sorted(rows)}"
+        for name, numbers in rows.items():
+            allowed = allowance(case, numbers)
+            if not numbers["error"] <= allowed:  # also catches NaN
+                failures.append(f"{case.label} {name}: error {numbers['error']:.2e} > allowed "
+                                f"{allowed:.2e} (one process: {numbers['floor']:.2e})")
+    assert not failures, "\n".join(failures)
+
+
+EXPECTED_ERRORS = {  # call: (exception type on every rank, words of the message)
+    "unequal shards": ("ValueError", "equal shards"),
+    "heads not divisible": ("ValueError", "multiple of 2"),
+    "query-varying mask": ("Unsupported", "key-padding mask"),
+    "per-head mask": ("Unsupported", "key-padding mask"),
+    "learnable mask": ("ValueError", "constant"),
+    "ranks disagree on the method": ("ValueError", "calls differ"),
+    "unknown method": ("ValueError", "method must be one of"),
+    "odd zigzag shard": ("ValueError", "even length"),
+    "causal cross-attention": ("ValueError", "same length"),
+    "ring gradient penalty": ("Unsupported", "method='ulysses'"),
+    "ring forward over forward": ("Unsupported", "method='ulysses'"),
+}
+
+
+def test_two_ranks_match_one_process_and_refuse_bad_calls() -> None:
+    results = run_on_processes(checks_on_ranks, 2, TWO_RANKS, True, backend="gloo")
+    assert_match_one_process(TWO_RANKS, results["cases"])
+    errors = results["errors"]
+    for call, (kind, words) in EXPECTED_ERRORS.items():
+        for rank, raised in enumerate(errors[call]):
+            assert raised.startswith(kind + ":") and words in raised, (call, rank, raised)
+    # Only rank 1 passes float32 keys: it names the dtype, rank 0 names rank 1.
+    theirs, mine = errors["one rank's bad dtype"][1], errors["one rank's bad dtype"][0]
+    assert theirs.startswith("TypeError") and "dtype" in theirs, theirs
+    assert mine.startswith("ValueError") and "rank(s) [1]" in mine, mine
+    for name, difference in results["transforms"].items():
+        assert difference <= 1e-12, (name, difference)
+
+
+def test_four_ranks_match_one_process() -> None:
+    results = run_on_processes(checks_on_ranks, 4, FOUR_RANKS, False, backend="gloo")
+    assert_match_one_process(FOUR_RANKS, results["cases"])
+
+
+def test_no_process_group_says_what_to_do() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        context_parallel_attention(q, q, q)
+
+
+def test_shard_sequence_layouts() -> None:
+    x = torch.arange(12.0).view(1, 1, 12, 1)
+    assert shard_sequence(x, 1, 3).flatten().tolist() == [4.0, 5.0, 6.0, 7.0]
+    assert shard_sequence(x, 1, 3, "zigzag").flatten().tolist() == [2.0, 3.0, 8.0, 9.0]
+    with pytest.raises(ValueError, match="equal chunks"):
+        shard_sequence(x, 0, 5)
+    with pytest.raises(ValueError, match="layout"):
+        shard_sequence(x, 0, 2, "spiral")
+
+
+def test_run_on_processes_needs_an_importable_function() -> None:
+    def local():
+        return 0
+
+    local.__module__ = "__main__"
+    with pytest.raises(ValueError, match="define it in a module"):
+        run_on_processes(local, 2)
+
+
+def test_case_labels_are_distinct() -> None:
+    for cases in (TWO_RANKS, FOUR_RANKS):
+        labels = [case.label for case in cases]
+        assert len(set(labels)) == len(labels), labels
