@@ -505,7 +505,7 @@ def flash_attention_backward(
     dmask_tangent = torch.zeros_like(dmask) if mask_grad and has_tangent else dmask
     # bf16 first-order gradients in "accurate" mode: exact fp16 copies instead of the split.
     # Carried dS is in shifted units, so the mask's gradient takes the split (as accurate).
-    carry = (exact and not has_tangent and not mask_grad and carries(q)
+    carry = (exact and not has_tangent and not mask_grad and carries(q, n_k)
              and min(q.numel(), k.numel(), grad_out.numel()) > 0)
     grad_operand, factors = grad_out, lse  # `factors` is not read without CARRY
     if carry:

@@ -249,10 +249,16 @@ def fp16_operand(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return torch.mul(wide, shift, out=torch.empty_like(x, dtype=torch.float16))
 
 
-def carries(q: torch.Tensor) -> bool:
-    """Whether "accurate" mode carries this dtype's rounded products as exact fp16 copies
-    (bf16) rather than splitting them (fp16; fp32 has nothing to round)."""
-    return q.dtype == torch.bfloat16
+# Keys per row from which carrying beats the split (the H200 measurement above).
+CARRY_MIN_KEYS = 2048
+
+
+def carries(q: torch.Tensor, n_keys: int) -> bool:
+    """Whether "accurate" mode carries the rounded products as exact fp16 copies rather
+    than splitting them: bf16 inputs with at least CARRY_MIN_KEYS keys per row. Shorter rows
+    split, which is as accurate and cheaper there; fp16 always splits (it has no wider 16-bit
+    type) and fp32 has nothing to round."""
+    return q.dtype == torch.bfloat16 and n_keys >= CARRY_MIN_KEYS
 
 
 def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Tensor,
@@ -622,7 +628,7 @@ def flash_attention_forward(
     # The shifts bound tS by the inputs' magnitudes, which a mask tangent's tB escapes (the
     # kernel would also need tB in the shifted units): with one, the split instead, which is
     # as accurate.
-    carry = (has_tangent and exact and carries(q) and mask_tangent is None
+    carry = (has_tangent and exact and carries(q, n_k) and mask_tangent is None
              and min(q.numel(), k.numel()) > 0)
     factors = lse  # not read without CARRY
     if carry:

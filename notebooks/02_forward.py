@@ -367,6 +367,21 @@ def _forward_key_block(
 # keeps fewer bits for its smallest entries, and one above $2^{52}$ would overflow float16.
 # fp16 inputs have no wider 16-bit type and keep the split; chapter 5 carries the backward
 # the same way.
+#
+# The range pass and the copies cost about a dozen small launches and two O(N) passes per
+# call, which the saved products pay back only on long rows. Measured on the H200 (bf16, GPU
+# time per call in ms of the forward+JVP, one run, B·H = 196608 / N rows of N tokens, so the
+# same number of query rows at every N):
+#
+# | d, N | 256 | 512 | 1024 | 2048 | 4096 | 16384 |
+# |---|---|---|---|---|---|---|
+# | 64: carry / split / fast | 0.33 / 0.18 / 0.15 | 0.41 / 0.29 / 0.24 | 0.58 / 0.52 / 0.40 | 0.94 / 0.98 / 0.73 | 1.57 / 1.93 / 1.38 | 5.19 / 7.48 / 4.98 |
+# | 128: carry / split / fast | 0.63 / 0.36 / 0.31 | 0.80 / 0.57 / 0.48 | 1.15 / 1.01 / 0.83 | 1.83 / 1.87 / 1.51 | 3.20 / 3.60 / 2.88 | |
+#
+# So "accurate" carries from 2048 keys per row and splits below (`CARRY_MIN_KEYS`); the
+# backward's crossover (chapter 5) lies at 1024 to 2048 keys, and it uses the same rule.
+# At short rows accurate mode therefore costs the split's extra products: 15 to 30% more
+# GPU time than "fast" for the forward+JVP, where the call is bound by host work anyway.
 
 # %% tags=["export"]
 # |exponent| of any carrying shift: sums of three exponents stay inside fp32's range.
@@ -419,10 +434,16 @@ def fp16_operand(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return torch.mul(wide, shift, out=torch.empty_like(x, dtype=torch.float16))
 
 
-def carries(q: torch.Tensor) -> bool:
-    """Whether "accurate" mode carries this dtype's rounded products as exact fp16 copies
-    (bf16) rather than splitting them (fp16; fp32 has nothing to round)."""
-    return q.dtype == torch.bfloat16
+# Keys per row from which carrying beats the split (the H200 measurement above).
+CARRY_MIN_KEYS = 2048
+
+
+def carries(q: torch.Tensor, n_keys: int) -> bool:
+    """Whether "accurate" mode carries the rounded products as exact fp16 copies rather
+    than splitting them: bf16 inputs with at least CARRY_MIN_KEYS keys per row. Shorter rows
+    split, which is as accurate and cheaper there; fp16 always splits (it has no wider 16-bit
+    type) and fp32 has nothing to round."""
+    return q.dtype == torch.bfloat16 and n_keys >= CARRY_MIN_KEYS
 
 
 def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Tensor,
@@ -828,7 +849,7 @@ def flash_attention_forward(
     # The shifts bound tS by the inputs' magnitudes, which a mask tangent's tB escapes (the
     # kernel would also need tB in the shifted units): with one, the split instead, which is
     # as accurate.
-    carry = (has_tangent and exact and carries(q) and mask_tangent is None
+    carry = (has_tangent and exact and carries(q, n_k) and mask_tangent is None
              and min(q.numel(), k.numel()) > 0)
     factors = lse  # not read without CARRY
     if carry:

@@ -273,6 +273,13 @@ def _backward_tile(
 # float16; nothing waits for the host. The copies are O(N) memory, like the inputs. fp16
 # inputs have no wider 16-bit type to go to and keep the split; so does the backward through
 # the tangent (chapter 6), whose extra operands would need ranges of their own.
+#
+# As in the forward, the range pass pays back only on long rows, and the launcher carries
+# from chapter 2's `CARRY_MIN_KEYS` (2048) keys per row. Measured on the H200 (bf16, GPU time
+# in ms of the primal backward after a forward+JVP, B·H = 196608 / N; carry / split / fast):
+# at d = 64, N = 256: 0.45 / 0.32 / 0.22, N = 1024: 0.72 / 0.83 / 0.48, N = 2048:
+# 1.09 / 1.51 / 0.84; at d = 128, N = 1024: 1.23 / 1.10 / 0.81, N = 2048: 1.81 / 1.96 / 1.39.
+# (At d = 64 carrying would already win at 1024 keys, by 13%; one rule keeps it simple.)
 
 # %% tags=["export"]
 P_EXPONENT = tl.constexpr(8)  # carried probabilities are P * 2**8: normal fp16 for P >= 2**-22
@@ -672,7 +679,7 @@ def flash_attention_backward(
     dmask_tangent = torch.zeros_like(dmask) if mask_grad and has_tangent else dmask
     # bf16 first-order gradients in "accurate" mode: exact fp16 copies instead of the split.
     # Carried dS is in shifted units, so the mask's gradient takes the split (as accurate).
-    carry = (exact and not has_tangent and not mask_grad and carries(q)
+    carry = (exact and not has_tangent and not mask_grad and carries(q, n_k)
              and min(q.numel(), k.numel(), grad_out.numel()) > 0)
     grad_operand, factors = grad_out, lse  # `factors` is not read without CARRY
     if carry:

@@ -115,14 +115,22 @@ def _operator(name: str):
 
 
 def _launch(name: str, *args):
-    """Run operator `name`: in eager mode on plain tensors the launcher itself, which skips
-    the dispatcher's per-call work; under torch.compile the operator (opaque to Dynamo, with
-    its fake implementation), and also for functorch's wrapped tensors (a backward inside
-    torch.func.grad), which the operator unwraps and Triton cannot read."""
-    if torch.compiler.is_compiling() or any(
-            isinstance(x, Tensor) and _is_functorch_wrapped(x) for x in args):
-        return getattr(torch.ops.jvp_attention, name)(*args)
-    return _LAUNCHERS[name](*args)
+    """Run operator `name`. On plain tensors in eager mode: the launcher itself, which skips
+    the dispatcher's per-call work. Otherwise the operator: under torch.compile and
+    AOTAutograd's tracing (fake and functional tensors: the operator is opaque and has a fake
+    implementation), for functorch's wrapped tensors (a backward inside torch.func.grad: the
+    operator unwraps them), and under a dispatch mode (make_fx, FlopCounterMode), which
+    should see the operator."""
+    if _plain_eager(args):
+        return _LAUNCHERS[name](*args)
+    return getattr(torch.ops.jvp_attention, name)(*args)
+
+
+def _plain_eager(args) -> bool:
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    return all(type(x) is Tensor and not _is_functorch_wrapped(x)
+               for x in args if isinstance(x, Tensor))
 
 
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor

@@ -26,12 +26,15 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
 FORWARD_JVP_LAUNCHES = 1  # the fused forward+JVP kernel
 PRIMAL_BACKWARD_LAUNCHES = 3  # row statistics, dK/dV, dQ
 SECOND_ORDER_LAUNCHES = 3  # the same three with the tangent switched on
-# PyTorch operations dispatched per call outside Triton's launches: the launchers'
-# allocations, views, and forward AD's dual bookkeeping (make_dual's metadata checks).
-FORWARD_JVP_OPS = 43
-PRIMAL_BACKWARD_OPS = 15  # with the test's own ones_like
+# PyTorch operations dispatched per call: our operator (under a dispatch mode, such as the
+# counter here, the library calls its operators, whose launchers the mode does not see; in
+# plain eager mode it calls the launchers directly), views, and forward AD's dual
+# bookkeeping (make_dual's metadata checks).
+FORWARD_JVP_OPS = 38
+PRIMAL_BACKWARD_OPS = 11  # with the test's own ones_like
 # Operations that are no GPU kernel: what a call may dispatch besides our launches.
-NO_KERNEL = {"aten.alias.default", "aten.is_same_size.default", "aten.view.default",
+NO_KERNEL = {"jvp_attention.forward_jvp.default", "jvp_attention.backward.default",
+             "aten.alias.default", "aten.is_same_size.default", "aten.view.default",
              "aten._has_same_storage_numel.default", "aten.detach.default",
              "aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default"}
 
@@ -113,3 +116,18 @@ def test_plain_forward_is_one_launch(launches) -> None:
         launches.clear()
         jvp_attention.attention(*inputs)
     assert sum(launches.values()) == 1, launches
+
+
+def test_eager_calls_skip_the_dispatcher(monkeypatch) -> None:
+    """In plain eager mode the Functions call the launchers, not the operators (whose
+    dispatch costs as much host time as the kernels take at training shapes)."""
+    inputs, tangents = _inputs(torch.float16)
+    for name in ("forward_jvp", "backward"):
+        monkeypatch.setattr(torch.ops.jvp_attention, name, _refuse)
+    out, _ = torch.func.jvp(jvp_attention.attention, inputs, tangents)
+    out.backward(torch.ones_like(out))
+    assert inputs[0].grad is not None
+
+
+def _refuse(*args):
+    raise AssertionError("an eager call went through the dispatcher")

@@ -234,14 +234,25 @@ def test_carried_tangents_on_cpu(scales, monkeypatch) -> None:
     """The shifts and the factors that undo them. The interpreter multiplies bf16 bits
     wrongly (it multiplies raw bf16 bits), so here fp16 inputs are forced down the carrying path; carried fp16
     is as accurate as "fast", within the rule."""
-    monkeypatch.setattr(jvp_attention.forward, "carries", lambda q: True)
+    monkeypatch.setattr(jvp_attention.forward, "carries", lambda q, n_keys: True)
     check_carried_tangents(scales, torch.float16, "cpu", 40, 32)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1000, 2100], ids=["split", "carried"])
 @pytest.mark.parametrize("scales", TANGENT_SCALES.values(), ids=TANGENT_SCALES)
-def test_carried_tangents_gpu(scales) -> None:
-    check_carried_tangents(scales, torch.bfloat16, "cuda", 1000, 128)
+def test_carried_tangents_gpu(scales, n: int) -> None:
+    """bf16 tangents in accurate mode: split below CARRY_MIN_KEYS keys, carried above."""
+    assert jvp_attention.forward.carries(torch.empty(0, dtype=torch.bfloat16), n + 3) == (n > 2000)
+    check_carried_tangents(scales, torch.bfloat16, "cuda", n, 128)
+
+
+def test_carrying_starts_at_long_rows() -> None:
+    bf16, fp16 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float16)
+    limit = jvp_attention.forward.CARRY_MIN_KEYS
+    assert jvp_attention.forward.carries(bf16, limit)
+    assert not jvp_attention.forward.carries(bf16, limit - 1)
+    assert not jvp_attention.forward.carries(fp16, 10 * limit)
 
 
 # --- an additive mask with a tangent (learnable biases: tS gains tB; notebook 02) ----------
