@@ -115,7 +115,8 @@ def chapter_list(page_path: str) -> str:
 # (`sdpa()` yields an SDPARouting; the library raises Unsupported). Names exported later are
 # added after these, in `__all__`'s order.
 API_ORDER = ["attention", "attention_jvp", "sdpa", "SDPARouting", "set_precision", "Unsupported",
-             "reference_attention", "tiled_attention", "AttentionOutputs"]
+             "context_parallel_attention", "shard_sequence", "reference_attention",
+             "tiled_attention", "AttentionOutputs"]
 API_EXTRAS = {"SDPARouting": "autograd", "Unsupported": "autograd"}
 
 

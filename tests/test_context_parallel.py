@@ -15,11 +15,19 @@ Each world size starts its processes once (`run_on_processes`) and runs every ch
   ring refuses (a gradient of its gradients, forward over forward), and every bad call:
   each must raise on *every* rank, with its message, instead of leaving one waiting.
 
-One test per world size, so that pytest-xdist never starts the same processes twice; the
-whole file runs in well under a minute on two cores.
+One test per world size, so that pytest-xdist never starts the same processes twice. Last,
+`benchmarks/context_parallel.py --smoke` runs as a user runs it (torchrun, two gloo processes,
+PyTorch operations at tiny sizes) and writes its JSON. The file takes about a minute on two
+cores.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +36,7 @@ import torch.distributed as dist
 from jvp_attention import attention, context_parallel_attention, shard_sequence
 from jvp_attention.context_parallel import CheckCase, compare_with_one_process, run_on_processes
 
+REPO = Path(__file__).resolve().parent.parent
 F64, F32 = torch.float64, torch.float32
 TINY = {"batch": 1, "heads": 2, "kv_heads": 2, "length": 16, "head_dim": 8}
 TWO_RANKS = [
@@ -39,7 +48,8 @@ TWO_RANKS = [
               key_padding=True),
     CheckCase("ulysses", F32, **dict(TINY, kv_heads=1), is_causal=True, layout="zigzag",
               key_padding=True),
-    CheckCase("ring", F32, **TINY, is_causal=True, layout="zigzag", key_padding=True),
+    CheckCase("ring", F32, **dict(TINY, kv_heads=1), is_causal=True, layout="zigzag",
+              key_padding=True),
 ]
 FOUR_RANKS = [
     CheckCase("ulysses", F64, heads=8, kv_heads=2, is_causal=True, key_padding=True),
@@ -271,3 +281,27 @@ def test_case_labels_are_distinct() -> None:
     for cases in (TWO_RANKS, FOUR_RANKS):
         labels = [case.label for case in cases]
         assert len(set(labels)) == len(labels), labels
+
+
+def test_benchmark_smoke_run(tmp_path: Path) -> None:
+    out = tmp_path / "context_parallel.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
+                                                                     os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "context_parallel.py"),
+                             "--smoke", "--out", str(out)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["schema"] == "jvp_attention.context_parallel/1" and record["complete"]
+    assert record["world_size"] == 2 and record["backend"] == "gloo" and record["smoke"]
+    for key in ("date", "command", "versions", "git", "settings", "definitions"):
+        assert record[key], key
+    cases = {(c["impl"], c["mode"]): c for c in record["cases"]}
+    assert set(cases) == {(i, m) for i in ("one", "ulysses", "ring")
+                          for m in ("fwd_jvp", "meanflow")}
+    for case in cases.values():
+        assert case["status"] == "ok" and case["ms"] > 0, case
+        assert case["gpus"] == (1 if case["impl"] == "one" else 2)
+    assert len(record["checks"]) == 2
+    assert all(q["passed"] for rows in record["checks"].values() for q in rows.values())
+    assert "| N | causal | mode | one | ulysses | ring |" in result.stdout
