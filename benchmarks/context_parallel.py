@@ -57,7 +57,11 @@ for path in (str(HERE.parent), str(HERE)):
 import bench  # noqa: E402  (benchmarks/bench.py: run_record, write_json, the FLOP convention)
 
 from jvp_attention import attention, context_parallel_attention  # noqa: E402
-from jvp_attention.context_parallel import CheckCase, compare_with_one_process  # noqa: E402
+from jvp_attention.context_parallel import (  # noqa: E402
+    CheckCase,
+    allowed_error,
+    compare_with_one_process,
+)
 
 SCHEMA = "jvp_attention.context_parallel/1"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -65,10 +69,6 @@ IMPLS = ("one", "ulysses", "ring")
 MODES = ("fwd_jvp", "meanflow")
 # bench.py's FLOP convention: the forward + JVP counts 3 forwards, the backward 2.5 more.
 MODE_PARTS = {"fwd_jvp": ("fwd_jvp",), "meanflow": ("fwd_jvp", "bwd")}
-# tests/helpers.py's accuracy rule on a GPU: at most twice one GPU's error, plus roundings.
-FLOOR_FACTOR = 2.0
-ROUNDINGS = {torch.bfloat16: 0.05 * 2.0**-8, torch.float16: 0.05 * 2.0**-11,
-             torch.float32: 16 * 2.0**-24}
 SMOKE = {"n": [32], "heads": 4, "head_dim": 16, "dtype": "fp32", "reps": 1, "warmup": 1,
          "check_n": 32}
 
@@ -240,8 +240,9 @@ def measure(impl: str, mode: str, n: int, causal: bool, args: argparse.Namespace
     return record
 
 
-def check(n: int, causal: bool, args: argparse.Namespace) -> dict:
-    """Both methods' results at length n against one process (maxima over the ranks)."""
+def check(n: int, causal: bool, args: argparse.Namespace, device: torch.device) -> dict:
+    """Both methods' results at length n against one process (maxima over the ranks), each
+    quantity judged by chapter 10's `allowed_error`."""
     dtype = DTYPES[args.dtype]
     truth = torch.float64 if dtype == torch.float32 else torch.float32
     cases = [CheckCase(method, dtype, args.batch, args.heads, args.heads, n, args.head_dim,
@@ -249,9 +250,8 @@ def check(n: int, causal: bool, args: argparse.Namespace) -> dict:
              for method in ("ulysses", "ring") if method in args.impls]
     report = compare_with_one_process(cases, truth_dtype=truth)
     for rows in report.values():
-        for numbers in rows.values():
-            allowed = (FLOOR_FACTOR * numbers["floor"]
-                       + ROUNDINGS[dtype] * max(1.0, numbers["scale"]))
+        for name, numbers in rows.items():
+            allowed = allowed_error(dtype, name, numbers, dist.get_world_size(), device.type)
             numbers.update(allowed=allowed, passed=numbers["error"] <= allowed)
     return report
 
@@ -285,7 +285,8 @@ def header(args: argparse.Namespace, device: torch.device) -> dict:
                               "beyond what the GPU held before it",
             "held_memory_mb": "largest over the GPUs of what the case's inputs hold",
             "checks": "error: max |method - truth| over the ranks; floor: the same for "
-                      "attention on one process; passed: error <= 2 floor + roundings",
+                      "attention on one process; passed: error <= allowed "
+                      "(jvp_attention.context_parallel.allowed_error)",
         },
         "checks": {},
         "cases": [],
@@ -325,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         for n in args.n:
             for causal in (False, True) if args.causal else (False,):
                 if n == args.check_n:
-                    record["checks"].update(check(n, causal, args))
+                    record["checks"].update(check(n, causal, args, device))
                     free_memory(device)
                 for impl in args.impls:
                     for mode in args.modes:

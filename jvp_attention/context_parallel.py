@@ -921,9 +921,10 @@ def _compare_case(case: CheckCase, seed: int, truth_dtype: torch.dtype) -> dict[
         return attention(q, k, v, attn_mask=mask, **options)
 
     ours = _derivatives(sharded, [shard(x) for x in inputs], [shard(g) for g in cotangents])
-    one = _derivatives(whole, inputs, cotangents)
-    truth = one if case.dtype == truth_dtype else _derivatives(
-        whole, [x.to(truth_dtype) for x in inputs], [g.to(truth_dtype) for g in cotangents])
+    one = _from_rank_zero(lambda: _derivatives(whole, inputs, cotangents), ours, case.dtype)
+    truth = one if case.dtype == truth_dtype else _from_rank_zero(
+        lambda: _derivatives(whole, [x.to(truth_dtype) for x in inputs],
+                             [g.to(truth_dtype) for g in cotangents]), ours, truth_dtype)
     report = {}
     for name, value in ours.items():
         want = shard(truth[name])
@@ -933,6 +934,21 @@ def _compare_case(case: CheckCase, seed: int, truth_dtype: torch.dtype) -> dict[
         dist.all_reduce(numbers, op=dist.ReduceOp.MAX)
         report[name] = dict(zip(("error", "floor", "scale"), numbers.tolist(), strict=True))
     return report
+
+
+def _from_rank_zero(compute: Callable[[], dict[str, Tensor]], shards: dict[str, Tensor],
+                    dtype: torch.dtype) -> dict[str, Tensor]:
+    """`compute()` (results on the whole sequence) on rank 0 only, broadcast to the ranks,
+    which know each result's shape from their `shards` of it."""
+    world = dist.get_world_size()
+    if dist.get_rank() == 0:
+        results = {name: x.contiguous() for name, x in compute().items()}
+    else:
+        results = {name: x.new_empty((*x.shape[:-2], x.shape[-2] * world, x.shape[-1]),
+                                     dtype=dtype) for name, x in shards.items()}
+    for name in shards:
+        dist.broadcast(results[name], 0)
+    return results
 
 
 def _case_tensors(case: CheckCase, seed: int, device: torch.device):
@@ -976,3 +992,25 @@ def _derivatives(attend: Callable[..., Tensor], inputs: list[Tensor],
     results.update(zip(names, torch.autograd.grad((out, t_out), xs + ts, (grad, grad_tangent)),
                        strict=True))
     return {name: x.detach() for name, x in results.items()}
+
+
+# The accuracy rule of tests/helpers.py, with its constants: at most FLOOR_FACTOR times the
+# error of `attention` on one process, plus a few roundings of the dtype at the problem's
+# scale; and for a gradient one rounding per rank more, because each block's gradient is
+# rounded to the dtype before the fp32 sums over blocks and ranks. float64: 1e-12.
+FLOOR_FACTOR = 2.0
+EPS_ROUNDINGS = {"cpu": {torch.float32: 8.0, torch.float16: 3.0},
+                 "cuda": {torch.float32: 16.0, torch.float16: 0.05, torch.bfloat16: 0.05}}
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def allowed_error(dtype: torch.dtype, quantity: str, numbers: dict, world: int,
+                  device_type: str = "cpu") -> float:
+    """The largest error `compare_with_one_process` may report for `quantity`."""
+    scale = max(1.0, numbers["scale"])
+    if dtype == torch.float64:
+        return 1e-12 * scale
+    roundings = EPS_ROUNDINGS[device_type][dtype]
+    if quantity.split("_")[-1].startswith("d"):  # dq, meanflow_dk, second_dtv, ...
+        roundings += world
+    return FLOOR_FACTOR * numbers["floor"] + roundings * UNIT_ROUNDOFF[dtype] * scale

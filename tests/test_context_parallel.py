@@ -7,8 +7,10 @@ Each world size starts its processes once (`run_on_processes`) and runs every ch
   backward through the primal output) and through both outputs (second order), each rank's
   shard against `attention` on the whole sequence. float64 (PyTorch operations) must agree
   with the float64 truth to 1e-12; float32 (the kernels, in Triton's interpreter) is held to
-  tests/helpers.py's rule: at most FLOOR_FACTOR times `attention`'s own error on one process
-  plus EPS_ROUNDINGS roundings at the problem's scale. The float64 cases cover the methods'
+  tests/helpers.py's rule (`allowed_error`, whose constants are checked against helpers'): at
+  most FLOOR_FACTOR times `attention`'s own error on one process plus EPS_ROUNDINGS roundings
+  at the problem's scale, and for gradients one rounding per rank (each block's gradient is
+  rounded to the dtype before the sums). The float64 cases cover the methods'
   logic (causal in both layouts, GQA with fewer key/value heads than ranks, key-padding
   masks, 4 ranks); the float32 ones the library's kernels through the adapter, at 2 ranks.
 * (2 ranks) `torch.autograd.forward_ad`, a gradient penalty through Ulysses, `vmap`, what the
@@ -33,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import jvp_attention.context_parallel as cp
 from jvp_attention import attention, context_parallel_attention, shard_sequence
 from jvp_attention.context_parallel import CheckCase, compare_with_one_process, run_on_processes
 
@@ -191,24 +194,29 @@ def _all(value: float) -> list[float]:
 # --- the tests -------------------------------------------------------------------------------
 
 
-def allowance(case: CheckCase, numbers: dict) -> float:
-    """float64: 1e-12 at the problem's scale; kernels: tests/helpers.py's accuracy rule."""
-    from helpers import EPS_ROUNDINGS, FLOOR_FACTOR, UNIT_ROUNDOFF
+def test_the_allowance_is_the_suites_rule() -> None:
+    """allowed_error uses tests/helpers.py's constants (plus a rounding per rank for
+    gradients), and fails an error a little above them."""
+    import helpers
 
-    scale = max(1.0, numbers["scale"])
-    if case.dtype == F64:
-        return 1e-12 * scale
-    roundings = EPS_ROUNDINGS["cpu"][case.dtype] * UNIT_ROUNDOFF[case.dtype]
-    return FLOOR_FACTOR * numbers["floor"] + roundings * scale
+    assert cp.FLOOR_FACTOR == helpers.FLOOR_FACTOR
+    assert cp.EPS_ROUNDINGS == helpers.EPS_ROUNDINGS
+    assert cp.UNIT_ROUNDOFF == helpers.UNIT_ROUNDOFF
+    numbers = {"error": 0.0, "floor": 1e-6, "scale": 4.0}
+    out = 2e-6 + 8 * 2.0**-24 * 4.0
+    assert cp.allowed_error(F32, "tangent_out", numbers, 2) == pytest.approx(out)
+    assert cp.allowed_error(F32, "second_dtk", numbers, 2) == pytest.approx(out + 2 * 2.0**-22)
+    assert cp.allowed_error(F64, "dq", numbers, 4) == 4e-12
 
 
-def assert_match_one_process(cases: list[CheckCase], report: dict) -> None:
+def assert_match_one_process(cases: list[CheckCase], report: dict, world: int,
+                             device_type: str = "cpu") -> None:
     failures = []
     for case in cases:
         rows = report[case.label]
         assert len(rows) == 15, f"{case.label}: quantities {sorted(rows)}"
         for name, numbers in rows.items():
-            allowed = allowance(case, numbers)
+            allowed = cp.allowed_error(case.dtype, name, numbers, world, device_type)
             if not numbers["error"] <= allowed:  # also catches NaN
                 failures.append(f"{case.label} {name}: error {numbers['error']:.2e} > allowed "
                                 f"{allowed:.2e} (one process: {numbers['floor']:.2e})")
@@ -232,7 +240,7 @@ EXPECTED_ERRORS = {  # call: (exception type on every rank, words of the message
 
 def test_two_ranks_match_one_process_and_refuse_bad_calls() -> None:
     results = run_on_processes(checks_on_ranks, 2, TWO_RANKS, True, backend="gloo")
-    assert_match_one_process(TWO_RANKS, results["cases"])
+    assert_match_one_process(TWO_RANKS, results["cases"], 2)
     errors = results["errors"]
     for call, (kind, words) in EXPECTED_ERRORS.items():
         for rank, raised in enumerate(errors[call]):
@@ -247,7 +255,25 @@ def test_two_ranks_match_one_process_and_refuse_bad_calls() -> None:
 
 def test_four_ranks_match_one_process() -> None:
     results = run_on_processes(checks_on_ranks, 4, FOUR_RANKS, False, backend="gloo")
-    assert_match_one_process(FOUR_RANKS, results["cases"])
+    assert_match_one_process(FOUR_RANKS, results["cases"], 4)
+
+
+GPU_CASES = [
+    CheckCase(method, dtype, batch=2, heads=8, kv_heads=kv, length=2048, head_dim=128,
+              is_causal=causal, layout=layout, key_padding=True)
+    for dtype in (torch.bfloat16, torch.float16, F32)
+    for method, kv, causal, layout in (("ulysses", 2, True, "zigzag"), ("ring", 2, False,
+                                                                        "contiguous"),
+                                       ("ring", 1, True, "zigzag"))
+]
+
+
+@pytest.mark.gpu
+def test_two_gpus_match_one_over_nccl() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    results = run_on_processes(checks_on_ranks, 2, GPU_CASES, False, backend="nccl")
+    assert_match_one_process(GPU_CASES, results["cases"], 2, "cuda")
 
 
 def test_no_process_group_says_what_to_do() -> None:
@@ -278,7 +304,7 @@ def test_run_on_processes_needs_an_importable_function() -> None:
 
 
 def test_case_labels_are_distinct() -> None:
-    for cases in (TWO_RANKS, FOUR_RANKS):
+    for cases in (TWO_RANKS, FOUR_RANKS, GPU_CASES):
         labels = [case.label for case in cases]
         assert len(set(labels)) == len(labels), labels
 
