@@ -16,9 +16,9 @@
 # A video diffusion transformer attends over tens of thousands of tokens: Wan 2.1 at 720p
 # and 81 frames sees about 75,000. One GPU then holds every query, key and value of a
 # layer, their tangents under `torch.func.jvp`, and does all of the $O(N^2)$ work. *Context
-# parallelism* shards the sequence: each of $W$ processes holds a contiguous $1/W$ of the
-# tokens (the rest of the model is token-wise, so nothing else has to change) and the
-# attention layers exchange what they need through `torch.distributed`.
+# parallelism* shards the sequence: each of $W$ processes holds $1/W$ of the tokens (the
+# rest of the model works token by token, so nothing else has to change) and the attention
+# layers exchange what they need through `torch.distributed`.
 #
 # ```python
 # out = jvp_attention.context_parallel_attention(
@@ -173,9 +173,9 @@ for layout in ("contiguous", "zigzag"):
 #
 # $$O = \sum_b w_b\, O_b,\qquad w_b = e^{\mathrm{LSE}_b - \mathrm{LSE}},\qquad \sum_b w_b = 1 .$$
 #
-# **The tangent.** Differentiate along the inputs' tangents. Chapter 1 named the tangent of
-# $\mathrm{LSE}_b$ $\mu_b$, and that of $O_b$ $t_{O,b}$. From
-# $e^{\mathrm{LSE}} = \sum_b e^{\mathrm{LSE}_b}$,
+# **The tangent.** Differentiate along the inputs' tangents, writing $\mu_b$ for the
+# tangent of $\mathrm{LSE}_b$ (chapter 1's $\mu$, for block $b$) and $t_{O,b}$ for that of
+# $O_b$. From $e^{\mathrm{LSE}} = \sum_b e^{\mathrm{LSE}_b}$,
 #
 # $$\mu = \frac{\sum_b e^{\mathrm{LSE}_b} \mu_b}{e^{\mathrm{LSE}}} = \sum_b w_b\, \mu_b,
 # \qquad t_{w_b} = w_b\,(\mu_b - \mu),$$
@@ -187,8 +187,8 @@ for layout in ("contiguous", "zigzag"):
 # A row that sees no key of block $b$ has $\mathrm{LSE}_b = -\infty$, so $w_b = 0$; a row
 # that sees no key at all has $\mathrm{LSE} = -\infty$ and, by the library's convention,
 # $O = t_O = 0$, $\mu = 0$. Merging two at a time, $(\mathrm{LSE}_a, O_a, t_{O,a}, \mu_a)$
-# with $(\mathrm{LSE}_b, \dots)$ by the same formulas with $B = 2$, is the same sum grouped
-# differently, which is what a ring does as blocks arrive. The weights are computed
+# with $(\mathrm{LSE}_b, \dots)$ by the same formulas for two blocks, is the same sum
+# grouped differently, which is what a ring does as blocks arrive. The weights are computed
 # against a shift that is $0$ where $\mathrm{LSE} = -\infty$, so nothing becomes NaN.
 
 # %% tags=["export"]
@@ -1429,6 +1429,11 @@ for case in cases:
 # * **Ring** sends $k, v, t_k, t_v$ of one shard $W - 1$ times, overlapped with the blocks'
 #   compute; the backward sends the block and its fp32 gradient sums. The work is split into
 #   $W$ block calls per rank, and the merge adds a few element-wise passes over $O$ and $t_O$.
+#
+# Both hold the running merge (ring) or the head shards (Ulysses) beside the inputs, a few
+# shards' worth of memory, nothing of size $N \times N$. Every call also all-gathers the
+# ranks' shapes (a dozen integers) and reads them on the host, which waits for the GPU to
+# get there: one synchronisation per call, small next to attention over these lengths.
 #
 # Within one machine (NVLink) Ulysses' all-to-alls are cheap and it keeps one kernel call
 # per layer; the ring needs no rule on heads and its traffic hides behind compute when a
