@@ -6,6 +6,7 @@
 """
 
 import contextlib
+import inspect
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -386,6 +387,12 @@ class _FusedTangent(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+# Function.apply binds default arguments through inspect.signature on every call (about as
+# long as the rest of a call's Python): a precomputed __signature__ makes it a lookup.
+for _function in (_Attention, _FusedTangent):
+    _function.forward.__signature__ = inspect.signature(_function.forward)
+
+
 # Under torch.compile, AOTAutograd differentiates the operators themselves (Dynamo traces a
 # Function's forward, not its backward): give them the Functions' rules.
 torch.library.register_autograd("jvp_attention::forward", _Attention.backward,
@@ -571,7 +578,7 @@ def attention(
             *primals[:3], *tangents[:3], primals[3], tangents[3], is_causal, scale,
             _wants_residual(*primals[:3], *tangents[:3]), precision)[:2]
         out = forward_ad.make_dual(out, tangent_out)
-    return out.reshape(*query.shape[:-1], value.shape[-1])
+    return out if query.dim() == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
 
 
 def attention_jvp(
@@ -678,7 +685,8 @@ def _precision() -> str:
 def _as_4d(query, key, value, attn_mask):
     """Flatten leading dims into one batch dim (a view whenever the layout allows); the mask
     is broadcast to (B, Hq, Nq, Nk) as a stride-0 view."""
-    q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (query, key, value))
+    q, k, v = (x if x.dim() == 4 else x.reshape(-1, *x.shape[-3:])
+               for x in (query, key, value))  # a reshape of a dual tensor is not free
     if attn_mask is None:
         return q, k, v, None
     return q, k, v, _as_4d_mask(attn_mask, query, key)
