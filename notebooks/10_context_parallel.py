@@ -812,7 +812,8 @@ def _refuse_double_backward(grads, anchors) -> tuple:
 
 def _ring(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
           scale: float, enable_gqa: bool, layout: str, group: Any, world: int) -> Tensor:
-    q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (query, key, value))
+    # (B, H, N, D); only reshaped when needed (a reshape of a dual tensor is not free)
+    q, k, v = (x if x.dim() == 4 else x.reshape(-1, *x.shape[-3:]) for x in (query, key, value))
     if mask is not None:  # (B, 1, 1, N), B matching the flattened batch
         mask = mask.expand(*query.shape[:-3], 1, 1, mask.shape[-1]).reshape(
             -1, 1, 1, mask.shape[-1])
@@ -830,7 +831,7 @@ def _ring(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_cau
         primals = [forward_ad.unpack_dual(x).primal for x in (q, k, v)]
         out, t_out = _RingAttention.apply(*primals, *tangents, mask, ring)[:2]
         out = forward_ad.make_dual(out, t_out)
-    return out.reshape(*query.shape[:-1], value.shape[-1])
+    return out if query.dim() == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
 
 
 def _tangents_of(*tensors: Tensor) -> tuple[Tensor, ...] | None:
