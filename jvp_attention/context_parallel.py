@@ -843,7 +843,8 @@ def _process_main(rank: str, world: str, backend: str, folder: str) -> None:
     rank, world = int(rank), int(world)
     init = f"file://{os.path.join(folder, 'rendezvous')}"
     if backend == "nccl":
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast: not needed
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast: not needed,
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # fails on some hosts
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
                                 device_id=torch.device("cuda", rank))
