@@ -34,6 +34,11 @@
 # results the notebook runs `bench.py --smoke` instead, whose numbers are **CPU plumbing
 # numbers from Triton's interpreter, not speed**, and says so.
 #
+# The last section, *Training shapes*, reads a second file,
+# `benchmarks/results/training_shapes_h200.json` from `benchmarks/training_shapes.py`: the
+# calls a DiT training step makes, small enough that the host's work per call can matter
+# more than the kernels.
+#
 # ## What is measured
 #
 # | implementation | modes | what is called |
@@ -586,3 +591,409 @@ for impl in IMPL_NAMES:
 # To refresh these numbers, run `benchmarks/bench.py` on the GPU (the command is in
 # `benchmarks/README.md`), put the JSON in `benchmarks/results/`, and re-run this notebook:
 # it picks the newest GPU run and rewrites the figures in `docs/assets/benchmarks/`.
+
+# %% [markdown]
+# ## Training shapes
+#
+# The grid above gives every call 16k tokens of work, where the kernels set the time. A DiT
+# training step calls attention at smaller sizes: 256 or 1024 tokens per image, a batch of
+# a few dozen images, once per layer, under `torch.func.jvp` and autograd. There a call's
+# GPU work can take less time than the host spends issuing it: Python, autograd's
+# bookkeeping, the unpacking of forward-mode AD's dual tensors, and the kernel launches
+# themselves. `benchmarks/training_shapes.py` times exactly those calls and writes
+# `benchmarks/results/training_shapes_h200.json` (its docstring and `benchmarks/README.md`
+# define every field). Three modes, each the attention call of one training step:
+#
+# - `fwd_jvp`: `out, t_out = torch.func.jvp(attention, (q, k, v), (tq, tk, tv))`;
+# - `meanflow`: the same, then `out.backward(grad)`, MeanFlow's and sCM's step (the loss sees
+#   the tangent only through a stop-gradient);
+# - `second_order`: the same, then a backward through both `out` and `t_out`.
+#
+# The columns: ours in eager mode; ours under `torch.compile` (default mode) and under
+# `torch.compile(mode="reduce-overhead")`, which replays the step as CUDA graphs, when the
+# run has them; PyTorch's math path under `torch.func.jvp`; jvp-flash-attention 0.14. All in
+# bf16, no mask, the shapes listed below. Three times per call:
+#
+# - **GPU time** (`gpu_ms`): the device's time for the call's kernels run back to back, with
+#   the host's gaps between launches taken out;
+# - **host time** (`host_ms`): how long the Python call takes to return while the GPU is
+#   busy with earlier work, so that it never waits: the cost of issuing the call;
+# - **wall time** (`wall_ms`): what a training loop sees, calls back to back and
+#   synchronised at the end: about the larger of the two.
+#
+# Where the host time is above the GPU time the call is **host-bound**: the GPU idles during
+# part of every call, and a faster kernel would not make the step faster; only less Python
+# and fewer launches per call would. Cases that failed or were skipped (jvp-flash-attention
+# takes neither head dimension 72 nor a length that is not a multiple of 32; the math path
+# is skipped where its O(N²) memory estimate passes the run's limit) are shown as such,
+# never as a time; the list below says which and why.
+
+# %% tags=["hide_input"]
+import html
+
+TRAINING_SHAPES = RESULTS / "training_shapes_h200.json"
+TS_IMPLS = {"ours": "ours (eager)", "ours_compiled": "ours, torch.compile",
+            "ours_cudagraphs": "ours, CUDA graphs", "math": "math + forward AD",
+            "jfa": "jvp-flash-attention 0.14"}
+TS_COLORS = {"ours": "C3", "ours_compiled": "C9", "ours_cudagraphs": "C4", "math": "C2",
+             "jfa": "C1"}
+TS_MODES = {"fwd_jvp": "forward + JVP", "meanflow": "MeanFlow step (fwd+JVP, backward of out)",
+            "second_order": "second order (fwd+JVP, backward of out and t_out)"}
+
+try:
+    TS = json.loads(TRAINING_SHAPES.read_text())
+except (OSError, ValueError):
+    TS = None
+if TS is None:
+    print(f"no {TRAINING_SHAPES.relative_to(REPO)}: run benchmarks/training_shapes.py on a GPU "
+          "(benchmarks/README.md); this section stays empty")
+    TS_CASES, TS_SHAPES, TS_MODE_LIST, TS_IMPL_LIST, TS_REAL = [], [], [], [], False
+else:
+    TS_CASES = TS["cases"]
+    TS_REAL = bool(TS.get("device", {}).get("cuda")) and not TS.get("smoke")
+    # Shapes and modes in the run's own order; columns in ours, compiled, graphs, math, jfa
+    # order, only those the run has (an older run has no compiled columns).
+    TS_SHAPES = [s for s in TS.get("shapes", {}) if any(c["shape"] == s for c in TS_CASES)]
+    TS_SHAPES += sorted({c["shape"] for c in TS_CASES} - set(TS_SHAPES))
+    TS_MODE_LIST = [m for m in TS_MODES if any(c["mode"] == m for c in TS_CASES)]
+    TS_MODE_LIST += sorted({c["mode"] for c in TS_CASES} - set(TS_MODE_LIST))
+    TS_IMPL_LIST = [i for i in TS_IMPLS if any(c["impl"] == i for c in TS_CASES)]
+    TS_IMPL_LIST += sorted({c["impl"] for c in TS_CASES} - set(TS_IMPL_LIST))
+    versions = TS.get("versions", {})
+    print(f"results: {TRAINING_SHAPES.relative_to(REPO)}")
+    print(f"device {TS.get('gpu')} | torch {versions.get('torch')} | triton "
+          f"{versions.get('triton')} | jvp_attention {versions.get('jvp_attention')} | "
+          f"commit {TS.get('git', {}).get('commit', '?')[:10]} | {TS.get('date')}")
+    if not TS_REAL:
+        print("NOT A GPU RUN (smoke or CPU): wall times are interpreter plumbing, not speed")
+    print(f"columns: {', '.join(TS_IMPL_LIST)}"
+          + "".join(f" | no {i} in this run" for i in TS_IMPLS if i not in TS_IMPL_LIST))
+    status = Counter(c["status"] for c in TS_CASES)
+    print(f"{len(TS_CASES)} cases: " + ", ".join(f"{n} {s}" for s, n in sorted(status.items()))
+          + ("" if TS.get("complete", True) else " (run not complete)"))
+    for s in TS_SHAPES:
+        shape = TS.get("shapes", {}).get(s, {})
+        print(f"  {s:12} B{shape.get('B')} H{shape.get('H')} N{shape.get('N')} "
+              f"d{shape.get('d')}: {shape.get('label', '')}")
+    reasons = Counter((c["impl"], str(c.get("skipped")).split(":")[0])
+                      for c in TS_CASES if c["status"] == "skipped")
+    for (impl, reason), n in sorted(reasons.items()):
+        print(f"  skipped ({n}): {impl}: {reason}")
+    for c in TS_CASES:
+        if c["status"] == "error":
+            print(f"  error: {c['impl']} {c['mode']} {c['shape']}: {str(c['error'])[:100]}")
+TS_BY_KEY = {(c["shape"], c["mode"], c["impl"]): c for c in TS_CASES}
+# Like the figures above: into docs/assets/benchmarks only when executed for the site.
+TS_FIGURES = FIGURES if TS_REAL or not WRITE_ASSETS else Path(tempfile.mkdtemp())
+
+
+def ts_case(shape, mode, impl):
+    return TS_BY_KEY.get((shape, mode, impl))
+
+
+def ts_value(shape, mode, impl, key):
+    """A measured number, or None when the case is missing, failed, skipped or not timed."""
+    case = ts_case(shape, mode, impl)
+    if case is None or case.get("status") != "ok":
+        return None
+    return case.get(key)
+
+
+def ts_missing(shape, mode, impl):
+    """Why there is no number: 'skipped', 'error', 'not run' or 'n/a' (ok, not measured)."""
+    case = ts_case(shape, mode, impl)
+    if case is None:
+        return "not run"
+    return case["status"] if case.get("status") in ("skipped", "error") else "n/a"
+
+
+def ts_speedup(shape, mode, impl):
+    """The math path's wall time over `impl`'s (above 1: `impl` is faster)."""
+    mine, math = (ts_value(shape, mode, impl, "wall_ms"),
+                  ts_value(shape, mode, "math", "wall_ms"))
+    return math / mine if mine and math else None
+
+
+# %% [markdown]
+# ### Wall time per call
+#
+# One panel per mode, one group of bars per shape, one bar per column: the wall time of one
+# call as a training loop sees it, on a log scale (lower is faster). A missing bar is
+# labelled with the reason: skipped or error.
+
+# %% tags=["hide_input"]
+if TS_CASES:
+    fig, axes = plt.subplots(len(TS_MODE_LIST), 1, figsize=(11, 3.4 * len(TS_MODE_LIST)),
+                             squeeze=False)
+    width = 0.8 / len(TS_IMPL_LIST)
+    for ax, mode in zip(axes[:, 0], TS_MODE_LIST, strict=True):
+        walls = [w for s in TS_SHAPES for i in TS_IMPL_LIST
+                 if (w := ts_value(s, mode, i, "wall_ms"))]
+        floor = min(walls, default=1.0) / 4
+        for j, impl in enumerate(TS_IMPL_LIST):
+            for g, shape in enumerate(TS_SHAPES):
+                x = g + (j - (len(TS_IMPL_LIST) - 1) / 2) * width
+                wall = ts_value(shape, mode, impl, "wall_ms")
+                if wall:
+                    ax.bar(x, wall - floor, width, bottom=floor, color=TS_COLORS.get(impl),
+                           label=TS_IMPLS.get(impl, impl) if g == 0 else None)
+                    ax.text(x, wall * 1.08, f"{wall:.3g}", ha="center", va="bottom",
+                            fontsize=6, rotation=90)
+                else:
+                    ax.text(x, floor * 1.15, ts_missing(shape, mode, impl), ha="center",
+                            va="bottom", fontsize=6, rotation=90, color="gray")
+        ax.set_yscale("log")
+        ax.set_ylim(floor, max(walls, default=1.0) * 6)
+        ax.set_xlim(-0.5, len(TS_SHAPES) - 0.5)
+        ax.set_xticks(range(len(TS_SHAPES)))
+        ax.set_xticklabels(TS_SHAPES, fontsize=8)
+        ax.set_ylabel("wall ms per call")
+        ax.set_title(TS_MODES.get(mode, mode), fontsize=9)
+        ax.grid(alpha=0.3, axis="y", which="both")
+    handles = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles),
+               fontsize=8)
+    fig.suptitle(f"Wall time per call at training shapes, {TS.get('gpu')}, bf16" if TS_REAL
+                 else "NOT A GPU RUN: interpreter plumbing, not speed")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(TS_FIGURES / "training_wall.png", dpi=110)
+
+# %% [markdown]
+# ### Where our eager call spends its time
+#
+# For our eager call: its GPU time and its host time, and, as a black tick, its wall time.
+# Where the host bar reaches the tick and the GPU bar stays well below it, the call is
+# host-bound: the fused kernels finish early and the GPU waits for the next launch. Where
+# the run has the compiled columns, their host time is drawn beside (hatched): what is left
+# of the host's work once `torch.compile` has traced the step, or once a CUDA graph replays
+# it.
+
+# %% tags=["hide_input"]
+if TS_CASES:
+    split_bars = [("ours", "gpu_ms", "GPU, ours (eager)", "C0", None),
+                  ("ours", "host_ms", "host, ours (eager)", "C3", None)]
+    split_bars += [(impl, "host_ms", f"host, {TS_IMPLS[impl]}", TS_COLORS[impl], "//")
+                   for impl in ("ours_compiled", "ours_cudagraphs") if impl in TS_IMPL_LIST]
+    fig, axes = plt.subplots(1, len(TS_MODE_LIST), figsize=(4.6 * len(TS_MODE_LIST), 4.2),
+                             squeeze=False, sharey=True)
+    width = 0.8 / len(split_bars)
+    values = [v for s in TS_SHAPES for m in TS_MODE_LIST
+              for i, key in [(i, key) for i, key, *_ in split_bars] + [("ours", "wall_ms")]
+              if (v := ts_value(s, m, i, key))]
+    floor, top = min(values, default=1.0) / 3, max(values, default=1.0) * 1.5
+    for ax, mode in zip(axes[0], TS_MODE_LIST, strict=True):
+        for j, (impl, key, label, color, hatch) in enumerate(split_bars):
+            for g, shape in enumerate(TS_SHAPES):
+                x = g + (j - (len(split_bars) - 1) / 2) * width
+                value = ts_value(shape, mode, impl, key)
+                if value:
+                    ax.bar(x, value - floor, width, bottom=floor, color=color, hatch=hatch,
+                           edgecolor="white" if hatch else None,
+                           label=label if g == 0 else None)
+                else:
+                    ax.text(x, floor * 1.15, ts_missing(shape, mode, impl), ha="center",
+                            va="bottom", fontsize=6, rotation=90, color="gray")
+        for g, shape in enumerate(TS_SHAPES):
+            wall = ts_value(shape, mode, "ours", "wall_ms")
+            if wall:
+                ax.plot([g - 0.45, g + 0.45], [wall, wall], color="black", linewidth=1.5,
+                        label="wall, ours (eager)" if g == 0 else None)
+        ax.set_yscale("log")
+        ax.set_ylim(floor, top)
+        ax.set_xlim(-0.5, len(TS_SHAPES) - 0.5)
+        ax.set_xticks(range(len(TS_SHAPES)))
+        ax.set_xticklabels(TS_SHAPES, fontsize=7, rotation=30, ha="right")
+        ax.set_title(TS_MODES.get(mode, mode), fontsize=8)
+        ax.grid(alpha=0.3, axis="y", which="both")
+    axes[0][0].set_ylabel("ms per call")
+    handles = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles),
+               fontsize=8)
+    fig.suptitle("GPU time and host time per call" if TS_REAL
+                 else "NOT A GPU RUN: no GPU or host times")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(TS_FIGURES / "training_split.png", dpi=110)
+    print(f"figures saved in "
+          f"{TS_FIGURES.relative_to(REPO) if TS_FIGURES == ASSETS else TS_FIGURES}")
+
+# %% [markdown]
+# ### Speed-ups and kernels per call
+#
+# The first table gives each column's wall time per call and, in brackets, its speed-up
+# over PyTorch's math path: the math path's wall time over the column's (above 1x, faster
+# than math). The second splits our eager call as in the figure: GPU and host time, the
+# share of the wall time during which the GPU is busy (GPU over wall), and which of the two
+# bounds the call; then the CUDA kernels each column runs per call (one warm step counted
+# by the profiler, memcpy and memset left out; a CUDA graph's replay counts every kernel it
+# replays). Hover over "error" for the message. A host time marked * was measured while a
+# call waited for the GPU, so it includes GPU time.
+
+# %% tags=["hide_input"]
+def ts_reason(shape, mode, impl):
+    """'skipped' or 'error', with the reason on hover."""
+    case, why = ts_case(shape, mode, impl), ts_missing(shape, mode, impl)
+    detail = case and (case.get("error") or case.get("skipped"))
+    return f'<span title="{html.escape(str(detail))}">{why}</span>' if detail else why
+
+
+def ts_ms(value):
+    return f"{value:.3g} ms"
+
+
+def ts_wall_cell(shape, mode, impl):
+    wall = ts_value(shape, mode, impl, "wall_ms")
+    if wall is None:
+        return ts_reason(shape, mode, impl)
+    speedup = ts_speedup(shape, mode, impl)
+    return ts_ms(wall) + (f" (<b>{speedup:.2f}x</b>)" if speedup and impl != "math" else "")
+
+
+def ts_split_row(shape, mode):
+    gpu, host, wall = (ts_value(shape, mode, "ours", key)
+                       for key in ("gpu_ms", "host_ms", "wall_ms"))
+    if wall is None:
+        return [ts_reason(shape, mode, "ours")] + [""] * 4
+    if gpu is None or host is None:  # a CPU run times the wall only
+        return [ts_ms(wall), "n/a", "n/a", "n/a", "n/a"]
+    starred = "" if ts_value(shape, mode, "ours", "host_overlapped") is not False else "*"
+    return [ts_ms(wall), ts_ms(gpu), ts_ms(host) + starred, f"{100 * gpu / wall:.0f}%",
+            "host" if host > gpu else "GPU"]
+
+
+def ts_kernels(shape, mode, impl):
+    kernels = ts_value(shape, mode, impl, "kernels_per_call")
+    if kernels is not None:
+        return str(kernels)
+    return "n/a" if ts_missing(shape, mode, impl) == "n/a" else ts_reason(shape, mode, impl)
+
+
+if TS_CASES:
+    rows_wall, rows_split = [], []
+    for shape in TS_SHAPES:
+        for mode in TS_MODE_LIST:
+            rows_wall.append([shape, mode] + [ts_wall_cell(shape, mode, impl)
+                                              for impl in TS_IMPL_LIST])
+            rows_split.append([shape, mode] + ts_split_row(shape, mode)
+                              + [ts_kernels(shape, mode, impl) for impl in TS_IMPL_LIST])
+    TS_TABLES = HTML(
+        "<h4>Wall time per call (speed-up over the math path)</h4>"
+        + html_table(["shape", "mode", *(TS_IMPLS.get(i, i) for i in TS_IMPL_LIST)], rows_wall)
+        + "<h4>Our eager call: GPU and host time; kernels per call of every column</h4>"
+        + html_table(["shape", "mode", "wall", "GPU", "host", "GPU / wall", "bound by",
+                      *(f"kernels: {TS_IMPLS.get(i, i)}" for i in TS_IMPL_LIST)], rows_split))
+else:
+    TS_TABLES = None
+TS_TABLES
+
+# %% [markdown]
+# ### What these numbers mean
+#
+# - **Host-bound at 256 tokens.** At the 256-token shapes the fused kernel's GPU time is a
+#   fraction of the wall time: the host's work for the call (Python, autograd, forward-mode
+#   AD's dual tensors, one launch per kernel) is longer than the kernels, so the wall time
+#   is the host time and the GPU idles. There a faster kernel changes nothing; what counts
+#   is the work per call on the host, and each kernel the call launches adds to it. Where
+#   two columns are both host-bound, the one with less host work per call is faster,
+#   whatever its kernels: the math path can then match ours or beat it (a speed-up below 1x
+#   in the table), and so can a column that launches fewer kernels. The printout below gives,
+#   for each shape, the GPU's share of our wall time.
+# - **GPU-bound as the work grows.** The host's work per call does not grow with the shape,
+#   the GPU's grows like $B H N^2 d$. As the tokens per call and the work per mode grow,
+#   the GPU time overtakes the host time, and the comparison becomes the kernels' again,
+#   as in the grid above: the math path's wall time then grows with its $N^2$ fp32 score
+#   traffic and the speed-up over it grows with $N$. At the video shape it does not fit.
+# - **CUDA graphs and torch.compile.** A CUDA graph records the step's launches once and
+#   replays them as one (`ours_cudagraphs`): the host time falls to a replay's, and a
+#   host-bound call's wall time falls towards its GPU time. `torch.compile` in its default
+#   mode fuses the small PyTorch operations around our kernels and removes most of the
+#   Python work, but still launches each kernel. Where the run has these columns, the
+#   printout compares them with the eager call; the price is the compile time of the first
+#   step, printed with them.
+#
+# To refresh this section, run `benchmarks/training_shapes.py` on the GPU (the command is in
+# `benchmarks/README.md`), save its JSON as `benchmarks/results/training_shapes_h200.json`,
+# and re-run this notebook.
+
+# %% tags=["hide_input"]
+def ts_share(shape, mode, impl="ours"):
+    gpu, wall = ts_value(shape, mode, impl, "gpu_ms"), ts_value(shape, mode, impl, "wall_ms")
+    return gpu / wall if gpu and wall else None
+
+
+def ts_span(values):
+    """'3' or '3-7' for a sorted list of numbers; '-' when empty."""
+    if not values:
+        return "-"
+    return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+if not TS_CASES:
+    print("no training-shapes results")
+elif not TS_REAL:
+    print("not a GPU run: no GPU or host times to compare")
+else:
+    print("Our eager call, GPU time as a share of the wall time (bound by host or GPU):")
+    for shape in TS_SHAPES:
+        parts = []
+        for mode in TS_MODE_LIST:
+            share = ts_share(shape, mode)
+            host, gpu = (ts_value(shape, mode, "ours", k) for k in ("host_ms", "gpu_ms"))
+            parts.append(f"{mode} " + (f"{100 * share:.0f}% ({'host' if host > gpu else 'GPU'})"
+                                       if share is not None and host and gpu
+                                       else ts_missing(shape, mode, "ours")))
+        print(f"  {shape:12} " + "; ".join(parts))
+    bound = [(s, m) for s in TS_SHAPES for m in TS_MODE_LIST
+             if ts_share(s, m) is not None
+             and ts_value(s, m, "ours", "host_ms") > ts_value(s, m, "ours", "gpu_ms")]
+    print(f"host-bound: {len(bound)} of "
+          f"{sum(ts_share(s, m) is not None for s in TS_SHAPES for m in TS_MODE_LIST)} "
+          "eager cases")
+    print("Speed-up of our eager call over the math path (wall time), per mode:")
+    for mode in TS_MODE_LIST:
+        ups = {s: ts_speedup(s, mode, "ours") for s in TS_SHAPES}
+        ran = {s: u for s, u in ups.items() if u is not None}
+        missing = {s: next(f"{impl} {ts_missing(s, mode, impl)}" for impl in ("ours", "math")
+                            if ts_value(s, mode, impl, "wall_ms") is None)
+                   for s in ups if s not in ran}
+        print(f"  {mode:12} " + ", ".join([f"{s} {u:.2f}x" for s, u in ran.items()]
+                                          + [f"{s} {why}" for s, why in missing.items()]))
+    print("Kernels per call (ours eager / math):")
+    for mode in TS_MODE_LIST:
+        pairs = {(ts_value(s, mode, "ours", "kernels_per_call"),
+                  ts_value(s, mode, "math", "kernels_per_call")) for s in TS_SHAPES}
+        ours_k = sorted({a for a, _ in pairs if a is not None})
+        math_k = sorted({b for _, b in pairs if b is not None})
+        print(f"  {mode:12} ours {ts_span(ours_k)}, math {ts_span(math_k)}")
+    first = next(((s, m) for s in TS_SHAPES for m in TS_MODE_LIST
+                  if ts_value(s, m, "ours", "kernel_names")), None)
+    if first:
+        names = ts_value(*first, "ours", "kernel_names")
+        print(f"What our eager call launches ({first[0]}, {first[1]}):")
+        for name, count in names.items():
+            print(f"  {count:3} x {name}")
+    for impl in ("ours_compiled", "ours_cudagraphs"):
+        if impl not in TS_IMPL_LIST:
+            print(f"{TS_IMPLS[impl]}: not in this run (training_shapes.py --impl {impl})")
+            continue
+        print(f"{TS_IMPLS[impl]} against ours (eager): host and wall ms per call, eager -> "
+              f"{impl}; the speed-up in wall time; the first step's compile time")
+        for shape in TS_SHAPES:
+            for mode in TS_MODE_LIST:
+                eager = [ts_value(shape, mode, "ours", k) for k in ("host_ms", "wall_ms")]
+                mine = [ts_value(shape, mode, impl, k) for k in ("host_ms", "wall_ms")]
+                label = f"  {shape:12} {mode:13}"
+                if None in mine:
+                    print(f"{label}{ts_missing(shape, mode, impl)}")
+                elif None in eager:
+                    print(f"{label}eager {ts_missing(shape, mode, 'ours')}")
+                else:
+                    compile_s = ts_value(shape, mode, impl, "compile_s")
+                    print(f"{label}host {eager[0]:6.3g} -> {mine[0]:<6.3g} wall {eager[1]:6.3g} "
+                          f"-> {mine[1]:<6.3g} {eager[1] / mine[1]:5.2f}x"
+                          + (f"  compile {compile_s:.0f} s" if compile_s is not None else ""))
