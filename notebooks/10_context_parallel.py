@@ -595,12 +595,15 @@ def _around_the_ring(buffer: Tensor, ring: _Ring):
             buffer = incoming
 
 
+def _row_view(x: Tensor, rows: slice) -> Tensor:
+    """Rows of a (B, H, n) row statistic or a (B, H, n, D) tensor."""
+    return x[..., rows] if x.dim() == 3 else x[..., rows, :]
+
+
 def _rows(x: Tensor | None, rows: slice) -> Tensor | None:
-    """Rows of a (B, H, n[, D]) tensor, contiguous as the backward operators read them
-    (empty placeholders and None pass through)."""
-    if x is None or not x.numel():
-        return x
-    return (x[..., rows] if x.dim() == 3 else x[..., rows, :]).contiguous()
+    """`_row_view`, contiguous as the backward operators read them (empty placeholders and
+    None pass through)."""
+    return x if x is None or not x.numel() else _row_view(x, rows).contiguous()
 
 
 def _key_block(mask: Tensor | None, source: int, n_k: int, cols: slice) -> Tensor | None:
@@ -643,11 +646,10 @@ def _merge_rows(merged: AttentionOutputs | None, block: AttentionOutputs, rows: 
         merged = AttentionOutputs(zeros, rows_stat - math.inf,
                                   None if block.mu is None else zeros.clone(),
                                   None if block.mu is None else rows_stat.clone())
-    seen = AttentionOutputs(*(None if x is None else (x[..., rows] if x.dim() == 3
-                                                      else x[..., rows, :]) for x in merged))
+    seen = AttentionOutputs(*(None if x is None else _row_view(x, rows) for x in merged))
     for into, value in zip(merged, _merge_two(seen, block), strict=True):
         if into is not None:
-            (into[..., rows] if into.dim() == 3 else into[..., rows, :]).copy_(value)
+            _row_view(into, rows).copy_(value)
     return merged
 
 
