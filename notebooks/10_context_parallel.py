@@ -1320,8 +1320,9 @@ def _case_tensors(case: CheckCase, seed: int, device: torch.device):
     shapes += [(b, case.heads, n, d)] * 2
     tensors = [torch.randn(s, generator=gen).to(device, case.dtype) for s in shapes]
     mask = None
-    if case.key_padding:  # sequence i keeps its first n - i n / (b + 1) keys
-        lengths = torch.tensor([n - i * n // (b + 1) for i in range(b)])
+    if case.key_padding:  # sequence i keeps its first n / (i + 1) keys: in sequence 1 the
+        # last half, so whole key blocks, are padding (rows that see nothing of a block)
+        lengths = torch.tensor([n // (i + 1) for i in range(b)])
         mask = (torch.arange(n) < lengths[:, None])[:, None, None, :].to(device)
     return tensors[:6], mask, tensors[6:]
 

@@ -53,6 +53,9 @@ TWO_RANKS = [
               key_padding=True),
     CheckCase("ring", F32, **dict(TINY, kv_heads=1), is_causal=True, layout="zigzag",
               key_padding=True),
+    # batch 2: sequence 1's second half is padding, so rank 1's own block (the causal
+    # diagonal) shows its rows no key at all
+    CheckCase("ring", F32, **dict(TINY, batch=2), is_causal=True, key_padding=True),
 ]
 FOUR_RANKS = [
     CheckCase("ulysses", F64, heads=8, kv_heads=2, is_causal=True, key_padding=True),
