@@ -351,7 +351,11 @@ def make_step(case: Case, device: str, args: argparse.Namespace) -> Callable[[],
     leaves = inputs[:grads_of]
 
     def forward(q, k, v, tq, tk, tv):
-        return torch.func.jvp(attention, (q, k, v), (tq, tk, tv))
+        out, t_out = torch.func.jvp(attention, (q, k, v), (tq, tk, tv))
+        # MeanFlow's stop-gradient, inside the (compiled) function: a compiled graph output
+        # that requires grad but gets none has its gradient materialised as zeros, which
+        # would run the backward through the tangent (the second-order kernels).
+        return (out, t_out.detach()) if case.mode == "meanflow" else (out, t_out)
 
     def make(forward, mark_step=None) -> Callable[[], None]:
         mode = case.mode
