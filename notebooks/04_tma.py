@@ -160,9 +160,9 @@ else:
           "  ".join(f"{name} {diff:.1e}" for name, diff in diffs.items()))
 
 # %% [markdown]
-# The tests (`tests/test_tma.py`) repeat this on more shapes, and on the H200 check both
-# paths against float64 at $N = 4250$ with the same floor-ratio criterion as every other
-# kernel test.
+# The tests (`tests/library/test_forward_tma.py`) repeat this on more shapes, and on the H200
+# check both paths against float64 at $N = 4250$ with the same floor-ratio criterion as every
+# other kernel test.
 #
 # ## What each tile costs: registers, spills, shared memory
 #

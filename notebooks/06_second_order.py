@@ -134,9 +134,9 @@ for name, shape, options in [
 #
 # With `mask_grad=True` the dQ kernel stores both tiles, as in chapter 5. The tests check them
 # against float64 reverse-over-forward (autograd through `torch.func.jvp`) of attention
-# written out with the bias as an input: `tests/test_second_order.py` for the kernels (biases
-# per head, shared by all, full; causal; GQA; rows that see no key) and
-# `tests/test_parity.py` through the public API.
+# written out with the bias as an input: `tests/library/test_backward_second_order.py` for the
+# kernels (biases per head, shared by all, full; causal; GQA; rows that see no key) and
+# `tests/library/test_autograd_parity.py` through the public API.
 
 # %% [markdown]
 # ## Accuracy against PyTorch's math path

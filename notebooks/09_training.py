@@ -413,5 +413,5 @@ plt.show()
 # DDP averages the gradients, which equals the gradient of the whole batch's mean loss. Rank
 # 0 then trains the same model in one process on the whole batch and compares the two loss
 # trajectories step by step. `--fsdp` does the same with FSDP2 (`fully_shard` on each DiT
-# block): the JVP runs through the gathered parameters unchanged. `tests/test_training.py`
-# runs both checks with two CPU processes over gloo.
+# block): the JVP runs through the gathered parameters unchanged.
+# `tests/library/test_training.py` runs both checks with two CPU processes over gloo.

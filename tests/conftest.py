@@ -3,12 +3,24 @@
 Triton reads `TRITON_INTERPRET` when `@triton.jit` runs, that is when a kernel module is
 imported, so the variable is set here, at conftest import time, before any test module imports
 triton. Importing torch to ask about CUDA is safe: torch does not import triton eagerly.
+
+The tests live in two folders: library/ (the package's modules, one test file per module or
+aspect of one) and repository/ (docs, notebooks, the exporter, executed notebooks, benchmark
+tooling). Both import the shared `helpers` module from this folder, which is put on sys.path
+here: pytest imports this conftest before it collects any test module, whatever the import mode
+or the test paths given on the command line.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

@@ -1,4 +1,5 @@
-"""Shared helpers of the kernel tests (test_forward, test_backward, test_second_order, test_api).
+"""Shared helpers of the kernel tests (tests/library/: test_forward, test_backward,
+test_backward_second_order, test_autograd and others).
 
 * `Spec` names one attention problem (shape, heads, mask kind, causal, layout, cotangents) and
   `make_problem` builds its tensors reproducibly, on any device, in any dtype.
@@ -18,9 +19,9 @@
   `scale` is the largest entry among the true tensors checked together (out and tangent_out;
   or all the gradients) and, for the fp32 row statistics lse and mu, their own largest entry.
   The failure message names the quantity, dtype and shape and by how much the allowance was
-  missed. `test_forward.py::test_the_accuracy_rule_catches_a_small_error` and
-  `test_second_order.py::test_the_accuracy_rule_catches_a_one_percent_gradient_error` prove
-  that the rule can fail.
+  missed. Two tests prove that the rule can fail: library/test_forward.py's
+  `test_the_accuracy_rule_catches_a_small_error` and library/test_backward_second_order.py's
+  `test_the_accuracy_rule_catches_a_one_percent_gradient_error`.
 
 Why eps:
 * On CPU, PyTorch's math path upcasts fp16/bf16 inputs to fp32 and rounds only its outputs

@@ -17,7 +17,7 @@ import jupytext
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.py"))
 TIMEOUT_S = 1200
 

@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_tables", REPO / "tools" / "bench_tables.py")
 bench_tables = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_tables)

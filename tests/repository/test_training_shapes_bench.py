@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "training_shapes.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import training_shapes as ts  # noqa: E402

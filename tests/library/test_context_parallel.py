@@ -39,7 +39,7 @@ import jvp_attention.context_parallel as cp
 from jvp_attention import attention, context_parallel_attention, shard_sequence
 from jvp_attention.context_parallel import CheckCase, compare_with_one_process, run_on_processes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 F64, F32 = torch.float64, torch.float32
 TINY = {"batch": 1, "heads": 2, "kv_heads": 2, "length": 16, "head_dim": 8}
 TWO_RANKS = [

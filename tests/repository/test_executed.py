@@ -16,7 +16,7 @@ from pathlib import Path
 import jupytext
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXECUTED = sorted((REPO / "docs" / "executed").glob("*.ipynb"))
 RERUN = "execute it again on the GPU (docs/install.md, Executed notebooks) or delete it"
 

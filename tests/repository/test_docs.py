@@ -31,7 +31,7 @@ import jupytext
 import nbformat
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = [
     "--no-sandbox",

@@ -27,7 +27,7 @@ from jvp_attention.reference import (
     tiled_attention,
 )
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_reference.py"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "01_reference.py"
 F64 = torch.float64
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 BATCH = 2
@@ -462,7 +462,7 @@ def test_bad_tangents_and_block_n_raise_value_error() -> None:
 def test_notebook_checks_every_export_right_after_defining_it() -> None:
     """Static: the chapter shows and checks each exported name, and skips nothing.
 
-    Running the notebook is tests/test_notebooks.py's job; this makes sure that the cells it
+    Running the notebook is tests/repository/test_notebooks.py's job; this makes sure that the cells it
     runs do check something: every public exported name is used by a later plain code cell
     that calls `check` or asserts, `check` itself asserts, and nothing is skipped.
     """

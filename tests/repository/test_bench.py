@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "bench.py"
 sys.path.insert(0, str(BENCH.parent))
 import bench  # noqa: E402

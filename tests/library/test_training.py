@@ -22,7 +22,7 @@ import torch
 
 import jvp_attention
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "meanflow_dit.py"
 TINY = ["--image-size", "8", "--patch-size", "2", "--width", "32", "--depth", "2",
         "--heads", "2"]
