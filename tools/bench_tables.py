@@ -8,7 +8,7 @@ markers and the markdown is generated here:
 - on the site, `docs/hooks.py` replaces a marker `<!-- table:NAME -->` at build time;
 - README.md, which no hook touches, holds the generated text between
   `<!-- table:NAME -->` and `<!-- /table:NAME -->`; this script rewrites it, and
-  `--check` (run by `tests/test_bench_tables.py`) fails when it differs from the results.
+  `--check` (run by `tests/repository/test_bench_tables.py`) fails when it differs from the results.
 
     python tools/bench_tables.py            # rewrite README.md's generated tables
     python tools/bench_tables.py --check    # write nothing; print a diff and exit 1 if stale

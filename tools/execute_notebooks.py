@@ -7,7 +7,7 @@ It needs neither Jupyter nor a kernel nor a network: it runs each notebook's cod
 in one namespace in this process, records what they print (stdout, stderr), the value of a
 final bare expression, errors, and every matplotlib figure a cell leaves open (as PNG), and
 writes an nbformat-4 notebook per source, with the machine it ran on in its metadata. The
-cells' sources are the notebook's own, so `tests/test_executed.py` can check that an executed
+cells' sources are the notebook's own, so `tests/repository/test_executed.py` can check that an executed
 notebook still matches its source.
 Stops a notebook at its first error (recorded in the output), like nbconvert does.
 """
