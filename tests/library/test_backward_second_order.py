@@ -108,7 +108,7 @@ def test_the_accuracy_rule_catches_a_one_percent_gradient_error() -> None:
                 assert_accurate(off, truth, floor, dtype, p.label)
 
 
-@fuzz_settings("JVP_FUZZ_EXAMPLES_SECOND_ORDER", 40)
+@fuzz_settings("JVP_FUZZ_EXAMPLES_SECOND_ORDER", 30)
 @given(**FUZZ_STRATEGIES)
 def test_second_order_fuzz(batch, hkv, group, nq, nk, d, dv, causal, mask, dtype, seed) -> None:
     check_second_order(fuzz_spec(batch, hkv, group, nq, nk, d, dv, causal, mask), dtype, seed)
