@@ -201,6 +201,54 @@ def timed(call, device: torch.device) -> tuple[float, float]:
     return elapsed, peak
 
 
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping intervals covering the same time as `intervals`."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def communication(call, device: torch.device) -> tuple[float, float]:
+    """(busy, exposed) milliseconds of communication in one profiled call on this rank.
+
+    Busy: the time the collectives' kernels run (NCCL kernels on a GPU; gloo's operations on
+    a CPU). Exposed: the part of it during which no other kernel runs, i.e. the time the
+    communication adds to the call if nothing else could hide it.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    synchronize(device)
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        if call is not None:
+            call()
+        synchronize(device)
+    comm, compute = [], []
+    for event in prof.events():
+        name = event.name.lower()
+        if on_gpu and event.device_type == DeviceType.CUDA:
+            span = (event.time_range.start, event.time_range.end)
+            (comm if "nccl" in name else compute).append(span)
+        elif not on_gpu and name.startswith("gloo:"):
+            comm.append((event.time_range.start, event.time_range.end))
+    comm, compute = _merged(comm), _merged(compute)
+    hidden = _covered(_merged([(max(a, c), min(b, d)) for a, b in comm for c, d in compute
+                               if min(b, d) > max(a, c)]))
+    busy = _covered(comm)
+    return busy / 1e3, (busy - hidden) / 1e3
+
+
 def measure(impl: str, mode: str, n: int, causal: bool, args: argparse.Namespace,
             device: torch.device) -> dict:
     """One case on every rank; the record (maxima over the ranks) on every rank."""
@@ -220,6 +268,7 @@ def measure(impl: str, mode: str, n: int, causal: bool, args: argparse.Namespace
         record["first_calls_s"] = round(time.perf_counter() - start, 3)
         held = (torch.cuda.memory_allocated(device) if device.type == "cuda" else 0) - held
         samples = [timed(call, device) for _ in range(args.reps)]
+        comm = communication(call, device) if impl != "one" else (0.0, 0.0)
     except Exception as failure:  # noqa: BLE001 - recorded per case, the run goes on
         error = f"{type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
         samples = []
@@ -230,13 +279,16 @@ def measure(impl: str, mode: str, n: int, causal: bool, args: argparse.Namespace
         record.update(status="error", error=next(e for e in errors if e))
         return record
     seconds = max_over_ranks([s for s, _ in samples], device)
-    peak, held = max_over_ranks([max(p for _, p in samples), held], device)
+    peak, held, comm_ms, exposed_ms = max_over_ranks(
+        [max(p for _, p in samples), held, *comm], device)
     ms = statistics.median(seconds) * 1e3
     flops = sum(bench.case_flops(args.batch, args.heads, n, n, args.head_dim, causal, part)
                 for part in MODE_PARTS[mode])
     record.update(ms=round(ms, 3), ms_each=[round(s * 1e3, 3) for s in seconds],
                   tflops=round(flops / ms / 1e9, 1),
-                  peak_memory_mb=round(peak / 2**20, 1), held_memory_mb=round(held / 2**20, 1))
+                  peak_memory_mb=round(peak / 2**20, 1), held_memory_mb=round(held / 2**20, 1),
+                  comm_ms=round(comm_ms, 3), comm_exposed_ms=round(exposed_ms, 3),
+                  comm_share=round(comm_ms / ms, 3))
     return record
 
 
@@ -248,7 +300,12 @@ def check(n: int, causal: bool, args: argparse.Namespace, device: torch.device) 
     cases = [CheckCase(method, dtype, args.batch, args.heads, args.heads, n, args.head_dim,
                        causal, "zigzag" if causal else "contiguous")
              for method in ("ulysses", "ring") if method in args.impls]
-    report = compare_with_one_process(cases, truth_dtype=truth)
+    report = {}
+    for case in cases:  # one at a time, each announced: a check at long N takes minutes
+        start = time.perf_counter()
+        report.update(compare_with_one_process([case], truth_dtype=truth))
+        if dist.get_rank() == 0:
+            print(f"checked {case.label} in {time.perf_counter() - start:.0f} s", flush=True)
     for rows in report.values():
         for name, numbers in rows.items():
             allowed = allowed_error(dtype, name, numbers, dist.get_world_size(), device.type)
@@ -276,7 +333,10 @@ def header(args: argparse.Namespace, device: torch.device) -> dict:
                      "modes": args.modes, "causal": args.causal, "reps": args.reps,
                      "warmup": args.warmup, "check_n": args.check_n,
                      "autotune": os.environ.get("JVP_ATTENTION_AUTOTUNE", "1") != "0",
-                     "device": str(device)},
+                     "device": str(device),
+                     "gpu_memory_mb": (round(torch.cuda.get_device_properties(device)
+                                             .total_memory / 2**20) if device.type == "cuda"
+                                       else None)},
         "definitions": {
             "ms": "median over reps of the slowest rank's wall time per call (synchronised)",
             "tflops": "the whole problem's FLOPs (bench.py's convention; fwd_jvp 3x a "
@@ -284,6 +344,11 @@ def header(args: argparse.Namespace, device: torch.device) -> dict:
             "peak_memory_mb": "largest over the GPUs of the peak allocated during a call "
                               "beyond what the GPU held before it",
             "held_memory_mb": "largest over the GPUs of what the case's inputs hold",
+            "comm_ms": "largest over the ranks of the time the collectives' kernels run in "
+                       "one call profiled after the timed ones (torch.profiler; NCCL kernels "
+                       "on GPUs, gloo operations on CPUs)",
+            "comm_exposed_ms": "the part of comm_ms during which no other kernel runs",
+            "comm_share": "comm_ms / ms",
             "checks": "error: max |method - truth| over the ranks; floor: the same for "
                       "attention on one process; passed: error <= allowed "
                       "(jvp_attention.context_parallel.allowed_error)",
@@ -294,7 +359,8 @@ def header(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def table(cases: list[dict]) -> str:
-    """Per (N, causal, mode): each implementation's ms (speed-up over one GPU) and peak GB."""
+    """Per (N, causal, mode): each implementation's ms (speed-up over one GPU), peak GB and
+    communication (share of the call, and the part no kernel hides)."""
     rows: dict[tuple, dict[str, dict]] = {}
     for case in cases:
         rows.setdefault((case["N"], case["causal"], case["mode"]), {})[case["impl"]] = case
@@ -311,7 +377,9 @@ def table(cases: list[dict]) -> str:
             else:
                 speed = f" ({one / case['ms']:.2f}x)" if one and impl != "one" else ""
                 gb = (case["peak_memory_mb"] + case["held_memory_mb"]) / 1024
-                cells.append(f"{case['ms']:.1f} ms{speed}, {gb:.2f} GB")
+                comm = (f", comm {100 * case['comm_share']:.0f}%"
+                        f" ({case['comm_exposed_ms']:.1f} ms exposed)" if impl != "one" else "")
+                cells.append(f"{case['ms']:.1f} ms{speed}, {gb:.2f} GB{comm}")
         lines.append(f"| {n} | {causal} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -336,6 +336,8 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     for case in cases.values():
         assert case["status"] == "ok" and case["ms"] > 0, case
         assert case["gpus"] == (1 if case["impl"] == "one" else 2)
+        if case["impl"] != "one":  # gloo's operations, from the profiler
+            assert 0 < case["comm_exposed_ms"] <= case["comm_ms"], case
     assert len(record["checks"]) == 2
     assert all(q["passed"] for rows in record["checks"].values() for q in rows.values())
     assert "| N | causal | mode | one | ulysses | ring |" in result.stdout
