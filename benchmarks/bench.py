@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speed and memory of jvp_attention against PyTorch and jvp-flash-attention, saved as JSON.
+"""Speed and memory of jvp_attention against PyTorch and the JVP peers, saved as JSON.
 
 One command runs every implementation on a grid of shapes and writes one JSON file:
 
@@ -7,6 +7,7 @@ One command runs every implementation on a grid of shapes and writes one JSON fi
     python benchmarks/bench.py --quick         # the four headline cases only
     python benchmarks/bench.py --smoke         # a tiny size; on CPU through Triton's interpreter
     python benchmarks/bench.py --list          # print the planned cases and exit
+    python benchmarks/bench.py --rcm-kernel .peers/rcm/flash_attention_jvp_triton.py  # + rcm
 
 Implementations and modes (see benchmarks/README.md for what each times):
 
@@ -15,6 +16,7 @@ Implementations and modes (see benchmarks/README.md for what each times):
     sdpa       fwd, bwd                  torch SDPA, PyTorch's default backend choice
     sdpa_math  fwd_jvp, bwd2             torch SDPA's math backend under torch.func.jvp
     jfa        fwd_jvp, fwd, bwd         jvp-flash-attention 0.14 (PyPI), when importable
+    rcm        fwd_jvp, bwd              NVlabs rcm's Triton JVP kernel, from --rcm-kernel PATH
 
 Every case is timed with `triton.testing.do_bench` (median, with an L2 flush before each
 call) on CUDA, or with a wall clock on CPU (plumbing only: the interpreter is no speed test).
@@ -27,7 +29,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
+import hashlib
+import importlib.abc
+import importlib.util
 import json
 import os
 import platform
@@ -41,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -72,6 +79,7 @@ IMPLS: dict[str, tuple[str, ...]] = {
     "sdpa": ("fwd", "bwd"),
     "sdpa_math": ("fwd_jvp", "bwd2"),
     "jfa": ("fwd_jvp", "fwd", "bwd"),
+    "rcm": ("fwd_jvp", "bwd"),  # only with --rcm-kernel: its kernel always computes the tangent
 }
 IMPL_LABELS = {
     "ours": "jvp_attention (this project): the Triton kernels, called directly, in the "
@@ -82,6 +90,11 @@ IMPL_LABELS = {
     "sdpa": "PyTorch SDPA, default backend selection (flash / cuDNN / memory-efficient)",
     "sdpa_math": "PyTorch SDPA math backend under torch.func.jvp (forward-mode AD)",
     "jfa": "jvp-flash-attention 0.14 (PyPI jvp_flash_attention), JVPAttn",
+    "rcm": "NVlabs rcm's Triton FlashAttention-2 JVP kernel (rcm/utils/"
+           "flash_attention_jvp_triton.py, loaded from --rcm-kernel; path and sha256 in "
+           "settings.rcm_kernel): attention(q, k, v, tq, tk, tv) -> (out, tangent_out) for "
+           "fwd_jvp; bwd is autograd through it, flash_attn's FlashAttention-2 backward of the "
+           "output (the tangent output gets no gradient). Not causal",
 }
 MODES = ("fwd", "fwd_jvp", "bwd", "bwd2")
 MODE_LABELS = {
@@ -101,9 +114,9 @@ FLOP_CONVENTION = (
 # Priority inside one sequence length: when the wall budget runs short, what comes last is
 # what is dropped.
 PRIORITY = [("ours", "fwd"), ("sdpa", "fwd"), ("ours", "fwd_jvp"), ("ours_fast", "fwd_jvp"),
-            ("sdpa_math", "fwd_jvp"), ("jfa", "fwd_jvp"), ("ours", "bwd"), ("ours_fast", "bwd"),
-            ("sdpa", "bwd"), ("ours", "bwd2"), ("ours_fast", "bwd2"), ("sdpa_math", "bwd2"),
-            ("jfa", "fwd"), ("jfa", "bwd")]
+            ("sdpa_math", "fwd_jvp"), ("jfa", "fwd_jvp"), ("rcm", "fwd_jvp"), ("ours", "bwd"),
+            ("ours_fast", "bwd"), ("sdpa", "bwd"), ("ours", "bwd2"), ("ours_fast", "bwd2"),
+            ("sdpa_math", "bwd2"), ("jfa", "fwd"), ("jfa", "bwd"), ("rcm", "bwd")]
 
 GRID_TOKENS = 16384  # B * N (B = 1 above 16k)
 GRID_WIDTH = 2048  # H * d
@@ -118,6 +131,12 @@ SMOKE_SHAPE = (1, 2, 64, 32)
 # backward's own temporaries for bwd2 (counted with saved-tensor hooks on CPU).
 MATH_BYTES_PER_SCORE = {"fwd_jvp": 22.0, "bwd2": 64.0}
 JFA_HEAD_DIMS = (16, 32, 64, 128, 256)
+RCM_HEAD_DIMS = (16, 32, 64, 128, 256)  # its forward asserts these
+RCM_MODULE = "rcm_flash_attention_jvp_triton"  # the name its file is loaded under
+RCM_ENTRY = "attention"  # _attention.apply(q, k, v, tq, tk, tv, sm_scale=None) -> (o, to)
+# Imports the rcm file names at the top but only its backward uses: placeholders stand in
+# for them when they are not installed, so its forward+JVP can be measured without them.
+RCM_BACKWARD_IMPORTS = ("flash_attn", "einops")
 FATAL_CUDA = ("illegal memory access", "unspecified launch failure", "device-side assert",
               "CUDA error: misaligned address", "an illegal instruction")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -192,7 +211,8 @@ def plan(args: argparse.Namespace) -> list[Case]:
     causals = [c for c in (False, True) if args.causal in ("both", str(int(c)))]
     pairs = [(impl, mode) for impl, mode in PRIORITY
              if (args.impl is None or impl in args.impl)
-             and (args.mode is None or mode in args.mode)]
+             and (args.mode is None or mode in args.mode)
+             and (impl != "rcm" or args.rcm_kernel is not None)]
     cases = []
     for b, h, n, d in shapes:
         for causal in causals:
@@ -336,6 +356,134 @@ def prepare_jfa(case: Case, device: str) -> Callable[[], object]:
     return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
 
+class Placeholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Empty modules for imports that a peer file names but only its backward uses.
+
+    Asked last, so an installed module always wins; anything taken from a placeholder raises
+    when called. `served` lists the top-level names it stood in for.
+    """
+
+    def __init__(self, roots: tuple[str, ...]) -> None:
+        self.roots = roots
+        self.served: list[str] = []
+
+    def find_spec(self, fullname: str, path=None,
+                  target=None) -> importlib.machinery.ModuleSpec | None:
+        if fullname.partition(".")[0] not in self.roots:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # the default module
+
+    def exec_module(self, module: ModuleType) -> None:
+        root = module.__name__.partition(".")[0]
+        if root not in self.served:
+            self.served.append(root)
+        module.__getattr__ = functools.partial(missing_attribute, module.__name__)
+
+
+def missing_attribute(module: str, name: str) -> Callable[..., object]:
+    """A placeholder module's attribute `name`: a function that raises when called."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def missing(*args, **kwargs) -> None:
+        raise RuntimeError(f"{module}.{name}: {module.partition('.')[0]} is not installed")
+
+    return missing
+
+
+@contextlib.contextmanager
+def placeholders_for(roots: tuple[str, ...]) -> Iterator[Placeholders]:
+    """Serve placeholders for missing `roots` inside the block only: afterwards other code
+    importing them gets the usual ImportError."""
+    finder = Placeholders(roots)
+    sys.meta_path.append(finder)
+    try:
+        yield finder
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.partition(".")[0] in finder.served]:
+            if isinstance(getattr(sys.modules[name], "__loader__", None), Placeholders):
+                del sys.modules[name]
+
+
+@dataclass(frozen=True)
+class PeerKernel:
+    """A peer's kernel file, loaded from a path given on the command line."""
+
+    path: Path
+    sha256: str
+    module: ModuleType
+    placeholders: tuple[str, ...]  # missing imports that placeholders stood in for
+
+    def settings(self) -> dict:
+        """What the run record says about it: exactly which file was measured."""
+        return {"path": str(self.path), "sha256": self.sha256, "module": self.module.__name__,
+                "entry": f"{RCM_ENTRY}(q, k, v, tq, tk, tv) -> (out, tangent_out)",
+                "placeholders": list(self.placeholders),
+                "flash_attn": package_version("flash_attn")}
+
+
+def cpu_autotune_bench(kernel_call: Callable[[], object], quantiles=None):
+    """A benchmarker for Triton's autotuner on CPU, where Triton has none: one timed call."""
+    t0 = time.perf_counter()
+    kernel_call()
+    ms = (time.perf_counter() - t0) * 1e3
+    return ms if quantiles is None else [ms] * len(quantiles)
+
+
+def autotuners(module: ModuleType) -> dict[str, object]:
+    """The module's autotuned kernels, by attribute name."""
+    from triton.runtime.autotuner import Autotuner
+
+    return {attr: value for attr, value in vars(module).items() if isinstance(value, Autotuner)}
+
+
+@functools.cache
+def load_rcm(path: Path) -> PeerKernel:
+    """rcm's flash_attention_jvp_triton.py from `path`, loaded as module RCM_MODULE."""
+    path = path.resolve()
+    sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    spec = importlib.util.spec_from_file_location(RCM_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[RCM_MODULE] = module
+    try:
+        with placeholders_for(RCM_BACKWARD_IMPORTS) as finder:
+            spec.loader.exec_module(module)
+        if not callable(getattr(module, RCM_ENTRY, None)):
+            raise AttributeError(f"{path} has no function {RCM_ENTRY!r}")
+    except BaseException:
+        sys.modules.pop(RCM_MODULE, None)
+        raise
+    if not HAS_CUDA:  # Triton's own autotuning benchmarker needs a GPU
+        for tuner in autotuners(module).values():
+            tuner.do_bench = cpu_autotune_bench
+    return PeerKernel(path, sha256, module, tuple(finder.served))
+
+
+def prepare_rcm(case: Case, device: str, path: Path | None) -> Callable[[], object]:
+    """rcm's kernel as its training code calls it: one call returns the output and tangent."""
+    if path is None:
+        raise Skip("no --rcm-kernel given")
+    kernel = load_rcm(path)
+    if case.causal:
+        raise Skip("rcm's kernel has no causal mask")
+    if case.d not in RCM_HEAD_DIMS:
+        raise Skip(f"rcm's kernel needs d in {RCM_HEAD_DIMS} (d={case.d})")
+    attention = getattr(kernel.module, RCM_ENTRY)
+    if case.mode == "fwd_jvp":
+        q, k, v, tq, tk, tv = _randn(case, device, 6)
+        return lambda: attention(q, k, v, tq, tk, tv)
+    if "flash_attn" in kernel.placeholders:
+        raise Skip("rcm's backward is flash_attn's (FlashAttention-2): flash_attn not installed")
+    q, k, v = _randn(case, device, 3, requires_grad=True)
+    tq, tk, tv, do = _randn(case, device, 4)
+    out, _ = attention(q, k, v, tq, tk, tv)
+    return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+
+
 def prepare(case: Case, device: str, args: argparse.Namespace) -> Callable[[], object]:
     """Allocate a case's inputs (and saved forward state) and return the call to time."""
     if case.impl == "ours":
@@ -348,6 +496,8 @@ def prepare(case: Case, device: str, args: argparse.Namespace) -> Callable[[], o
         return prepare_sdpa_math(case, device, math_limit_bytes(args))
     if case.impl == "jfa":
         return prepare_jfa(case, device)
+    if case.impl == "rcm":
+        return prepare_rcm(case, device, args.rcm_kernel)
     raise ValueError(f"unknown implementation {case.impl!r}")
 
 
@@ -394,18 +544,16 @@ def quick_autotune_bench(rep_ms: float):
 
 
 def use_quick_autotune(rep_ms: float) -> list[str]:
-    """Give every autotuned kernel of jvp_attention the quick benchmarker; returns their names."""
-    from triton.runtime.autotuner import Autotuner
-
+    """Give every autotuned kernel of jvp_attention (and of the rcm file, when loaded) the
+    quick benchmarker; returns their names."""
     bench = quick_autotune_bench(rep_ms)
     patched = []
     for name, module in sorted(sys.modules.items()):
-        if not name.startswith("jvp_attention"):
+        if not (name.startswith("jvp_attention") or name == RCM_MODULE):
             continue
-        for attr, value in vars(module).items():
-            if isinstance(value, Autotuner):
-                value.do_bench = bench  # the constructor's `do_bench` argument, set afterwards
-                patched.append(f"{name}.{attr}")
+        for attr, tuner in autotuners(module).items():
+            tuner.do_bench = bench  # the constructor's `do_bench` argument, set afterwards
+            patched.append(f"{name}.{attr}")
     return patched
 
 
@@ -573,6 +721,7 @@ def header(args: argparse.Namespace) -> dict:
                       if HAS_CUDA else "time.perf_counter median (CPU plumbing check)"),
             "sdpa_backends_enabled": sdpa_flags,
             "precision": {"ours": precision_mode(), "ours_fast": "fast"},
+            "rcm_kernel": load_rcm(args.rcm_kernel).settings() if args.rcm_kernel else None,
         },
         "flop_convention": FLOP_CONVENTION,
         "impls": IMPL_LABELS,
@@ -687,10 +836,20 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--autotune-rep-ms", type=float, default=20.0,
                         help="time each tile of our autotuned kernels for this long (one warm "
                              "call, then >= 1 timed); 0 keeps Triton's default benchmarker")
+    parser.add_argument("--rcm-kernel", type=Path, metavar="PATH",
+                        help="NVlabs rcm's rcm/utils/flash_attention_jvp_triton.py: adds the "
+                             "rcm column, loading that file at run time (never committed: "
+                             "benchmarks/README.md says how to get it)")
     parser.add_argument("--resume", type=Path, nargs="+",
                         help="copy cases already measured in these earlier results files (a "
                              "later file wins); run only the rest")
     args = parser.parse_args(argv)
+    if args.rcm_kernel is not None:
+        if not args.rcm_kernel.is_file():
+            parser.error(f"--rcm-kernel {args.rcm_kernel}: no such file")
+        args.rcm_kernel = args.rcm_kernel.resolve()
+    elif args.impl and "rcm" in args.impl:
+        parser.error("--impl rcm needs --rcm-kernel PATH")
     if args.dtype is None:
         args.dtype = "bf16" if HAS_CUDA else "fp32"
     if args.max_seconds is not None and args.max_seconds <= 0:
@@ -710,14 +869,20 @@ def main(argv: Iterable[str] | None = None) -> dict:
         x = torch.randn(256, 256, device=device)
         (x @ x).sum().item()
     out_path = args.out or default_out(args)
+    if args.rcm_kernel is not None:
+        try:
+            load_rcm(args.rcm_kernel)
+        except Exception as error:
+            raise SystemExit(f"--rcm-kernel {args.rcm_kernel}: cannot load it: "
+                             f"{type(error).__name__}: {error}") from error
     data = header(args)
     if HAS_CUDA and args.autotune_rep_ms > 0:
         data["settings"]["quick_autotune"] = use_quick_autotune(args.autotune_rep_ms)
     resumed = load_resume(args.resume)
     print(f"jvp_attention bench: {data['gpu']} | torch {torch.__version__} | triton "
           f"{triton.__version__} | jvp_attention {data['versions']['jvp_attention']} | "
-          f"jvp_flash_attention {data['versions']['jvp_flash_attention']} | {len(cases)} cases "
-          f"| budget {args.max_seconds} s | -> {out_path}", flush=True)
+          f"jvp_flash_attention {data['versions']['jvp_flash_attention']} | {rcm_note(data)}"
+          f"{len(cases)} cases | budget {args.max_seconds} s | -> {out_path}", flush=True)
     history: dict[tuple, tuple[int, float]] = {}
     broken = None
     for i, case in enumerate(cases, 1):
@@ -758,6 +923,15 @@ def main(argv: Iterable[str] | None = None) -> dict:
     print(f"\n{measured} measured, {errors} errors, {skipped} skipped in "
           f"{data['wall_seconds']:.0f} s -> {out_path}", flush=True)
     return data
+
+
+def rcm_note(data: dict) -> str:
+    """The banner's word on the rcm file: its sha256's head and what stood in for its imports."""
+    rcm = data["settings"]["rcm_kernel"]
+    if rcm is None:
+        return ""
+    missing = f", placeholders for {', '.join(rcm['placeholders'])}" if rcm["placeholders"] else ""
+    return f"rcm {rcm['sha256'][:12]}{missing} | "
 
 
 def describe(record: dict) -> str:

@@ -2,11 +2,14 @@
 
 The smoke run executes the script as a user would (`bench.py --smoke --out FILE`): on CPU every
 implementation that runs there goes through Triton's interpreter at a tiny size, which checks
-the plumbing (not the speed) in well under a minute.
+the plumbing (not the speed) in well under a minute. The rcm column (`--rcm-kernel PATH`) runs
+through a stand-in kernel file written by the tests: none depends on the third-party file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -31,6 +34,24 @@ CASE_FIELDS = {"impl": str, "mode": str, "B": int, "H": int, "N": int, "d": int,
                "causal": bool, "dtype": str, "flops": float}
 MEASURED_FIELDS = ("median_ms", "tflops", "first_call_ms", "peak_memory_mb", "setup_memory_mb",
                    "wall_s")
+# The implementations a run has without options: rcm needs --rcm-kernel.
+DEFAULT_IMPLS = {impl: modes for impl, modes in bench.IMPLS.items() if impl != "rcm"}
+# rcm's entry point, attention(q, k, v, tq, tk, tv, sm_scale=None) -> (out, tangent_out), in
+# plain PyTorch: the output differentiable, the tangent from torch.func.jvp.
+RCM_STAND_IN = '''"""A stand-in for rcm's flash_attention_jvp_triton.py."""
+import torch
+
+
+def _attend(q, k, v, scale):
+    return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1) @ v
+
+
+def attention(q, k, v, tq, tk, tv, sm_scale=None):
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    primals = (q.detach(), k.detach(), v.detach())
+    _, tangent = torch.func.jvp(lambda *p: _attend(*p, scale), primals, (tq, tk, tv))
+    return _attend(q, k, v, scale), tangent
+'''
 
 
 def check_schema(data: dict) -> None:
@@ -71,7 +92,7 @@ def test_smoke_run_writes_the_schema(tmp_path: Path) -> None:
     assert data["smoke"] and data["complete"]
     assert "--smoke" in data["command"]
     pairs = {(c["impl"], c["mode"]) for c in data["cases"]}
-    assert pairs == {(impl, mode) for impl, modes in bench.IMPLS.items() for mode in modes}
+    assert pairs == {(impl, mode) for impl, modes in DEFAULT_IMPLS.items() for mode in modes}
     assert data["settings"]["precision"]["ours_fast"] == "fast" and "ours_fast" in data["impls"]
     for case in data["cases"]:
         assert not case.get("error"), case
@@ -87,7 +108,7 @@ def test_grid_keeps_tokens_and_width_fixed() -> None:
     assert len(shapes) == len(bench.GRID_N) * len(bench.GRID_D)
     for B, H, N, d in shapes:
         assert B * N == max(bench.GRID_TOKENS, N) and H * d == bench.GRID_WIDTH
-    per_shape = sum(len(modes) for modes in bench.IMPLS.values())
+    per_shape = sum(len(modes) for modes in DEFAULT_IMPLS.values())
     assert len(cases) == len(shapes) * 2 * per_shape == 392  # benchmarks/README.md
     assert len({c.key for c in cases}) == len(cases)
     # The headline shapes run first, then increasing N.
@@ -210,7 +231,8 @@ def test_quick_autotune_reaches_every_autotuned_kernel() -> None:
     from triton.runtime.autotuner import Autotuner
 
     tuners = {f"{name}.{attr}": value for name, module in list(sys.modules.items())
-              if name.startswith("jvp_attention") for attr, value in vars(module).items()
+              if name.startswith("jvp_attention") or name == bench.RCM_MODULE
+              for attr, value in vars(module).items()
               if isinstance(value, Autotuner)}
     before = {name: dict(vars(tuner)) for name, tuner in tuners.items()}
     try:
@@ -226,3 +248,78 @@ def test_quick_autotune_reaches_every_autotuned_kernel() -> None:
             vars(tuner).pop("do_bench", None)
             if "do_bench" in before[name]:
                 tuner.do_bench = before[name]["do_bench"]
+
+
+def rcm_stand_in(tmp_path: Path, text: str = RCM_STAND_IN) -> Path:
+    """Write a kernel file for --rcm-kernel into tmp_path; return its path."""
+    path = tmp_path / "flash_attention_jvp_triton.py"
+    path.write_text(text)
+    return path
+
+
+def test_rcm_kernel_option_adds_the_rcm_column(tmp_path: Path) -> None:
+    path = rcm_stand_in(tmp_path)
+    args = bench.parse_args(["--quick", "--rcm-kernel", str(path)])
+    assert args.rcm_kernel == path.resolve()
+    rcm = {(c.mode, c.N, c.causal) for c in bench.plan(args) if c.impl == "rcm"}
+    assert rcm == {(mode, shape[2], causal) for mode in bench.IMPLS["rcm"]
+                   for shape in bench.HEADLINE for causal in (False, True)}
+    assert not [c for c in bench.plan(bench.parse_args(["--quick"])) if c.impl == "rcm"]
+
+
+def test_rcm_kernel_option_refuses_a_missing_file(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rcm-kernel", str(tmp_path / "absent.py")])
+    assert "absent.py: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--impl", "rcm"])
+    assert "--impl rcm needs --rcm-kernel" in capsys.readouterr().err
+    broken = rcm_stand_in(tmp_path, "import torch\n")  # no entry point
+    with pytest.raises(SystemExit, match="cannot load it: AttributeError"):
+        bench.main(["--smoke", "--impl", "rcm", "--rcm-kernel", str(broken),
+                    "--out", str(tmp_path / "none.json")])
+
+
+def test_rcm_column_runs_a_stand_in_kernel(tmp_path: Path) -> None:
+    path = rcm_stand_in(tmp_path)
+    out = tmp_path / "rcm.json"
+    data = bench.main(["--smoke", "--impl", "rcm", "--rcm-kernel", str(path), "--out", str(out)])
+    assert json.loads(out.read_text()) == data
+    check_schema(data)
+    assert data["complete"]
+    settings = data["settings"]["rcm_kernel"]
+    assert settings["path"] == str(path.resolve()) and settings["placeholders"] == []
+    assert settings["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    cases = {(c["mode"], c["causal"]): c for c in data["cases"]}
+    assert set(cases) == {(mode, causal) for mode in bench.IMPLS["rcm"] for causal in (0, 1)}
+    for mode in bench.IMPLS["rcm"]:
+        measured, causal = cases[(mode, False)], cases[(mode, True)]
+        assert measured["median_ms"] is not None and not measured["error"], measured
+        ours = bench.Case("ours", mode, *bench.SMOKE_SHAPE, False, "fp32")
+        assert measured["flops"] == ours.flops  # the same FLOPs credited
+        assert causal["skipped"] == "rcm's kernel has no causal mask"
+    # The timed call is the entry point's: the output and the tangent.
+    case = bench.Case("rcm", "fwd_jvp", *bench.SMOKE_SHAPE, False, "fp32")
+    out, tangent = bench.prepare_rcm(case, "cpu", path)()
+    assert out.shape == tangent.shape == (1, 2, 64, 32)
+    wide = bench.Case("rcm", "fwd_jvp", 1, 2, 64, 48, False, "fp32")
+    with pytest.raises(bench.Skip, match="d in"):
+        bench.prepare_rcm(wide, "cpu", path)
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(name) for name in ("flash_attn", "einops")),
+                    reason="placeholders stand in only for modules that are not installed")
+def test_rcm_backward_imports_get_placeholders(tmp_path: Path) -> None:
+    imports = ("from einops import rearrange\n"
+               "from flash_attn.flash_attn_interface import _flash_attn_backward\n")
+    path = rcm_stand_in(tmp_path, imports + RCM_STAND_IN)
+    kernel = bench.load_rcm(path.resolve())
+    assert kernel.placeholders == ("einops", "flash_attn")
+    assert "flash_attn" not in sys.modules and "einops" not in sys.modules
+    with pytest.raises(RuntimeError, match="flash_attn is not installed"):
+        kernel.module._flash_attn_backward()
+    fwd_jvp = bench.Case("rcm", "fwd_jvp", *bench.SMOKE_SHAPE, False, "fp32")
+    assert len(bench.prepare_rcm(fwd_jvp, "cpu", path)()) == 2
+    bwd = bench.Case("rcm", "bwd", *bench.SMOKE_SHAPE, False, "fp32")
+    with pytest.raises(bench.Skip, match="flash_attn not installed"):
+        bench.prepare_rcm(bwd, "cpu", path)
