@@ -68,7 +68,7 @@ if str(REPO) not in sys.path:
 
 import jvp_attention  # noqa: E402
 from jvp_attention.backward import flash_attention_backward  # noqa: E402
-from jvp_attention.forward import accurate, flash_attention_forward  # noqa: E402
+from jvp_attention.forward import flash_attention_forward  # noqa: E402
 
 SCHEMA = "jvp_attention.bench/1"
 RESULTS = REPO / "benchmarks" / "results"
@@ -255,20 +255,8 @@ def prepare_ours(case: Case, device: str) -> Callable[[], object]:
         tangent_out=saved.tangent_out, mu=saved.mu, grad_tangent_out=dto)
 
 
-def precision_mode() -> str:
-    """jvp_attention's precision mode now: "accurate" or "fast"."""
-    return "accurate" if accurate() else "fast"
-
-
-@contextlib.contextmanager
-def precision(mode: str) -> Iterator[None]:
-    """Run the block in jvp_attention's precision `mode`; restore the previous mode after."""
-    previous = precision_mode()
-    jvp_attention.set_precision(mode)
-    try:
-        yield
-    finally:
-        jvp_attention.set_precision(previous)
+precision_mode = jvp_attention.get_precision
+precision = jvp_attention.precision
 
 
 def prepare_ours_fast(case: Case, device: str) -> Callable[[], object]:

@@ -114,7 +114,8 @@ def chapter_list(page_path: str) -> str:
 # the names of the public modules that a user meets without importing them from the package
 # (`sdpa()` yields an SDPARouting; the library raises Unsupported). Names exported later are
 # added after these, in `__all__`'s order.
-API_ORDER = ["attention", "attention_jvp", "sdpa", "SDPARouting", "set_precision", "Unsupported",
+API_ORDER = ["attention", "attention_jvp", "sdpa", "SDPARouting", "precision", "set_precision",
+             "get_precision", "Unsupported",
              "context_parallel_attention", "shard_sequence", "reference_attention",
              "tiled_attention", "AttentionOutputs"]
 API_EXTRAS = {"SDPARouting": "autograd", "Unsupported": "autograd"}

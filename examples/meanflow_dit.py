@@ -355,15 +355,8 @@ def _math_sdpa():
 def _fast_precision():
     """jvp_attention's "fast" precision (one 16-bit rounding per product, as FlashAttention
     does) inside the block; the default "accurate" mode splits operands into hi + lo."""
-    from jvp_attention.forward import accurate
-
-    before = "accurate" if accurate() else "fast"
-    jvp_attention.set_precision("fast")
-    try:
-        with jvp_attention.sdpa(strict=True):
-            yield
-    finally:
-        jvp_attention.set_precision(before)
+    with jvp_attention.precision("fast"), jvp_attention.sdpa(strict=True):
+        yield
 
 
 def attention_context(attention: str):
@@ -581,8 +574,7 @@ def environment() -> dict:
         info["gpu"] = torch.cuda.get_device_name()
     info["triton_interpret"] = os.environ.get("TRITON_INTERPRET", "0")
     with contextlib.suppress(ImportError, AttributeError):
-        from jvp_attention.forward import accurate
-        info["jvp_attention_precision"] = "accurate" if accurate() else "fast"
+        info["jvp_attention_precision"] = jvp_attention.get_precision()
     return info
 
 

@@ -11,11 +11,13 @@ Public API:
         torch.distributed group (Ulysses all-to-all or a ring), with its JVP.
     shard_sequence: a rank's shard of a whole sequence, in the contiguous or zig-zag layout.
     set_precision: "accurate" (default) or "fast" rounding of 16-bit products.
+    precision: a context manager running a block in one precision mode.
+    get_precision: the precision mode in effect.
 """
 
 from jvp_attention.autograd import attention, attention_jvp, sdpa
 from jvp_attention.context_parallel import context_parallel_attention, shard_sequence
-from jvp_attention.forward import set_precision
+from jvp_attention.launch import get_precision, precision, set_precision
 from jvp_attention.reference import AttentionOutputs, reference_attention, tiled_attention
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "attention",
     "attention_jvp",
     "context_parallel_attention",
+    "get_precision",
+    "precision",
     "reference_attention",
     "sdpa",
     "set_precision",

@@ -19,7 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from jvp_attention.backward import flash_attention_backward
-from jvp_attention.forward import accurate, flash_attention_forward, interpreting
+from jvp_attention.forward import flash_attention_forward
+from jvp_attention.launch import accurate, get_precision, interpreting
 from jvp_attention.reference import reference_attention, tiled_attention
 
 Tensor = torch.Tensor
@@ -564,7 +565,7 @@ def attention(
         return _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     q, k, v, mask = _as_4d(query, key, value, attn_mask)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    precision = _precision()
+    precision = get_precision()
     tangents = _tangents_of(q, k, v, mask)
     if tangents is None:
         out = _Attention.apply(q, k, v, mask, is_causal, scale, _wants_residual(q, k, v),
@@ -625,7 +626,7 @@ def attention_jvp(
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     out, tangent_out = _FusedTangent.apply(q, k, v, tq, tk, tv, mask, t_mask, is_causal,
                                            scale, _wants_residual(q, k, v, tq, tk, tv),
-                                           _precision())[:2]
+                                           get_precision())[:2]
     shape = (*query.shape[:-1], value.shape[-1])
     return out.reshape(shape), tangent_out.reshape(shape)
 
@@ -675,11 +676,6 @@ def _autocast(x: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     if x is None or not x.is_floating_point() or x.dtype == torch.float64:
         return x
     return x.to(dtype)
-
-
-def _precision() -> str:
-    """The precision mode now; the forward captures it, and its backward uses the same."""
-    return "accurate" if accurate() else "fast"
 
 
 def _as_4d(query, key, value, attn_mask):

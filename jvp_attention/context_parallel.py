@@ -22,6 +22,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.distributed as dist
 
 from jvp_attention.autograd import Unsupported, attention
+from jvp_attention.launch import get_precision
 from jvp_attention.reference import AttentionOutputs
 
 Tensor = torch.Tensor
@@ -129,7 +130,7 @@ def _check_local_arguments(query: Tensor, key: Tensor, value: Tensor, attn_mask:
 
 
 def _precision() -> str:
-    return _library._precision()
+    return get_precision()
 
 
 def _jvp_nesting() -> int:

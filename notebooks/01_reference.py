@@ -977,7 +977,7 @@ for name, mask, causal in [
 # skipped, so a causal forward costs about half a full one. Top-left alignment pins the
 # diagonal to the top-left corner whatever the shapes: with $N_q < N_k$ the last keys are seen
 # by no query, with $N_q > N_k$ the last queries see every key. The tiles below are sorted by
-# `attention_bias`'s own causal mask; chapter 2's `_key_block_ranges` computes the same split
+# `attention_bias`'s own causal mask; chapter 2's `key_block_ranges` computes the same split
 # from indices alone.
 
 # %% tags=["hide_input"]

@@ -43,7 +43,10 @@
 # arbitrary strides.
 
 # %%
+import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -54,6 +57,11 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 FULL_SIZE = DEVICE == "cuda"
 print(f"device: {DEVICE}, interpreter: {os.environ.get('TRITON_INTERPRET', '0') == '1'}")
+
+import triton  # noqa: E402  (after the interpreter switch)
+import triton.language as tl  # noqa: E402
+
+from jvp_attention.reference import AttentionOutputs  # noqa: E402  (chapter 1)
 
 # %% [markdown]
 # ## Loading tiles with pointer arithmetic
@@ -66,39 +74,46 @@ print(f"device: {DEVICE}, interpreter: {os.environ.get('TRITON_INTERPRET', '0') 
 # power of two). We use plain pointers rather than `tl.make_block_ptr`, which Triton 3.9
 # removes.
 
-# %% tags=["export"]
-"""Chapter 2: the flash-attention forward (and, switched on by a constexpr, its tangent) in Triton.
+# %% tags=["export:tiles"]
+"""The Triton device helpers that the forward (chapter 2) and backward (chapter 5) kernels
+share: tile loads and stores, masks and the causal band, rounded products, the online-softmax
+step and the carry's shifts, with the constants they use.
 
-The kernel follows the tiled online-softmax reference of chapter 1 block for block; the
-notebook `notebooks/02_forward.py` derives it and checks it against that reference.
+`notebooks/02_forward.py` derives them.
 """
 
-
 import math
-import os
-from contextlib import nullcontext
 
-import torch
 import triton
 import triton.language as tl
 
-from jvp_attention.reference import AttentionOutputs
-
-LOG2E = 1.4426950408889634
+# constexpr, so that jit functions may read them (host code reads `.value`)
+LOG2E = tl.constexpr(math.log2(math.e))  # natural units to log2 units: exp2 for exp
+LN2 = tl.constexpr(math.log(2.0))  # log2 units back to natural ones (the LSE)
 # MASK_KIND: what the mask operand holds. ADDITIVE_WITH_TANGENT: (bias, tangent of the bias)
-# pairs, each tangent in the element right after its bias (`mask_operand`).
-NO_MASK, BOOL_MASK, ADDITIVE_MASK, ADDITIVE_WITH_TANGENT = 0, 1, 2, 3
+# pairs, each tangent in the element right after its bias (`launch.mask_operand`).
+NO_MASK = tl.constexpr(0)
+BOOL_MASK = tl.constexpr(1)
+ADDITIVE_MASK = tl.constexpr(2)
+ADDITIVE_WITH_TANGENT = tl.constexpr(3)
 
 
 @triton.jit
-def _load_tile(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
+def head_base(ptr, batch, head, stride_b, stride_h):
+    """The start of one (batch, head) matrix of a (B, H, N, D) tensor (`batch` is int64, so
+    offsets past 2**31 elements are safe)."""
+    return ptr + batch * stride_b + head * stride_h
+
+
+@triton.jit
+def load_tile(ptr, rows, cols, stride_row, stride_col, n_rows, n_cols):
     """Load the [rows x cols] tile at `ptr`; entries outside (n_rows, n_cols) read as zero."""
     ptrs = ptr + rows[:, None] * stride_row + cols[None, :] * stride_col
     return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
 
 
 @triton.jit
-def _tile_source(ptr, n_rows, n_cols, stride_row, BLOCK_R: tl.constexpr,
+def tile_source(ptr, n_rows, n_cols, stride_row, BLOCK_R: tl.constexpr,
                  BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
     """Where a (n_rows x n_cols) matrix's tiles come from: its pointer, or (USE_TMA, chapter
     4) a tensor descriptor whose shape stops at this head's own rows, so that the copy engine
@@ -111,27 +126,27 @@ def _tile_source(ptr, n_rows, n_cols, stride_row, BLOCK_R: tl.constexpr,
 
 
 @triton.jit
-def _load_rows(src, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R: tl.constexpr,
+def load_rows(src, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R: tl.constexpr,
                BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
-    """The [BLOCK_R x BLOCK_C] tile of rows start.. of a `_tile_source`; zeros outside."""
+    """The [BLOCK_R x BLOCK_C] tile of rows start.. of a `tile_source`; zeros outside."""
     if USE_TMA:
         return src.load([start, 0])
     else:
-        return _load_tile(src, start + tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_C),
+        return load_tile(src, start + tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_C),
                           stride_row, stride_col, n_rows, n_cols)
 
 
 @triton.jit
-def _load_head_rows(ptr, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R: tl.constexpr,
+def load_head_rows(ptr, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R: tl.constexpr,
                     BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
     """One tile of rows start.. of a matrix read once (no source kept for later tiles)."""
-    src = _tile_source(ptr, n_rows, n_cols, stride_row, BLOCK_R, BLOCK_C, USE_TMA)
-    return _load_rows(src, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R, BLOCK_C,
+    src = tile_source(ptr, n_rows, n_cols, stride_row, BLOCK_R, BLOCK_C, USE_TMA)
+    return load_rows(src, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R, BLOCK_C,
                       USE_TMA)
 
 
 @triton.jit
-def _store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims):
+def store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims):
     """Store a tile into a contiguous (rows, n_dims) tensor; `flat_rows` index the whole tensor."""
     mask = (rows[:, None] < n_rows) & (dims[None, :] < n_dims)
     tl.store(ptr + flat_rows[:, None] * n_dims + dims[None, :], x.to(ptr.dtype.element_ty),
@@ -139,14 +154,14 @@ def _store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims):
 
 
 @triton.jit
-def _store_rounded(ptr, residual_ptr, x, flat_rows, rows, dims, n_rows, n_dims,
+def store_rounded(ptr, residual_ptr, x, flat_rows, rows, dims, n_rows, n_dims,
                    STORE_RESIDUAL: tl.constexpr):
     """Store fp32 `x` rounded to the output dtype and, with STORE_RESIDUAL, the rounding
     residual x - round(x) (in the same dtype) for the backward's row statistics."""
-    _store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims)
+    store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims)
     if STORE_RESIDUAL:
         rounded = x.to(ptr.dtype.element_ty).to(tl.float32)
-        _store_rows(residual_ptr, x - rounded, flat_rows, rows, dims, n_rows, n_dims)
+        store_rows(residual_ptr, x - rounded, flat_rows, rows, dims, n_rows, n_dims)
 
 
 # %% [markdown]
@@ -160,25 +175,25 @@ def _store_rounded(ptr, residual_ptr, x, flat_rows, rows, dims, n_rows, n_dims,
 # and never written out at `(B, H, N_q, N_k)`.
 #
 # Column masks for the sequence end and the causal band cost instructions, and most key
-# blocks need neither. `_key_block_ranges` splits a query tile's keys into a prefix of whole
+# blocks need neither. `key_block_ranges` splits a query tile's keys into a prefix of whole
 # blocks that every row sees entirely, and a short tail that needs masks. With top-left
 # causal alignment (query $i$ sees keys $j \le i$, as `torch.ones(Nq, Nk).tril()`), a query
 # tile starting at row $m_0$ needs keys below $m_0 + B_M$, and a block of keys is whole for
 # every row of the tile when it ends at or before $m_0 + 1$.
 
-# %% tags=["export"]
+# %% tags=["export:tiles"]
 @triton.jit
-def _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
+def masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
                    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                    CHECK_BOUNDS: tl.constexpr):
     """Apply the user's mask, and (when CHECK_BOUNDS) the key boundary and causal band, to
     log2-unit scores; masked entries become -inf."""
-    if MASK_KIND == 1:  # BOOL_MASK
-        keep = _load_tile(mask_ptr, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
+    if MASK_KIND == BOOL_MASK:
+        keep = load_tile(mask_ptr, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
         s = tl.where(keep != 0, s, float("-inf"))
-    if MASK_KIND >= 2:  # ADDITIVE_MASK, or ADDITIVE_WITH_TANGENT (the bias is read the same)
-        bias = _load_tile(mask_ptr, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
-        s = s + bias.to(tl.float32) * 1.4426950408889634
+    if MASK_KIND >= ADDITIVE_MASK:  # or ADDITIVE_WITH_TANGENT: the bias is read the same
+        bias = load_tile(mask_ptr, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
+        s = s + bias.to(tl.float32) * LOG2E
     if CHECK_BOUNDS:
         visible = cols[None, :] < n_k
         if IS_CAUSAL:
@@ -188,18 +203,18 @@ def _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n
 
 
 @triton.jit
-def _add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
+def add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
                       MASK_KIND: tl.constexpr):
     """tS + tB for natural-unit tangent scores: with ADDITIVE_WITH_TANGENT (3) the tangent
     of each bias sits in the element after it; any other mask has no tangent."""
-    if MASK_KIND == 3:  # ADDITIVE_WITH_TANGENT
-        t_bias = _load_tile(mask_ptr + 1, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
+    if MASK_KIND == ADDITIVE_WITH_TANGENT:
+        t_bias = load_tile(mask_ptr + 1, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
         ts += t_bias.to(tl.float32)
     return ts
 
 
 @triton.jit
-def _key_block_ranges(start_m, n_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+def key_block_ranges(start_m, n_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr):
     """Split the keys a query tile needs: [0, full_end) needs no column masks, [full_end, end) does."""
     if IS_CAUSAL:
@@ -246,7 +261,7 @@ def _key_block_ranges(start_m, n_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constex
 #
 # and nothing else changes: $\tilde P$, $\ell$ and $m$ depend on $B$ but not on $t_B$, and
 # $t_S$ enters the accumulators only through $\tilde P \circ t_S$ and $\mu$. The kernel adds
-# the tile of $t_B$ to `ts` in natural units (`_add_mask_tangent`); where $B = -\infty$,
+# the tile of $t_B$ to `ts` in natural units (`add_mask_tangent`); where $B = -\infty$,
 # $\tilde P = 0$ and $t_B$ is never seen. $t_B$ reaches the kernel through the mask operand
 # itself (`MASK_KIND = ADDITIVE_WITH_TANGENT`): the launcher interleaves $B$ and $t_B$ into
 # one tensor of (bias, tangent) pairs, so the bias is read with stride 2 along the keys and
@@ -254,9 +269,9 @@ def _key_block_ranges(start_m, n_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constex
 # broadcast shape of $B$ and $t_B$ (an $(N_q, N_k)$ bias stays $(N_q, N_k)$), twice the bias's
 # memory, never $(B, H, N_q, N_k)$.
 
-# %% tags=["export"]
+# %% tags=["export:tiles"]
 @triton.jit
-def _dot_rounded(a, b, acc, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+def dot_rounded(a, b, acc, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     """acc + a @ b for an fp32 tile `a` (probabilities, or products with them) and an input
     tile `b`. The tensor cores need `a` in b's 16-bit dtype; with SPLIT, `a` is rounded as
     hi + lo, two 16-bit tiles whose sum carries about twice the mantissa, at one more product."""
@@ -269,7 +284,7 @@ def _dot_rounded(a, b, acc, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(s, m_i, CAN_BE_EMPTY: tl.constexpr):
+def online_softmax_step(s, m_i, CAN_BE_EMPTY: tl.constexpr):
     """One online-softmax step in log2 units: the new running max, the rescale factor alpha
     for the old state, and the block's unnormalised probabilities p~."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -283,6 +298,61 @@ def _online_softmax_step(s, m_i, CAN_BE_EMPTY: tl.constexpr):
     return m_new, alpha, p
 
 
+# %% [markdown]
+# The helpers so far are shared with the backward of chapter 5, so they are exported to a
+# module of their own, `jvp_attention.tiles` (the launch policy further down goes to
+# `jvp_attention.launch`). The forward kernel's module starts here. Its first cell imports
+# those helpers; in this notebook the cells above have defined them already, so the cell is
+# shown but not run, and the checks at the end exercise this notebook's own cells.
+
+# %% tags=["export", "skip-execution"]
+"""Chapter 2: the flash-attention forward (and, switched on by a constexpr, its tangent) in Triton.
+
+The kernel follows the tiled online-softmax reference of chapter 1 block for block, built
+from the device helpers of `jvp_attention.tiles` and launched under the policy of
+`jvp_attention.launch`; the notebook `notebooks/02_forward.py` derives it and checks it
+against that reference.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from jvp_attention.launch import (
+    accurate,
+    autotuned,
+    carries,
+    check_kernel_shapes,
+    check_mask_tangent,
+    fp16_operand,
+    kernel_meta,
+    mask_operand,
+    max_magnitudes,
+    on_device,
+    prepare_descriptors,
+    tma_eligible,
+)
+from jvp_attention.reference import AttentionOutputs
+from jvp_attention.tiles import (
+    LN2,
+    LOG2E,
+    add_mask_tangent,
+    carry_factor,
+    dot_rounded,
+    head_base,
+    key_block_ranges,
+    load_head_rows,
+    load_rows,
+    masked_scores,
+    online_softmax_step,
+    power_of_two,
+    shift_exponent,
+    store_rounded,
+    tile_source,
+)
+
+
+# %% tags=["export"]
 @triton.jit
 def _forward_key_block(
     acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
@@ -297,35 +367,35 @@ def _forward_key_block(
 ):
     """Fold the key block starting at `start_n` into the softmax state (and the tangent state)."""
     cols = start_n + tl.arange(0, BLOCK_N)
-    k = _load_rows(k_src, start_n, stride_kn, stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D,
+    k = load_rows(k_src, start_n, stride_kn, stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D,
                    USE_TMA)
-    v = _load_rows(v_src, start_n, stride_vn, stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV,
+    v = load_rows(v_src, start_n, stride_vn, stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV,
                    USE_TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
+    s = masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
                        IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
-    m_new, alpha, p = _online_softmax_step(s, m_i, MASK_KIND != 0)
+    m_new, alpha, p = online_softmax_step(s, m_i, MASK_KIND != 0)
     l_new = l_i * alpha + tl.sum(p, 1)
     acc_o = acc_o * alpha[:, None]
     if HAS_TANGENT:
-        tk = _load_rows(tk_src, start_n, stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N,
+        tk = load_rows(tk_src, start_n, stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N,
                         BLOCK_D, USE_TMA)
-        tv = _load_rows(tv_src, start_n, stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N,
+        tv = load_rows(tv_src, start_n, stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N,
                         BLOCK_DV, USE_TMA)
         # Natural units: masked entries have p~ = 0, so their tS never matters.
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
         # + tB, in natural units (never with CARRY, whose tS is in units of w: see the launcher)
-        ts = _add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
+        ts = add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
                                n_k, MASK_KIND)
         # The running mu including this block; acc_t is kept centred on it.
         mu_new = (mu_i * l_i * alpha + tl.sum(p * ts, 1)) / tl.where(l_new == 0.0, 1.0, l_new)
         acc_t = acc_t * alpha[:, None] - (mu_new - mu_i)[:, None] * acc_o
         p_centred = p * (ts - mu_new[:, None])
-        acc_t = _dot_rounded(p_centred, v, acc_t, DOT_PRECISION, SPLIT)
-        acc_t = _dot_rounded(p, tv, acc_t, DOT_PRECISION, SPLIT)
+        acc_t = dot_rounded(p_centred, v, acc_t, DOT_PRECISION, SPLIT)
+        acc_t = dot_rounded(p, tv, acc_t, DOT_PRECISION, SPLIT)
         mu_i = mu_new
-    acc_o = _dot_rounded(p, v, acc_o, DOT_PRECISION, SPLIT)
+    acc_o = dot_rounded(p, v, acc_o, DOT_PRECISION, SPLIT)
     return acc_o, acc_t, l_new, mu_i, m_new
 
 
@@ -334,7 +404,7 @@ def _forward_key_block(
 #
 # Chapter 3 measures what the single rounding of $\tilde P$ and $\tilde P \circ (t_S - \mu)$
 # to 16 bits costs: in bf16 the tangent lands up to 1.4x PyTorch's error, and the split
-# $a_{hi} + a_{lo}$ of `_dot_rounded` brings it back to 1.0x for one more product each: nine
+# $a_{hi} + a_{lo}$ of `dot_rounded` brings it back to 1.0x for one more product each: nine
 # products where six are credited. bf16 inputs have a cheaper way out. A bf16 number has 8
 # significant bits and float16 has 11, so any bf16 value times a power of two is *exactly* a
 # float16 value, provided the product lands inside float16's range. Carry $V$ and $t_V$ as
@@ -383,18 +453,13 @@ def _forward_key_block(
 # At short rows accurate mode therefore costs the split's extra products: 15 to 30% more
 # GPU time than "fast" for the forward+JVP, where the call is bound by host work anyway.
 
-# %% tags=["export"]
+# %% tags=["export:tiles"]
 # |exponent| of any carrying shift: sums of three exponents stay inside fp32's range.
 MAX_SHIFT = tl.constexpr(36)
 
 
-def max_magnitudes(*tensors: torch.Tensor) -> torch.Tensor:
-    """max |x| of each tensor (fp32, on their device), in one fused pass over all of them."""
-    return torch.stack([m.float() for m in torch._foreach_norm(list(tensors), ord=math.inf)])
-
-
 @triton.jit
-def _shift_exponent(bound, top):
+def shift_exponent(bound, top):
     """The largest integer e with bound * 2**e < 2**top (bound >= 0, fp32), clamped to
     +-MAX_SHIFT (zero gives MAX_SHIFT): frexp, read off bound's exponent bits."""
     exponent = ((bound.to(tl.int32, bitcast=True) >> 23) & 255) - 126
@@ -402,28 +467,48 @@ def _shift_exponent(bound, top):
 
 
 @triton.jit
-def _power_of_two(exponent):
+def power_of_two(exponent):
     """2**exponent in fp32, built from its bits (exact for -126 <= exponent <= 127)."""
     return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _jvp_shifts_kernel(magnitudes_ptr, out_ptr, t_scale):
-    """From max |v|, |tv|, |q|, |k|, |tq|, |tk|: the shifts 2**e_v of v and 2**(e_w + e_v) of
-    tv, then the forward+JVP kernel's factors w = 2**e_w, 2**-e_v, 2**-(e_w + e_v), 2**-e_w."""
-    v_max = tl.load(magnitudes_ptr)
-    tv_max = tl.load(magnitudes_ptr + 1)
-    # |tS| <= s d (max|tQ| max|K| + max|Q| max|tK|), and |mu| too
-    t_bound = t_scale * (tl.load(magnitudes_ptr + 4) * tl.load(magnitudes_ptr + 3)
-                         + tl.load(magnitudes_ptr + 2) * tl.load(magnitudes_ptr + 5))
-    e_v = _shift_exponent(v_max, 0)
-    e_w = tl.minimum(_shift_exponent(2 * t_bound, 14), _shift_exponent(tv_max, 14 - e_v))
-    tl.store(out_ptr, _power_of_two(e_v))
-    tl.store(out_ptr + 1, _power_of_two(e_w + e_v))
-    tl.store(out_ptr + 2, _power_of_two(e_w))
-    tl.store(out_ptr + 3, _power_of_two(-e_v))
-    tl.store(out_ptr + 4, _power_of_two(-e_w - e_v))
-    tl.store(out_ptr + 5, _power_of_two(-e_w))
+def carry_factor(factors_ptr, index, CARRY: tl.constexpr, identity):
+    """Entry `index` of a launch's carry factors (`jvp_operands`); `identity` without CARRY."""
+    if CARRY:
+        factor = tl.load(factors_ptr + index)
+    else:
+        factor = identity
+    return factor
+
+
+# %% [markdown]
+# The host side of the carry is launch policy, shared with the backward: it opens the
+# module `jvp_attention.launch` (its imports, shown but not run, as above).
+
+# %% tags=["export:launch", "skip-execution"]
+"""The launch policy that the forward (chapter 2) and backward (chapter 5) launchers share:
+the precision mode, the autotuning keys and tiles, tensor-descriptor eligibility, the device
+guard, the mask operand, the shape checks and the host side of the bf16 carry.
+
+`notebooks/02_forward.py` derives it.
+"""
+
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+import triton
+
+from jvp_attention.tiles import ADDITIVE_MASK, ADDITIVE_WITH_TANGENT, BOOL_MASK, NO_MASK
+
+
+# %% tags=["export:launch"]
+def max_magnitudes(*tensors: torch.Tensor) -> torch.Tensor:
+    """max |x| of each tensor (fp32, on their device), in one fused pass over all of them."""
+    return torch.stack([m.float() for m in torch._foreach_norm(list(tensors), ord=math.inf)])
 
 
 def fp16_operand(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -446,6 +531,26 @@ def carries(q: torch.Tensor, n_keys: int) -> bool:
     return q.dtype == torch.bfloat16 and n_keys >= CARRY_MIN_KEYS
 
 
+# %% tags=["export"]
+@triton.jit
+def _jvp_shifts_kernel(magnitudes_ptr, out_ptr, t_scale):
+    """From max |v|, |tv|, |q|, |k|, |tq|, |tk|: the shifts 2**e_v of v and 2**(e_w + e_v) of
+    tv, then the forward+JVP kernel's factors w = 2**e_w, 2**-e_v, 2**-(e_w + e_v), 2**-e_w."""
+    v_max = tl.load(magnitudes_ptr)
+    tv_max = tl.load(magnitudes_ptr + 1)
+    # |tS| <= s d (max|tQ| max|K| + max|Q| max|tK|), and |mu| too
+    t_bound = t_scale * (tl.load(magnitudes_ptr + 4) * tl.load(magnitudes_ptr + 3)
+                         + tl.load(magnitudes_ptr + 2) * tl.load(magnitudes_ptr + 5))
+    e_v = shift_exponent(v_max, 0)
+    e_w = tl.minimum(shift_exponent(2 * t_bound, 14), shift_exponent(tv_max, 14 - e_v))
+    tl.store(out_ptr, power_of_two(e_v))
+    tl.store(out_ptr + 1, power_of_two(e_w + e_v))
+    tl.store(out_ptr + 2, power_of_two(e_w))
+    tl.store(out_ptr + 3, power_of_two(-e_v))
+    tl.store(out_ptr + 4, power_of_two(-e_w - e_v))
+    tl.store(out_ptr + 5, power_of_two(-e_w))
+
+
 def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Tensor,
                  tk: torch.Tensor, tv: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
     """Exact fp16 copies of v and tv for the forward+JVP kernel on bf16 inputs, and the
@@ -455,16 +560,6 @@ def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Te
     _jvp_shifts_kernel[(1,)](max_magnitudes(v, tv, q, k, tq, tk), shifts,
                              abs(scale) * q.shape[-1])
     return fp16_operand(v, shifts[0]), fp16_operand(tv, shifts[1]), shifts[2:]
-
-
-@triton.jit
-def _carry_factor(factors_ptr, index, CARRY: tl.constexpr, identity):
-    """Entry `index` of a launch's carry factors (`jvp_operands`); `identity` without CARRY."""
-    if CARRY:
-        factor = tl.load(factors_ptr + index)
-    else:
-        factor = identity
-    return factor
 
 
 # %% [markdown]
@@ -503,22 +598,22 @@ def _attention_forward_kernel(
     head = tl.program_id(1) % n_heads
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
-    q = _load_head_rows(q_ptr + batch * stride_qb + head * stride_qh, start_m, stride_qm,
+    q = load_head_rows(head_base(q_ptr, batch, head, stride_qb, stride_qh), start_m, stride_qm,
                         stride_qd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
-    k_src = _tile_source(k_ptr + batch * stride_kb + kv_head * stride_kh, n_k, head_dim,
+    k_src = tile_source(head_base(k_ptr, batch, kv_head, stride_kb, stride_kh), n_k, head_dim,
                          stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = _tile_source(v_ptr + batch * stride_vb + kv_head * stride_vh, n_k, value_dim,
+    v_src = tile_source(head_base(v_ptr, batch, kv_head, stride_vb, stride_vh), n_k, value_dim,
                          stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
-    mask_ptr += batch * stride_mask_b + head * stride_mask_h
+    mask_ptr = head_base(mask_ptr, batch, head, stride_mask_b, stride_mask_h)
     if HAS_TANGENT:
-        tq = _load_head_rows(tq_ptr + batch * stride_tqb + head * stride_tqh, start_m,
+        tq = load_head_rows(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh), start_m,
                              stride_tqm, stride_tqd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
-        tk_src = _tile_source(tk_ptr + batch * stride_tkb + kv_head * stride_tkh, n_k,
+        tk_src = tile_source(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh), n_k,
                               head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
-        tv_src = _tile_source(tv_ptr + batch * stride_tvb + kv_head * stride_tvh, n_k,
+        tv_src = tile_source(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh), n_k,
                               value_dim, stride_tvn, BLOCK_N, BLOCK_DV, USE_TMA)
         acc_t = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        scale *= _carry_factor(factors_ptr, 0, CARRY, 1.0)  # tS, and so mu, in units of w
+        scale *= carry_factor(factors_ptr, 0, CARRY, 1.0)  # tS, and so mu, in units of w
     else:
         tq, tk_src, tv_src = q, k_src, v_src
         acc_t = tl.zeros([1, 1], dtype=tl.float32)
@@ -527,7 +622,7 @@ def _attention_forward_kernel(
     mu_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
-    full_end, end = _key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    full_end, end = key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
         acc_o, acc_t, l_i, mu_i, m_i = _forward_key_block(
             acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
@@ -547,20 +642,20 @@ def _attention_forward_kernel(
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    o = acc_o * (inv_l * _carry_factor(factors_ptr, 1, CARRY, 1.0))[:, None]
+    o = acc_o * (inv_l * carry_factor(factors_ptr, 1, CARRY, 1.0))[:, None]
     flat_rows = tl.program_id(1).to(tl.int64) * n_q + rows
     dims_v = tl.arange(0, BLOCK_DV)
-    _store_rounded(o_ptr, o_residual_ptr, o, flat_rows, rows, dims_v, n_q, value_dim,
+    store_rounded(o_ptr, o_residual_ptr, o, flat_rows, rows, dims_v, n_q, value_dim,
                    STORE_RESIDUAL)
     log2_l = tl.log2(tl.where(empty, 1.0, l_i))
-    lse = tl.where(empty, float("-inf"), (m_i + log2_l) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
     tl.store(lse_ptr + flat_rows, lse, mask=rows < n_q)
     if HAS_TANGENT:
         # acc_t is centred on the final mu: tO = acc_t / l, no cancellation left to do.
-        t_o = acc_t * (inv_l * _carry_factor(factors_ptr, 2, CARRY, 1.0))[:, None]
-        _store_rounded(to_ptr, to_residual_ptr, t_o, flat_rows, rows, dims_v, n_q, value_dim,
+        t_o = acc_t * (inv_l * carry_factor(factors_ptr, 2, CARRY, 1.0))[:, None]
+        store_rounded(to_ptr, to_residual_ptr, t_o, flat_rows, rows, dims_v, n_q, value_dim,
                        STORE_RESIDUAL)
-        tl.store(mu_ptr + flat_rows, mu_i * _carry_factor(factors_ptr, 3, CARRY, 1.0),
+        tl.store(mu_ptr + flat_rows, mu_i * carry_factor(factors_ptr, 3, CARRY, 1.0),
                  mask=rows < n_q)
 
 
@@ -588,7 +683,7 @@ def _attention_forward_kernel(
 # own device. The public API of chapter 7 validates arguments and handles other ranks;
 # here we only check what would make the kernel read out of bounds.
 
-# %% tags=["export"]
+# %% tags=["export:launch"]
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -630,16 +725,6 @@ def autotuned(kernel, gpu_tiles: list[tuple[int, int, int, int]]):
                            prune_configs_by={"early_config_prune": prune_wide_tiles})(kernel)
 
 
-# The tangent doubles the accumulators, so it has its own list: tiles whose registers and
-# shared memory fit with the tangent on (tools/kernel_resources.py).
-_attention_forward = autotuned(_attention_forward_kernel, [
-    (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2),
-    (64, 32, 4, 2), (32, 32, 4, 2)])
-_attention_forward_jvp = autotuned(_attention_forward_kernel, [
-    (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2),
-    (32, 32, 4, 2)])
-
-
 def check_mask_tangent(attn_mask: torch.Tensor | None, mask_tangent: torch.Tensor | None,
                        shape: tuple[int, int, int, int]) -> None:
     """Raise ValueError unless `mask_tangent` is None, or a float tensor broadcastable to
@@ -669,57 +754,86 @@ def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int
     shape in their common dtype: the view of the biases is returned, each tangent is the
     element after its bias. Returns (tensor or None, MASK_KIND)."""
     if attn_mask is None:
-        return None, NO_MASK
+        return None, NO_MASK.value
     if mask_tangent is not None:
         dtype = torch.promote_types(attn_mask.dtype, mask_tangent.dtype)
         pairs = torch.stack(torch.broadcast_tensors(attn_mask.to(dtype), mask_tangent.to(dtype)),
                             dim=-1)
-        return pairs[..., 0].expand(shape), ADDITIVE_WITH_TANGENT
+        return pairs[..., 0].expand(shape), ADDITIVE_WITH_TANGENT.value
     attn_mask = attn_mask.expand(shape)
     if attn_mask.dtype == torch.bool:
-        return attn_mask.view(torch.uint8), BOOL_MASK
-    return attn_mask, ADDITIVE_MASK
+        return attn_mask.view(torch.uint8), BOOL_MASK.value
+    return attn_mask, ADDITIVE_MASK.value
 
 
 PRECISIONS = ("accurate", "fast")
-_precision = {"mode": os.environ.get("JVP_ATTENTION_PRECISION", "accurate")}
+# One process-wide mode, in a dict so that torch.compile guards on its value (a compiled call
+# recompiles, rather than running stale, when the mode changes).
+_mode = {"precision": os.environ.get("JVP_ATTENTION_PRECISION", "accurate")}
+
+
+def _checked(mode: str) -> str:
+    if mode not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {mode!r}")
+    return mode
 
 
 def set_precision(mode: str) -> None:
-    """Choose how 16-bit products are rounded (chapter 3 measures both).
+    """Choose how 16-bit products are rounded (chapter 3 measures both); `precision` does
+    the same for a block of code.
 
     Args:
         mode: "accurate" (default): the fp32 operands of the tangent's and the backward's
             16-bit products keep their errors at the level of PyTorch's fp32-accumulating
-            math path: fp16 inputs split them into hi + lo parts (about a third more matrix
-            products), bf16 inputs run those products on exact fp16 copies (chapter 2).
+            math path: their hi + lo split (about a third more matrix products), or for bf16
+            inputs with long rows exact fp16 copies of the other operand (chapter 2).
             "fast": one 16-bit rounding per product, as FlashAttention does. The primal
             forward always rounds once: its error is at the floor already.
             The environment variable JVP_ATTENTION_PRECISION sets the initial mode.
+
+    Raises:
+        ValueError: For a mode other than "accurate" or "fast".
     """
-    if mode not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {mode!r}")
-    _precision["mode"] = mode
+    _mode["precision"] = _checked(mode)
 
 
-def accurate(precision: str | None = None) -> bool:
-    """True when `precision` ("accurate" or "fast"), or, when it is None, the global mode
-    (see `set_precision`), is "accurate". The launchers take `precision` per call, so that
-    a backward can run in the mode its forward ran in."""
-    if precision is not None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
-        return precision == "accurate"
-    if _precision["mode"] not in PRECISIONS:
-        set_precision(_precision["mode"])  # raises for a bad JVP_ATTENTION_PRECISION
-    return _precision["mode"] == "accurate"
+def get_precision() -> str:
+    """The precision mode in effect: "accurate" or "fast" (see `set_precision`)."""
+    return _checked(_mode["precision"])
+
+
+@contextmanager
+def precision(mode: str) -> Iterator[str]:
+    """Run a block of code in precision `mode` ("accurate" or "fast"), then restore the
+    mode that was in effect before. The mode is process-wide, like `set_precision`.
+
+    A forward captures the mode it runs in, and its backward uses that mode, whenever and
+    wherever the backward runs.
+
+    Example:
+        >>> with jvp_attention.precision("fast"):
+        ...     out, t_out = torch.func.jvp(jvp_attention.attention, (q, k, v), (tq, tk, tv))
+    """
+    previous = get_precision()
+    set_precision(mode)
+    try:
+        yield mode
+    finally:
+        _mode["precision"] = previous
+
+
+def accurate(mode: str | None = None) -> bool:
+    """True when `mode` ("accurate" or "fast"), or when it is None the mode in effect
+    (`get_precision`), is "accurate". The launchers take the mode per call, so that a
+    backward runs in the mode of its forward."""
+    return (get_precision() if mode is None else _checked(mode)) == "accurate"
 
 
 def kernel_meta(q: torch.Tensor, head_dim: int, value_dim: int, split: bool = False) -> dict:
     """Compile-time tile widths and product precision shared by every kernel of the library.
 
     `split` asks for hi + lo rounding of the fp32 operands of 16-bit products (see
-    `_dot_rounded`); it is meaningless, and off, for fp32 inputs."""
+    `dot_rounded`); it is meaningless, and off, for fp32 inputs."""
     return {
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
         "BLOCK_DV": max(16, triton.next_power_of_2(value_dim)),
@@ -785,6 +899,17 @@ def check_kernel_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
         raise ValueError(f"expected q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) with "
                          f"Hq a multiple of Hkv; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
+
+
+# %% tags=["export"]
+# The tangent doubles the accumulators, so it has its own list: tiles whose registers and
+# shared memory fit with the tangent on (tools/kernel_resources.py).
+_attention_forward = autotuned(_attention_forward_kernel, [
+    (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2),
+    (64, 32, 4, 2), (32, 32, 4, 2)])
+_attention_forward_jvp = autotuned(_attention_forward_kernel, [
+    (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2),
+    (32, 32, 4, 2)])
 
 
 def flash_attention_forward(
@@ -867,7 +992,7 @@ def flash_attention_forward(
             out_res, t_out_res, factors, *q.stride(), *k.stride(), *v.stride(),
             *tq.stride(), *tk.stride(), *tv.stride(), *mask_strides,
             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
-            scale * LOG2E, scale, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k),
+            scale * LOG2E.value, scale, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
             **kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry),
@@ -891,7 +1016,6 @@ def flash_attention_forward(
 # multiplies raw bf16 bits (its bf16 dot products are wrong).
 
 # %%
-from jvp_attention.forward import flash_attention_forward
 from jvp_attention.reference import reference_attention
 
 torch.manual_seed(0)

@@ -90,7 +90,7 @@ for name, shape, options in [
 # PyTorch version gave NaN there, `max_error` would leave those entries out of the floor
 # (the kernel's own error is always measured on every entry).
 
-# %% tags=["export"]
+# %% tags=["export:accuracy"]
 """Chapter 3: measuring accuracy against float64 and against PyTorch's math path (the floor).
 
 `notebooks/03_tangents.py` checks the fused kernel's tangent with these tools; chapters 5 and 6
@@ -262,8 +262,6 @@ def _quantity_order(name: str) -> int:
 # on random inputs. On the GPU this covers bf16 as well; in the interpreter, fp16 and fp32.
 
 # %%
-from jvp_attention.tangents import accuracy_table, float64_truth, format_table, math_path
-
 DTYPES = [torch.float16, torch.bfloat16, torch.float32] if FULL_SIZE else [torch.float16,
                                                                          torch.float32]
 SHAPES = {
@@ -328,7 +326,7 @@ print(f"worst ratio to the floor: {worst:.2f}")
 # key's tangent, which shifts $t_S$ row-wise by $s\,Q\,c^\top$) and both precision modes.
 
 # %%
-from jvp_attention.forward import set_precision
+from jvp_attention.launch import set_precision
 
 shift_rows = {}
 for dtype in [torch.float16, torch.bfloat16] if FULL_SIZE else [torch.float16]:

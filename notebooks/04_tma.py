@@ -63,9 +63,9 @@ print(f"device: {DEVICE}, interpreter: {os.environ.get('TRITON_INTERPRET', '0') 
 # descriptor one. The two helpers are all there is to it:
 
 # %%
-from jvp_attention import forward
+from jvp_attention import tiles
 
-for helper in (forward._tile_source, forward._load_rows):
+for helper in (tiles.tile_source, tiles.load_rows):
     print(inspect.getsource(helper.fn))
 
 # %% [markdown]
@@ -84,7 +84,7 @@ for helper in (forward._tile_source, forward._load_rows):
 # each path keeps its own best tile.
 
 # %%
-from jvp_attention.forward import descriptor_compatible
+from jvp_attention.launch import descriptor_compatible
 
 x = torch.randn(2, 4, 64, 80, dtype=torch.float16)
 layouts = {

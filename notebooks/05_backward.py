@@ -80,20 +80,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jvp_attention.forward import (
-    LOG2E,
-    _add_mask_tangent,
-    _carry_factor,
-    _dot_rounded,
-    _key_block_ranges,
-    _load_head_rows,
-    _load_rows,
-    _load_tile,
-    _masked_scores,
-    _power_of_two,
-    _shift_exponent,
-    _store_rows,
-    _tile_source,
+from jvp_attention.launch import (
     accurate,
     autotuned,
     carries,
@@ -107,16 +94,32 @@ from jvp_attention.forward import (
     prepare_descriptors,
     tma_eligible,
 )
+from jvp_attention.tiles import (
+    LOG2E,
+    add_mask_tangent,
+    carry_factor,
+    dot_rounded,
+    head_base,
+    key_block_ranges,
+    load_head_rows,
+    load_rows,
+    load_tile,
+    masked_scores,
+    power_of_two,
+    shift_exponent,
+    store_rows,
+    tile_source,
+)
 
 
 @triton.jit
 def _load_fp32_rows(ptr, residual_ptr, head_rows, rows, dims, n_rows, n_dims,
                     HAS_RESIDUAL: tl.constexpr):
     """Rows of a contiguous forward output in fp32, with its rounding residual added back."""
-    x = _load_tile(ptr + head_rows * n_dims, rows, dims, n_dims, 1, n_rows, n_dims)
+    x = load_tile(ptr + head_rows * n_dims, rows, dims, n_dims, 1, n_rows, n_dims)
     x = x.to(tl.float32)
     if HAS_RESIDUAL:
-        x += _load_tile(residual_ptr + head_rows * n_dims, rows, dims, n_dims, 1, n_rows,
+        x += load_tile(residual_ptr + head_rows * n_dims, rows, dims, n_dims, 1, n_rows,
                         n_dims).to(tl.float32)
     return x
 
@@ -139,13 +142,13 @@ def _row_statistics_kernel(
     head_rows = bh * n_rows
     o = _load_fp32_rows(o_ptr, o_residual_ptr, head_rows, rows, dims, n_rows, value_dim,
                         HAS_RESIDUAL)
-    do = _load_tile(do_ptr + batch * stride_dob + head * stride_doh, rows, dims,
+    do = load_tile(head_base(do_ptr, batch, head, stride_dob, stride_doh), rows, dims,
                     stride_dom, stride_dod, n_rows, value_dim)
     delta = tl.sum(do.to(tl.float32) * o, 1)
     if HAS_TANGENT:
         t_o = _load_fp32_rows(to_ptr, to_residual_ptr, head_rows, rows, dims, n_rows,
                               value_dim, HAS_RESIDUAL)
-        dto = _load_tile(dto_ptr + batch * stride_dtob + head * stride_dtoh, rows, dims,
+        dto = load_tile(head_base(dto_ptr, batch, head, stride_dtob, stride_dtoh), rows, dims,
                          stride_dtom, stride_dtod, n_rows, value_dim).to(tl.float32)
         c = tl.sum(dto * o, 1)
         mu = tl.load(mu_ptr + head_rows + rows, mask=rows < n_rows, other=0.0)
@@ -192,7 +195,7 @@ def _load_row_statistics(lse_ptr, delta_ptr, mu_ptr, c_ptr, rows, n_q, delta_fac
     saw no key read LSE = +inf, so that their P is exactly 0."""
     in_range = rows < n_q
     lse = tl.load(lse_ptr + rows, mask=in_range, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634 - p_exponent
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E - p_exponent
     delta = tl.load(delta_ptr + rows, mask=in_range, other=0.0) * delta_factor
     if HAS_TANGENT:
         mu = tl.load(mu_ptr + rows, mask=in_range, other=0.0)
@@ -213,14 +216,14 @@ def _backward_tile(
     """P and dS of one (query block x key block) tile, recomputed from LSE; with the tangent
     also tP and dtS (chapter 6)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = _masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
+    s = masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
                        IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if HAS_TANGENT:
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
-        ts = _add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
+        ts = add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
                                n_k, MASK_KIND)
         g = tl.dot(dto, tl.trans(v), input_precision=DOT_PRECISION)
         dp = tl.dot(dto, tl.trans(tv), acc=dp, input_precision=DOT_PRECISION)
@@ -291,20 +294,20 @@ def _backward_shifts_kernel(magnitudes_ptr, out_ptr, do_top):
     max |dO| below 2**do_top), then the kernels' factors: scores 2**-(e_q + e_k), Delta
     2**(e_o + e_v), dQ 2**-(e_ds + e_k), dK 2**-(e_ds + e_q), dV 2**-(8 + e_o) and P's 8,
     where dS is carried times 2**e_ds = 2**(8 + e_o + e_v)."""
-    e_q = _shift_exponent(tl.load(magnitudes_ptr), 0)
-    e_k = _shift_exponent(tl.load(magnitudes_ptr + 1), 0)
-    e_v = _shift_exponent(tl.load(magnitudes_ptr + 2), 0)
-    e_o = _shift_exponent(tl.load(magnitudes_ptr + 3), do_top)
+    e_q = shift_exponent(tl.load(magnitudes_ptr), 0)
+    e_k = shift_exponent(tl.load(magnitudes_ptr + 1), 0)
+    e_v = shift_exponent(tl.load(magnitudes_ptr + 2), 0)
+    e_o = shift_exponent(tl.load(magnitudes_ptr + 3), do_top)
     e_ds = e_o + e_v + P_EXPONENT
-    tl.store(out_ptr, _power_of_two(e_q))
-    tl.store(out_ptr + 1, _power_of_two(e_k))
-    tl.store(out_ptr + 2, _power_of_two(e_v))
-    tl.store(out_ptr + 3, _power_of_two(e_o))
-    tl.store(out_ptr + 4, _power_of_two(-e_q - e_k))
-    tl.store(out_ptr + 5, _power_of_two(e_o + e_v))
-    tl.store(out_ptr + 6, _power_of_two(-e_ds - e_k))
-    tl.store(out_ptr + 7, _power_of_two(-e_ds - e_q))
-    tl.store(out_ptr + 8, _power_of_two(-e_o - P_EXPONENT))
+    tl.store(out_ptr, power_of_two(e_q))
+    tl.store(out_ptr + 1, power_of_two(e_k))
+    tl.store(out_ptr + 2, power_of_two(e_v))
+    tl.store(out_ptr + 3, power_of_two(e_o))
+    tl.store(out_ptr + 4, power_of_two(-e_q - e_k))
+    tl.store(out_ptr + 5, power_of_two(e_o + e_v))
+    tl.store(out_ptr + 6, power_of_two(-e_ds - e_k))
+    tl.store(out_ptr + 7, power_of_two(-e_ds - e_q))
+    tl.store(out_ptr + 8, power_of_two(-e_o - P_EXPONENT))
     tl.store(out_ptr + 9, tl.full([], P_EXPONENT, tl.float32))
 
 
@@ -332,6 +335,16 @@ def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 # %% tags=["export"]
 @triton.jit
+def _carried_units(factors_ptr, qk_scale, CARRY: tl.constexpr):
+    """Both backward kernels' prologue: the score scale, the factor of delta and the exponent
+    shift of P in the units of the carried fp16 copies (identities without CARRY)."""
+    qk_scale *= carry_factor(factors_ptr, 0, CARRY, 1.0)
+    delta_factor = carry_factor(factors_ptr, 1, CARRY, 1.0)
+    p_exponent = carry_factor(factors_ptr, 5, CARRY, 0.0)
+    return qk_scale, delta_factor, p_exponent
+
+
+@triton.jit
 def _attention_backward_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr,
     lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, dk_ptr, dv_ptr, dtk_ptr, dtv_ptr,
@@ -352,25 +365,23 @@ def _attention_backward_dkdv_kernel(
     USE_TMA: tl.constexpr, CARRY: tl.constexpr,
 ):
     """dK, dV (and dtK, dtV) of one key block, summed over all query heads of its GQA group."""
-    qk_scale *= _carry_factor(factors_ptr, 0, CARRY, 1.0)
-    delta_factor = _carry_factor(factors_ptr, 1, CARRY, 1.0)
-    p_exponent = _carry_factor(factors_ptr, 5, CARRY, 0.0)
+    qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
     start_n = tl.program_id(0) * BLOCK_N
     batch = (tl.program_id(1) // n_kv_heads).to(tl.int64)
     kv_head = tl.program_id(1) % n_kv_heads
     cols = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
-    k = _load_head_rows(k_ptr + batch * stride_kb + kv_head * stride_kh, start_n, stride_kn,
+    k = load_head_rows(head_base(k_ptr, batch, kv_head, stride_kb, stride_kh), start_n, stride_kn,
                         stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
-    v = _load_head_rows(v_ptr + batch * stride_vb + kv_head * stride_vh, start_n, stride_vn,
+    v = load_head_rows(head_base(v_ptr, batch, kv_head, stride_vb, stride_vh), start_n, stride_vn,
                         stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
     acc_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     acc_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     if HAS_TANGENT:
-        tk = _load_head_rows(tk_ptr + batch * stride_tkb + kv_head * stride_tkh, start_n,
+        tk = load_head_rows(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh), start_n,
                              stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
-        tv = _load_head_rows(tv_ptr + batch * stride_tvb + kv_head * stride_tvh, start_n,
+        tv = load_head_rows(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh), start_n,
                              stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N, BLOCK_DV,
                              USE_TMA)
         acc_dtk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -383,28 +394,28 @@ def _attention_backward_dkdv_kernel(
     for member in range(group_size):
         head = kv_head * group_size + member
         stats = (batch * n_kv_heads * group_size + head) * n_q
-        q_src = _tile_source(q_ptr + batch * stride_qb + head * stride_qh, n_q, head_dim,
+        q_src = tile_source(head_base(q_ptr, batch, head, stride_qb, stride_qh), n_q, head_dim,
                              stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
-        do_src = _tile_source(do_ptr + batch * stride_dob + head * stride_doh, n_q,
+        do_src = tile_source(head_base(do_ptr, batch, head, stride_dob, stride_doh), n_q,
                               value_dim, stride_dom, BLOCK_M, BLOCK_DV, USE_TMA)
         if HAS_TANGENT:
-            tq_src = _tile_source(tq_ptr + batch * stride_tqb + head * stride_tqh, n_q,
+            tq_src = tile_source(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh), n_q,
                                   head_dim, stride_tqm, BLOCK_M, BLOCK_D, USE_TMA)
-            dto_src = _tile_source(dto_ptr + batch * stride_dtob + head * stride_dtoh, n_q,
+            dto_src = tile_source(head_base(dto_ptr, batch, head, stride_dtob, stride_dtoh), n_q,
                                    value_dim, stride_dtom, BLOCK_M, BLOCK_DV, USE_TMA)
         else:
             tq_src, dto_src = q_src, do_src
-        head_mask = mask_ptr + batch * stride_mask_b + head * stride_mask_h
+        head_mask = head_base(mask_ptr, batch, head, stride_mask_b, stride_mask_h)
         for start_m in range(first_m, n_q, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
-            q = _load_rows(q_src, start_m, stride_qm, stride_qd, n_q, head_dim, BLOCK_M,
+            q = load_rows(q_src, start_m, stride_qm, stride_qd, n_q, head_dim, BLOCK_M,
                            BLOCK_D, USE_TMA)
-            do = _load_rows(do_src, start_m, stride_dom, stride_dod, n_q, value_dim, BLOCK_M,
+            do = load_rows(do_src, start_m, stride_dom, stride_dod, n_q, value_dim, BLOCK_M,
                             BLOCK_DV, USE_TMA)
             if HAS_TANGENT:
-                tq = _load_rows(tq_src, start_m, stride_tqm, stride_tqd, n_q, head_dim,
+                tq = load_rows(tq_src, start_m, stride_tqm, stride_tqd, n_q, head_dim,
                                 BLOCK_M, BLOCK_D, USE_TMA)
-                dto = _load_rows(dto_src, start_m, stride_dtom, stride_dtod, n_q, value_dim,
+                dto = load_rows(dto_src, start_m, stride_dtom, stride_dtod, n_q, value_dim,
                                  BLOCK_M, BLOCK_DV, USE_TMA)
             else:
                 tq, dto = q, do
@@ -415,28 +426,28 @@ def _attention_backward_dkdv_kernel(
                 q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
                 head_mask, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
                 IS_CAUSAL, MASK_KIND, HAS_TANGENT, True, DOT_PRECISION)
-            acc_dv = _dot_rounded(tl.trans(p), do, acc_dv, DOT_PRECISION, SPLIT)
-            acc_dk = _dot_rounded(tl.trans(ds), q, acc_dk, DOT_PRECISION, SPLIT)
+            acc_dv = dot_rounded(tl.trans(p), do, acc_dv, DOT_PRECISION, SPLIT)
+            acc_dk = dot_rounded(tl.trans(ds), q, acc_dk, DOT_PRECISION, SPLIT)
             if HAS_TANGENT:
-                acc_dv = _dot_rounded(tl.trans(tp), dto, acc_dv, DOT_PRECISION, SPLIT)
-                acc_dtv = _dot_rounded(tl.trans(p), dto, acc_dtv, DOT_PRECISION, SPLIT)
-                acc_dk = _dot_rounded(tl.trans(dts), tq, acc_dk, DOT_PRECISION, SPLIT)
-                acc_dtk = _dot_rounded(tl.trans(dts), q, acc_dtk, DOT_PRECISION, SPLIT)
+                acc_dv = dot_rounded(tl.trans(tp), dto, acc_dv, DOT_PRECISION, SPLIT)
+                acc_dtv = dot_rounded(tl.trans(p), dto, acc_dtv, DOT_PRECISION, SPLIT)
+                acc_dk = dot_rounded(tl.trans(dts), tq, acc_dk, DOT_PRECISION, SPLIT)
+                acc_dtk = dot_rounded(tl.trans(dts), q, acc_dtk, DOT_PRECISION, SPLIT)
     key_rows = tl.program_id(1).to(tl.int64) * n_k + cols
-    dk_factor = scale * _carry_factor(factors_ptr, 3, CARRY, 1.0)
-    _store_rows(dk_ptr, acc_dk * dk_factor, key_rows, cols, dims, n_k, head_dim)
-    dv_factor = _carry_factor(factors_ptr, 4, CARRY, 1.0)
-    _store_rows(dv_ptr, acc_dv * dv_factor, key_rows, cols, dims_v, n_k, value_dim)
+    dk_factor = scale * carry_factor(factors_ptr, 3, CARRY, 1.0)
+    store_rows(dk_ptr, acc_dk * dk_factor, key_rows, cols, dims, n_k, head_dim)
+    dv_factor = carry_factor(factors_ptr, 4, CARRY, 1.0)
+    store_rows(dv_ptr, acc_dv * dv_factor, key_rows, cols, dims_v, n_k, value_dim)
     if HAS_TANGENT:
-        _store_rows(dtk_ptr, acc_dtk * scale, key_rows, cols, dims, n_k, head_dim)
-        _store_rows(dtv_ptr, acc_dtv, key_rows, cols, dims_v, n_k, value_dim)
+        store_rows(dtk_ptr, acc_dtk * scale, key_rows, cols, dims, n_k, head_dim)
+        store_rows(dtv_ptr, acc_dtv, key_rows, cols, dims_v, n_k, value_dim)
 
 
 # %% [markdown]
 # ## The dQ kernel
 #
 # A program owns one query block and walks the key blocks it sees, with the same split into
-# whole blocks and masked tail as the forward (`_key_block_ranges`).
+# whole blocks and masked tail as the forward (`key_block_ranges`).
 
 # %% tags=["export"]
 @triton.jit
@@ -454,14 +465,14 @@ def _dq_key_block(
     """Fold the key block starting at `start_n` into dQ (and dtQ); with MASK_GRAD, store
     its tile of dS (and dtS) as the gradient of the additive mask (and of its tangent)."""
     cols = start_n + tl.arange(0, BLOCK_N)
-    k = _load_rows(k_src, start_n, stride_kn, stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D,
+    k = load_rows(k_src, start_n, stride_kn, stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D,
                    USE_TMA)
-    v = _load_rows(v_src, start_n, stride_vn, stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV,
+    v = load_rows(v_src, start_n, stride_vn, stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV,
                    USE_TMA)
     if HAS_TANGENT:
-        tk = _load_rows(tk_src, start_n, stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N,
+        tk = load_rows(tk_src, start_n, stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N,
                         BLOCK_D, USE_TMA)
-        tv = _load_rows(tv_src, start_n, stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N,
+        tv = load_rows(tv_src, start_n, stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N,
                         BLOCK_DV, USE_TMA)
     else:
         tk, tv = k, v
@@ -471,13 +482,13 @@ def _dq_key_block(
         IS_CAUSAL, MASK_KIND, HAS_TANGENT, CHECK_BOUNDS, DOT_PRECISION)
     if MASK_GRAD:  # dS, dtS in natural units: the launcher does not carry with MASK_GRAD
         wide_rows = rows.to(tl.int64)  # a head's Nq x Nk entries can pass 2**31
-        _store_rows(dmask_ptr, ds, wide_rows, rows, cols, n_q, n_k)
+        store_rows(dmask_ptr, ds, wide_rows, rows, cols, n_q, n_k)
         if HAS_TANGENT:
-            _store_rows(dtmask_ptr, dts, wide_rows, rows, cols, n_q, n_k)
-    acc_dq = _dot_rounded(ds, k, acc_dq, DOT_PRECISION, SPLIT)
+            store_rows(dtmask_ptr, dts, wide_rows, rows, cols, n_q, n_k)
+    acc_dq = dot_rounded(ds, k, acc_dq, DOT_PRECISION, SPLIT)
     if HAS_TANGENT:
-        acc_dq = _dot_rounded(dts, tk, acc_dq, DOT_PRECISION, SPLIT)
-        acc_dtq = _dot_rounded(dts, k, acc_dtq, DOT_PRECISION, SPLIT)
+        acc_dq = dot_rounded(dts, tk, acc_dq, DOT_PRECISION, SPLIT)
+        acc_dtq = dot_rounded(dts, k, acc_dtq, DOT_PRECISION, SPLIT)
     return acc_dq, acc_dtq
 
 
@@ -503,23 +514,21 @@ def _attention_backward_dq_kernel(
 ):
     """dQ (and dtQ) of one query block of one (batch, head); with MASK_GRAD also its rows of
     the mask's gradient dS (and dtS), contiguous (B, H, Nq, Nk) fp32."""
-    qk_scale *= _carry_factor(factors_ptr, 0, CARRY, 1.0)
-    delta_factor = _carry_factor(factors_ptr, 1, CARRY, 1.0)
-    p_exponent = _carry_factor(factors_ptr, 5, CARRY, 0.0)
+    qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
     start_m = tl.program_id(0) * BLOCK_M
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q = _load_head_rows(q_ptr + batch * stride_qb + head * stride_qh, start_m, stride_qm,
+    q = load_head_rows(head_base(q_ptr, batch, head, stride_qb, stride_qh), start_m, stride_qm,
                         stride_qd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
-    do = _load_head_rows(do_ptr + batch * stride_dob + head * stride_doh, start_m, stride_dom,
+    do = load_head_rows(head_base(do_ptr, batch, head, stride_dob, stride_doh), start_m, stride_dom,
                          stride_dod, n_q, value_dim, BLOCK_M, BLOCK_DV, USE_TMA)
     if HAS_TANGENT:
-        tq = _load_head_rows(tq_ptr + batch * stride_tqb + head * stride_tqh, start_m,
+        tq = load_head_rows(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh), start_m,
                              stride_tqm, stride_tqd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
-        dto = _load_head_rows(dto_ptr + batch * stride_dtob + head * stride_dtoh, start_m,
+        dto = load_head_rows(head_base(dto_ptr, batch, head, stride_dtob, stride_dtoh), start_m,
                               stride_dtom, stride_dtod, n_q, value_dim, BLOCK_M, BLOCK_DV,
                               USE_TMA)
         acc_dtq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -530,22 +539,22 @@ def _attention_backward_dq_kernel(
     lse2, delta, mu, c = _load_row_statistics(lse_ptr + stats, delta_ptr + stats,
                                               mu_ptr + stats, c_ptr + stats, rows, n_q,
                                               delta_factor, p_exponent, HAS_TANGENT)
-    k_src = _tile_source(k_ptr + batch * stride_kb + kv_head * stride_kh, n_k, head_dim,
+    k_src = tile_source(head_base(k_ptr, batch, kv_head, stride_kb, stride_kh), n_k, head_dim,
                          stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = _tile_source(v_ptr + batch * stride_vb + kv_head * stride_vh, n_k, value_dim,
+    v_src = tile_source(head_base(v_ptr, batch, kv_head, stride_vb, stride_vh), n_k, value_dim,
                          stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
     if HAS_TANGENT:
-        tk_src = _tile_source(tk_ptr + batch * stride_tkb + kv_head * stride_tkh, n_k,
+        tk_src = tile_source(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh), n_k,
                               head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
-        tv_src = _tile_source(tv_ptr + batch * stride_tvb + kv_head * stride_tvh, n_k,
+        tv_src = tile_source(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh), n_k,
                               value_dim, stride_tvn, BLOCK_N, BLOCK_DV, USE_TMA)
     else:
         tk_src, tv_src = k_src, v_src
-    mask_ptr += batch * stride_mask_b + head * stride_mask_h
+    mask_ptr = head_base(mask_ptr, batch, head, stride_mask_b, stride_mask_h)
     dmask_ptr += stats * n_k  # this program's (batch, head); it alone writes its rows
     dtmask_ptr += stats * n_k
     acc_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_end, end = _key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    full_end, end = key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
         acc_dq, acc_dtq = _dq_key_block(
             acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
@@ -563,10 +572,10 @@ def _attention_backward_dq_kernel(
             head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
             BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD)
     flat_rows = stats + rows
-    dq_factor = scale * _carry_factor(factors_ptr, 2, CARRY, 1.0)
-    _store_rows(dq_ptr, acc_dq * dq_factor, flat_rows, rows, dims, n_q, head_dim)
+    dq_factor = scale * carry_factor(factors_ptr, 2, CARRY, 1.0)
+    store_rows(dq_ptr, acc_dq * dq_factor, flat_rows, rows, dims, n_q, head_dim)
     if HAS_TANGENT:
-        _store_rows(dtq_ptr, acc_dtq * scale, flat_rows, rows, dims, n_q, head_dim)
+        store_rows(dtq_ptr, acc_dtq * scale, flat_rows, rows, dims, n_q, head_dim)
 
 
 # %% [markdown]
@@ -690,7 +699,7 @@ def flash_attention_backward(
     strides = (*q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(),
                *tv.stride(), *(mask.stride() if mask is not None else (0, 0, 0, 0)),
                *grad_operand.stride(), *dto.stride())
-    sizes = (n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads, scale * LOG2E, scale,
+    sizes = (n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads, scale * LOG2E.value, scale,
              triton.next_power_of_2(n_q), triton.next_power_of_2(n_k))
     # Descriptors (chapter 4) for the first-order kernels only: compiled for sm_90, the
     # second-order kernels spill hundreds of bytes per thread with them (tools/kernel_resources.py).
@@ -728,7 +737,6 @@ def flash_attention_backward(
 # here both, with lengths that are not multiples of any tile, GQA, masks, and $d_{qk} \ne d_v$.
 
 # %%
-from jvp_attention.backward import flash_attention_backward
 from jvp_attention.forward import flash_attention_forward
 from jvp_attention.reference import reference_attention, reference_backward
 
@@ -775,8 +783,8 @@ for dtype in (torch.float32, torch.float16):
 # type and uses the stored $O$, as FlashAttention does.
 
 # %%
-from jvp_attention.forward import set_precision
-from jvp_attention.tangents import accuracy_table, float64_truth, format_table, math_path
+from jvp_attention.launch import set_precision
+from jvp_attention.accuracy import accuracy_table, float64_truth, format_table, math_path
 
 rows = {}
 for dtype in [torch.bfloat16, torch.float16] if FULL_SIZE else [torch.float16]:

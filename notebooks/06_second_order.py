@@ -71,9 +71,10 @@ FULL_SIZE = DEVICE == "cuda"
 
 # %%
 from jvp_attention.backward import flash_attention_backward
-from jvp_attention.forward import flash_attention_forward, set_precision
+from jvp_attention.forward import flash_attention_forward
+from jvp_attention.launch import set_precision
 from jvp_attention.reference import reference_attention, reference_backward_tangent
-from jvp_attention.tangents import accuracy_table, float64_truth, format_table, math_path
+from jvp_attention.accuracy import accuracy_table, float64_truth, format_table, math_path
 
 torch.manual_seed(0)
 N = 1000 if FULL_SIZE else 40

@@ -90,6 +90,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.distributed as dist
 
 from jvp_attention.autograd import Unsupported, attention
+from jvp_attention.launch import get_precision
 from jvp_attention.reference import AttentionOutputs
 
 Tensor = torch.Tensor
@@ -305,7 +306,7 @@ def _check_local_arguments(query: Tensor, key: Tensor, value: Tensor, attn_mask:
 
 
 def _precision() -> str:
-    return _library._precision()
+    return get_precision()
 
 
 def _jvp_nesting() -> int:
@@ -1445,3 +1446,118 @@ for case in cases:
 # block is large. `benchmarks/context_parallel.py` measures both against one GPU at Wan-like
 # shapes (12 heads of 128, bf16, 32k to 128k tokens): time and peak memory per GPU for the
 # forward+JVP and for the MeanFlow step (benchmarks/README.md has the command).
+
+# %% [markdown]
+# ## Measured: two H200s against one
+#
+# The saved run of `benchmarks/context_parallel.py` on a machine with two H200s (NVLink),
+# bf16, batch 1, 12 heads of 128, full attention: time per call of the slowest GPU, the
+# speed-up over `attention` on the whole sequence on one GPU, the peak memory per GPU
+# (inputs included), and the communication from the profiler: the time the NCCL kernels
+# run and the part of it that no other kernel hides ("exposed").
+
+# %%
+import json
+from pathlib import Path
+
+import jvp_attention
+
+RESULTS = Path(jvp_attention.__file__).resolve().parent.parent / "benchmarks" / "results"
+SAVED = RESULTS / "context_parallel_h200x2.json"
+record = json.loads(SAVED.read_text())
+measured = [c for c in record["cases"] if c["status"] == "ok"]
+by_key = {(c["impl"], c["mode"], c["N"]): c for c in measured}
+lengths = sorted({c["N"] for c in measured})
+print(f"{record['device']['name']}, {record['world_size']} GPUs, {record['date'][:10]}; "
+      f"{record['settings']['dtype']}, B{record['settings']['batch']} "
+      f"H{record['settings']['heads']} d{record['settings']['head_dim']}")
+print(f"{'N':>7} {'mode':<9} {'one GPU':>9} {'ulysses':>19} {'ring':>19}   "
+      f"{'GB/GPU (one, ulysses, ring)':<28} comm share (exposed ms)")
+for n in lengths:
+    for mode in ("fwd_jvp", "meanflow"):
+        one = by_key.get(("one", mode, n))
+        cells, memory, comm = [], [], []
+        for impl in ("ulysses", "ring"):
+            case = by_key.get((impl, mode, n))
+            speed = f"({one['ms'] / case['ms']:.2f}x)" if case and one else ""
+            cells.append(f"{case['ms']:8.1f} ms {speed:>7}" if case else f"{'-':>19}")
+            comm.append(f"{impl} {100 * case['comm_share']:.0f}% ({case['comm_exposed_ms']:.1f})"
+                        if case else "")
+        for impl in ("one", "ulysses", "ring"):
+            case = by_key.get((impl, mode, n))
+            memory.append(f"{(case['peak_memory_mb'] + case['held_memory_mb']) / 1024:.1f}"
+                          if case else "-")
+        one_ms = f"{one['ms']:6.1f} ms" if one else f"{'-':>9}"
+        print(f"{n:>7} {mode:<9} {one_ms:>9} {cells[0]} {cells[1]}   "
+              f"{', '.join(memory):<28} {', '.join(comm)}")
+failed = [f"{label} {name}" for label, rows in record["checks"].items()
+          for name, numbers in rows.items() if not numbers["passed"]]
+if record["checks"]:
+    print(f"{record['settings']['dtype']} checks at N = {record['settings']['check_n']} against "
+          f"one GPU: {'FAILED ' + ', '.join(failed) if failed else 'all passed'} "
+          f"({sum(len(rows) for rows in record['checks'].values())} quantities)")
+else:
+    print("this run checked no results (--check-n 0): the checks above and the test suite's "
+          "NCCL test do")
+
+# %%
+import matplotlib.pyplot as plt
+
+fig, (speed_ax, memory_ax) = plt.subplots(1, 2, figsize=(10, 3.6))
+for impl, style in (("ulysses", "o-"), ("ring", "s--")):
+    for mode in ("fwd_jvp", "meanflow"):
+        points = [(n, by_key[("one", mode, n)]["ms"] / by_key[(impl, mode, n)]["ms"])
+                  for n in lengths if ("one", mode, n) in by_key and (impl, mode, n) in by_key]
+        if points:
+            speed_ax.plot(*zip(*points, strict=True), style, label=f"{impl}, {mode}")
+for impl, style in (("one", "k^-"), ("ulysses", "o-"), ("ring", "s--")):
+    points = [(n, (by_key[(impl, "meanflow", n)]["peak_memory_mb"]
+                   + by_key[(impl, "meanflow", n)]["held_memory_mb"]) / 1024)
+              for n in lengths if (impl, "meanflow", n) in by_key]
+    if points:
+        memory_ax.plot(*zip(*points, strict=True), style, label=impl)
+speed_ax.axhline(record["world_size"], color="gray", lw=0.8, ls=":")
+speed_ax.set(xscale="log", xlabel="tokens N", ylabel="speed-up over one GPU",
+             title=f"{record['world_size']} GPUs vs one")
+memory_ax.set(xscale="log", yscale="log", xlabel="tokens N", ylabel="GB per GPU",
+              title="peak memory per GPU, MeanFlow step")
+for ax in (speed_ax, memory_ax):
+    ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
+    ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# In the saved run (two H200s, bf16, B = 1, 12 heads of 128, full attention) both methods
+# come close to the ideal 2x once the sequence is long: at N = 131072 Ulysses takes 419 ms
+# for the forward+JVP and 1376 ms for the MeanFlow step against 826 and 2718 ms on one GPU
+# (1.97x and 1.98x), the ring 433 and 1392 ms (1.91x, 1.95x). At N = 32768 the speed-up is
+# 1.6 to 1.9x: the all-to-alls (Ulysses) and the per-block merges (ring) are a larger share
+# of a shorter call. The NCCL kernels run for 1 to 13% of a call, and what no kernel hides
+# is a few milliseconds. Ulysses needs less memory per GPU than one GPU on the whole
+# sequence (4.7 against 6.0 GB in the MeanFlow step at 131072); the ring needs more
+# (7.0 GB): each rank keeps the fp32 running merge and the blocks' fp32 gradient sums
+# beside its shard.
+#
+# Where one GPU runs out: the kernels' memory is linear in $N$ (nothing of size
+# $N \times N$), so the bytes per token of the MeanFlow step at the longest measured length
+# say how long a sequence one GPU can hold at all, and the $N^2$ work says what a step
+# there would cost.
+
+# %%
+longest = max(n for n in lengths if ("one", "meanflow", n) in by_key)
+one = by_key[("one", "meanflow", longest)]
+per_token = (one["peak_memory_mb"] + one["held_memory_mb"]) * 2**20 / longest
+capacity = record["settings"].get("gpu_memory_mb")
+if capacity:
+    fits = capacity * 2**20 / per_token
+    print(f"one GPU: {per_token / 1024:.1f} KiB per token in the MeanFlow step at N = {longest}; "
+          f"{capacity / 1024:.0f} GiB hold about {fits / 1e6:.1f} M tokens of this layer, where "
+          f"one step would take about {one['ms'] * (fits / longest) ** 2 / 3.6e6:.1f} hours")
+    for impl in ("ulysses", "ring"):
+        case = by_key.get((impl, "meanflow", longest))
+        if case:
+            print(f"{impl}: {(case['peak_memory_mb'] + case['held_memory_mb']) / 1024:.2f} GB "
+                  f"per GPU at N = {longest} "
+                  f"({per_token * longest / 2**20 / (case['peak_memory_mb'] + case['held_memory_mb']):.2f}x "
+                  "less than one GPU)")

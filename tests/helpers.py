@@ -7,7 +7,7 @@ test_backward_second_order, test_autograd and others).
   outputs *poisoned*: every `torch.empty` / `torch.empty_like` the launcher allocates starts as
   NaN (or another value), so an entry a kernel forgets to write cannot pass as a number.
 * `expected_forward`, `expected_backward`, `expected_second_order` give the float64 truth and
-  the *floor*: PyTorch's math path in the inputs' dtype (`jvp_attention.tangents.math_path`);
+  the *floor*: PyTorch's math path in the inputs' dtype (`jvp_attention.accuracy.math_path`);
   for LSE and mu, which PyTorch does not return, the same math accumulated in float32.
 * `assert_accurate` is the accuracy rule of every test: for each quantity,
 
@@ -68,11 +68,11 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import jvp_attention.forward as forward_module
+import jvp_attention
+from jvp_attention.accuracy import accuracy_table, float64_truth, math_path
 from jvp_attention.backward import flash_attention_backward
 from jvp_attention.forward import flash_attention_forward
 from jvp_attention.reference import reference_attention
-from jvp_attention.tangents import accuracy_table, float64_truth, math_path
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -352,15 +352,7 @@ def kernel_second_order(p: Problem, poison: float = math.nan,
     return dict(zip(SECOND_ORDER_NAMES, grads, strict=True))
 
 
-@contextlib.contextmanager
-def precision(mode: str) -> Iterator[None]:
-    """Run the block in one of the library's precision modes ("accurate", "fast")."""
-    previous = forward_module._precision["mode"]
-    forward_module.set_precision(mode)
-    try:
-        yield
-    finally:
-        forward_module.set_precision(previous)
+precision = jvp_attention.precision  # the library's own context manager
 
 
 # Problems for the checks of the other paths (precision "fast", no residuals): GQA with a

@@ -9,7 +9,8 @@ final bare expression, errors, and every matplotlib figure a cell leaves open (a
 writes an nbformat-4 notebook per source, with the machine it ran on in its metadata. The
 cells' sources are the notebook's own, so `tests/repository/test_executed.py` can check that an executed
 notebook still matches its source.
-Stops a notebook at its first error (recorded in the output), like nbconvert does.
+Stops a notebook at its first error (recorded in the output), like nbconvert does. Cells
+tagged `skip-execution` are shown without running, as nbclient (and so nbmake) does.
 """
 
 import ast
@@ -25,6 +26,9 @@ import traceback
 from pathlib import Path
 
 CELL_MARKER = "# %%"
+# Cells with this tag are shown but not run: a module's imports of names that the notebook
+# defines itself (nbclient, which nbmake runs, skips them too).
+SKIP_TAG = "skip-execution"
 
 
 def parse_percent(text: str) -> list[dict]:
@@ -144,6 +148,11 @@ def execute(path: Path, out_dir: Path) -> bool:
             if cell["type"] == "markdown":
                 nb_cells.append({"cell_type": "markdown", "id": cell["id"],
                                  "metadata": metadata, "source": cell["source"]})
+                continue
+            if SKIP_TAG in cell["tags"]:  # shown, not run (as nbclient does)
+                nb_cells.append({"cell_type": "code", "id": cell["id"], "execution_count": None,
+                                 "metadata": metadata, "outputs": [],
+                                 "source": cell["source"]})
                 continue
             count += 1
             outputs = []

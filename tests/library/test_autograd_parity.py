@@ -28,9 +28,10 @@ from helpers import (
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import jvp_attention
 import jvp_attention.autograd as api
 from jvp_attention import attention, attention_jvp, sdpa
-from jvp_attention.forward import interpreting
+from jvp_attention.launch import interpreting
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -366,6 +367,28 @@ def test_backward_uses_the_precision_of_its_forward() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(grads("fast", "fast"),
                                                      grads("accurate", "accurate"),
                                                      strict=True)), "the modes must differ"
+
+
+def test_precision_is_a_context_manager_and_a_getter() -> None:
+    """`jvp_attention.precision(mode)` sets the mode for a block and restores the previous
+    one, also when the block raises; `get_precision` reads it; bad modes say what is wrong."""
+    before = jvp_attention.get_precision()
+    other = "fast" if before == "accurate" else "accurate"
+    with jvp_attention.precision(other) as mode:
+        assert mode == other and jvp_attention.get_precision() == other
+        with jvp_attention.precision(before):
+            assert jvp_attention.get_precision() == before
+        assert jvp_attention.get_precision() == other
+    assert jvp_attention.get_precision() == before
+    with pytest.raises(RuntimeError, match="inside"), jvp_attention.precision(other):
+        raise RuntimeError("inside")
+    assert jvp_attention.get_precision() == before
+    for bad in ("exact", None):
+        with pytest.raises(ValueError, match="accurate"), jvp_attention.precision(bad):
+            pass
+        with pytest.raises(ValueError, match="accurate"):
+            jvp_attention.set_precision(bad)
+    assert jvp_attention.get_precision() == before
 
 
 # --- 8. autocast --------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from helpers import (
 from hypothesis import given
 
 import jvp_attention.forward
+import jvp_attention.launch
 from jvp_attention.forward import flash_attention_forward
 
 # Tiny tensors: one intra-op thread is ~10x faster than a contended pool (conftest).
@@ -243,16 +244,16 @@ def test_carried_tangents_on_cpu(scales, monkeypatch) -> None:
 @pytest.mark.parametrize("scales", TANGENT_SCALES.values(), ids=TANGENT_SCALES)
 def test_carried_tangents_gpu(scales, n: int) -> None:
     """bf16 tangents in accurate mode: split below CARRY_MIN_KEYS keys, carried above."""
-    assert jvp_attention.forward.carries(torch.empty(0, dtype=torch.bfloat16), n + 3) == (n > 2000)
+    assert jvp_attention.launch.carries(torch.empty(0, dtype=torch.bfloat16), n + 3) == (n > 2000)
     check_carried_tangents(scales, torch.bfloat16, "cuda", n, 128)
 
 
 def test_carrying_starts_at_long_rows() -> None:
     bf16, fp16 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float16)
-    limit = jvp_attention.forward.CARRY_MIN_KEYS
-    assert jvp_attention.forward.carries(bf16, limit)
-    assert not jvp_attention.forward.carries(bf16, limit - 1)
-    assert not jvp_attention.forward.carries(fp16, 10 * limit)
+    limit = jvp_attention.launch.CARRY_MIN_KEYS
+    assert jvp_attention.launch.carries(bf16, limit)
+    assert not jvp_attention.launch.carries(bf16, limit - 1)
+    assert not jvp_attention.launch.carries(fp16, 10 * limit)
 
 
 # --- an additive mask with a tangent (learnable biases: tS gains tB; notebook 02) ----------

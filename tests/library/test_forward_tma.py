@@ -24,7 +24,7 @@ from helpers import (
     make_problem,
 )
 
-from jvp_attention.forward import descriptor_compatible, tma_eligible
+from jvp_attention.launch import descriptor_compatible, tma_eligible
 
 CPU_DTYPES = [torch.float16, torch.float32]
 # Ragged lengths (descriptor reads past each head's end must be zeros), GQA, d_qk != d_v

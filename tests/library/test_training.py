@@ -120,7 +120,7 @@ def test_benchmark_records_every_attention():
     assert set(by_attention) == set(mf.ATTENTIONS)
     for attention in ("jvp_attention", "jvp_attention_fast", "math"):
         assert by_attention[attention]["step_ms"] > 0, by_attention[attention]
-    from jvp_attention.forward import accurate
+    from jvp_attention.launch import accurate
     assert accurate()  # "jvp_attention_fast" restored the default precision
     flash = by_attention["jvp_flash_attention"]
     if mf.jvp_flash_attention_available() is not None:

@@ -25,7 +25,7 @@ BENCH = REPO / "benchmarks" / "bench.py"
 sys.path.insert(0, str(BENCH.parent))
 import bench  # noqa: E402
 
-from jvp_attention.forward import accurate  # noqa: E402
+from jvp_attention.launch import accurate  # noqa: E402
 
 TOP_LEVEL = {"schema": str, "date": str, "command": str, "argv": list, "gpu": str,
              "device": dict, "smoke": bool, "versions": dict, "git": dict, "settings": dict,
