@@ -67,6 +67,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import jvp_attention  # noqa: E402
+from jvp_attention.autograd import sdpa_flops  # noqa: E402
 from jvp_attention.backward import flash_attention_backward  # noqa: E402
 from jvp_attention.forward import flash_attention_forward  # noqa: E402
 
@@ -103,14 +104,21 @@ MODE_LABELS = {
     "bwd": "backward of the output: dq, dk, dv, given the forward's saved state",
     "bwd2": "backward through output and tangent: dq, dk, dv, dtq, dtk, dtv",
 }
-# Credited work per mode, in units of one forward: every implementation of a mode is
-# credited the same FLOPs, so TFLOP/s compares times.
-FLOP_MULTIPLIER = {"fwd": 1.0, "fwd_jvp": 3.0, "bwd": 2.5, "bwd2": 7.5}
-FLOP_CONVENTION = (
-    "4*B*H*Nq*Nk*d per forward (QK^T and PV, 2*Nq*Nk*d each), halved when causal; "
-    "fwd_jvp counts 3x a forward (six matrix products per tile instead of two), bwd 2.5x "
-    "(five products), bwd2 7.5x = 2.5 x 3 (the backward of the fused forward+tangent pass). "
-    "The same count is credited to every implementation of a mode.")
+# The FLOP convention, in this one place (training_shapes.py, context_parallel.py and the
+# records' flop_convention use it): a call is credited MODE_FORWARDS[mode] forwards, one
+# forward being jvp_attention.autograd.sdpa_flops (QK^T and PV, 2*Nq*Nk*d FLOPs each per
+# head, halved when causal). Every implementation of a mode is credited the same FLOPs, so
+# TFLOP/s compares times; MODE_FORWARDS_WHY says why each multiple.
+MODE_FORWARDS = {"fwd": 1.0, "fwd_jvp": 3.0, "bwd": 2.5, "bwd2": 7.5}
+MODE_FORWARDS_WHY = {
+    "fwd": "QK^T and PV",
+    "fwd_jvp": "six matrix products per tile instead of two",
+    "bwd": "five products",
+    "bwd2": "2.5 x 3, the backward of the fused forward+tangent pass",
+}
+# A training step's attention call (training_shapes.py, context_parallel.py) runs several of
+# the modes above and is credited their sum.
+STEP_MODES = {"meanflow": ("fwd_jvp", "bwd"), "second_order": ("fwd_jvp", "bwd2")}
 # Priority inside one sequence length: when the wall budget runs short, what comes last is
 # what is dropped.
 PRIORITY = [("ours", "fwd"), ("sdpa", "fwd"), ("ours", "fwd_jvp"), ("ours_fast", "fwd_jvp"),
@@ -177,11 +185,32 @@ class Case:
                 f"{causal:6}")
 
 
+def forwards(mode: str) -> float:
+    """Forwards credited to one call of `mode` (MODE_FORWARDS, summed over STEP_MODES)."""
+    return sum(MODE_FORWARDS[part] for part in STEP_MODES.get(mode, (mode,)))
+
+
 def case_flops(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, causal: bool,
                mode: str) -> float:
-    """Credited FLOPs of one call (see FLOP_CONVENTION)."""
-    forward = 4.0 * batch * heads * n_q * n_k * head_dim
-    return forward * (0.5 if causal else 1.0) * FLOP_MULTIPLIER[mode]
+    """Credited FLOPs of one call: forwards(mode) times sdpa_flops (value dim = head dim)."""
+    return forwards(mode) * sdpa_flops(batch, heads, n_q, n_k, head_dim, head_dim, causal)
+
+
+def flop_convention(modes: Iterable[str] = MODES) -> str:
+    """The convention in words, for a record's flop_convention: generated from MODE_FORWARDS."""
+    def why(mode: str) -> str:
+        if mode not in STEP_MODES:
+            return MODE_FORWARDS_WHY[mode]
+        return " + ".join(f"{part} {MODE_FORWARDS[part]:g}x" for part in STEP_MODES[mode])
+
+    credits = ", ".join(f"{mode} {forwards(mode):g}x ({why(mode)})" for mode in modes)
+    return ("4*B*H*Nq*Nk*d FLOPs per forward (QK^T and PV, 2*Nq*Nk*d each; "
+            "jvp_attention.autograd.sdpa_flops), halved when causal; a call is credited a "
+            f"multiple of it: {credits}. The same count is credited to every implementation of a "
+            "mode, so TFLOP/s compare times.")
+
+
+FLOP_CONVENTION = flop_convention()
 
 
 # --------------------------------------------------------------------------- the grid

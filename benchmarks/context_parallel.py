@@ -67,8 +67,6 @@ SCHEMA = "jvp_attention.context_parallel/1"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMPLS = ("one", "ulysses", "ring")
 MODES = ("fwd_jvp", "meanflow")
-# bench.py's FLOP convention: the forward + JVP counts 3 forwards, the backward 2.5 more.
-MODE_PARTS = {"fwd_jvp": ("fwd_jvp",), "meanflow": ("fwd_jvp", "bwd")}
 SMOKE = {"n": [32], "heads": 4, "head_dim": 16, "dtype": "fp32", "reps": 1, "warmup": 1,
          "check_n": 32}
 
@@ -283,8 +281,7 @@ def measure(impl: str, mode: str, n: int, causal: bool, args: argparse.Namespace
     peak, held, comm_ms, exposed_ms = max_over_ranks(
         [max(p for _, p in samples), held, *comm], device)
     ms = statistics.median(seconds) * 1e3
-    flops = sum(bench.case_flops(args.batch, args.heads, n, n, args.head_dim, causal, part)
-                for part in MODE_PARTS[mode])
+    flops = bench.case_flops(args.batch, args.heads, n, n, args.head_dim, causal, mode)
     record.update(ms=round(ms, 3), ms_each=[round(s * 1e3, 3) for s in seconds],
                   tflops=round(flops / ms / 1e9, 1),
                   peak_memory_mb=round(peak / 2**20, 1), held_memory_mb=round(held / 2**20, 1),
@@ -340,8 +337,8 @@ def header(args: argparse.Namespace, device: torch.device) -> dict:
                                        else None)},
         "definitions": {
             "ms": "median over reps of the slowest rank's wall time per call (synchronised)",
-            "tflops": "the whole problem's FLOPs (bench.py's convention; fwd_jvp 3x a "
-                      "forward, meanflow 5.5x) per second, all GPUs together",
+            "tflops": "the whole problem's FLOPs (bench.py's convention: "
+                      f"{bench.flop_convention(MODES)}) per second, all GPUs together",
             "peak_memory_mb": "largest over the GPUs of the peak allocated during a call "
                               "beyond what the GPU held before it",
             "held_memory_mb": "largest over the GPUs of what the case's inputs hold",

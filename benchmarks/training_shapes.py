@@ -129,15 +129,6 @@ IMPL_LABELS = {
            "torch.func.jvp (its README's JVP entry point), eager",
 }
 COMPILE_MODES = {"ours_compiled": "default", "ours_cudagraphs": "reduce-overhead"}
-# Credited work per mode in units of one forward (bench.py's convention): fwd_jvp 3x,
-# the primal backward 2.5x, the backward through both outputs 7.5x.
-FLOP_MULTIPLIER = {"fwd_jvp": 3.0, "meanflow": 3.0 + 2.5, "second_order": 3.0 + 7.5}
-FLOP_CONVENTION = (
-    "4*B*H*N*N*d per forward (QK^T and PV, 2*N*N*d each; no mask, not causal), as in "
-    "benchmarks/bench.py: fwd_jvp counts 3x a forward, meanflow 3x + 2.5x (the primal "
-    "backward) = 5.5x, second_order 3x + 7.5x (the backward through output and tangent) = "
-    "10.5x. Every implementation of a mode is credited the same FLOPs, so TFLOP/s compare "
-    "times.")
 # The math path's memory per entry of the (B, H, N, N) score matrix (fp32 scores):
 # bench.py's measured 22 bytes for the forward+JVP; the backward modes hold the autograd graph
 # of the forward+JVP (and the backward's temporaries): bench.py's 64 for its bwd2, used as an
@@ -247,7 +238,8 @@ class Case:
 
     @property
     def flops(self) -> float:
-        return case_flops(self.B, self.H, self.N, self.d, self.mode)
+        """Credited FLOPs (bench.py's convention: MODE_FORWARDS and STEP_MODES)."""
+        return bench.case_flops(self.B, self.H, self.N, self.N, self.d, self.causal, self.mode)
 
     @property
     def scores(self) -> int:
@@ -256,11 +248,6 @@ class Case:
     def label(self) -> str:
         return (f"{self.shape:11} {self.impl:15} {self.mode:12} B{self.B} H{self.H} N{self.N} "
                 f"d{self.d}")
-
-
-def case_flops(batch: int, heads: int, n: int, head_dim: int, mode: str) -> float:
-    """Credited FLOPs of one call (FLOP_CONVENTION)."""
-    return 4.0 * batch * heads * n * n * head_dim * FLOP_MULTIPLIER[mode]
 
 
 def plan(args: argparse.Namespace) -> list[Case]:
@@ -673,7 +660,7 @@ def header(args: argparse.Namespace, cycles_per_ms: float | None) -> dict:
                    for name, (b, h, n, d) in (SMOKE_SHAPES if args.smoke else SHAPES).items()},
         "modes": MODE_LABELS,
         "impls": IMPL_LABELS,
-        "flop_convention": FLOP_CONVENTION,
+        "flop_convention": bench.flop_convention(MODES),
         "definitions": DEFINITIONS,
         "case_fields": list(CASE_FIELDS),
         "cases": [],

@@ -86,7 +86,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import jvp_attention  # noqa: E402
 from jvp_attention.accuracy import accuracy_table, float64_truth, math_path  # noqa: E402
-from jvp_attention.autograd import Unsupported  # noqa: E402
+from jvp_attention.autograd import Unsupported, sdpa_flops  # noqa: E402
 
 DEVICE = "cuda" if GPU else "cpu"
 
@@ -153,7 +153,9 @@ def speed_table(batch: int, heads: int, n: int, d: int, dtype: torch.dtype, caus
     def sdpa_fwd():
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    flops = 4 * batch * heads * n * n * d * (0.5 if causal else 1.0)
+    # One forward's FLOPs; the forward + JVP is credited 3 forwards, as benchmarks/bench.py's
+    # MODE_FORWARDS credits it.
+    flops = sdpa_flops(batch, heads, n, n, d, d, causal)
     print(f"\nSpeed: B{batch} H{heads} N{n} d{d} {str(dtype)[6:]}, "
           f"{'causal' if causal else 'not causal'}; median of {repeats} timed runs after one "
           "warm-up")

@@ -82,7 +82,8 @@
 #
 # `fwd_jvp` is credited $3\times$ (chapter 2: six products per tile instead of two), `bwd`
 # $2.5\times$ (five products), and `bwd2` $2.5 \times 3 = 7.5\times$ (the backward of the
-# fused pass). The H200's ceiling to read utilisation against is **778 TFLOP/s**, a bf16
+# fused pass): `MODE_FORWARDS` in `benchmarks/bench.py`, the one place that defines these
+# multiples. The H200's ceiling to read utilisation against is **778 TFLOP/s**, a bf16
 # 8192³ matmul measured through torch on the same machine.
 #
 # **Memory** is `torch.cuda.max_memory_allocated()` over one warm call minus what was
@@ -104,7 +105,6 @@ import torch
 from IPython.display import HTML
 
 import jvp_attention
-from jvp_attention.autograd import sdpa_flops
 
 REPO = Path(jvp_attention.__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -176,15 +176,12 @@ FIGURES = ASSETS if WRITE_ASSETS else Path(tempfile.mkdtemp())
 FIGURES.mkdir(parents=True, exist_ok=True)
 
 # %% [markdown]
-# Every case records its credited FLOPs; they follow the formula above, and agree with the
-# `sdpa_flops` helper of chapter 7 times the mode's multiplier.
+# Every case records its credited FLOPs and its TFLOP/s, which the tables and plots below
+# read: `bench.py` counts them (`case_flops`, the `sdpa_flops` helper of chapter 7 times the
+# mode's multiple) and writes the convention into the record, printed here.
 
 # %%
-MULTIPLIER = {"fwd": 1.0, "fwd_jvp": 3.0, "bwd": 2.5, "bwd2": 7.5}
-for case in CASES:
-    forward = sdpa_flops(case["B"], case["H"], case["N"], case["N"], case["d"], case["d"],
-                         case["causal"])
-    assert abs(case["flops"] - MULTIPLIER[case["mode"]] * forward) <= 1e-9 * case["flops"]
+print(f"FLOPs: {DATA['flop_convention']}")
 measured = [c for c in CASES if c.get("median_ms") is not None]
 errors = [c for c in CASES if c.get("error")]
 skipped = [c for c in CASES if c.get("skipped")]

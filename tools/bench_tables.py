@@ -87,6 +87,12 @@ class Benchmark:
         found = self.case(impl, mode, shape, causal)
         return None if found is None else found["tflops"]
 
+    def forwards(self, mode: str, shape: tuple[int, int, int, int]) -> float:
+        """The forwards the run credited one call of `mode` (bench.py's MODE_FORWARDS), read
+        from the saved FLOPs: ours' `mode` over ours' forward at `shape`, not causal."""
+        flops = {m: self.cases[("ours", m, *shape, False)]["flops"] for m in (mode, "fwd")}
+        return flops[mode] / flops["fwd"]
+
     def ms(self, impl, mode, shape, causal) -> float | None:
         found = self.case(impl, mode, shape, causal)
         return None if found is None else found["median_ms"]
@@ -156,10 +162,11 @@ def headline_table(bench: Benchmark | None = None) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     note = (
         f"\n{_shape(shape)}, bf16, one run ({bench.source()}). TFLOP/s count "
-        "4·B·H·N²·d per forward (halved when causal), ×3 for forward + JVP and ×2.5 for the "
-        "backward, the same for every implementation, so they compare times; causal in "
-        "brackets. *Memory held* is what chapter 8 counts: the inputs and saved state plus "
-        "the call's own peak (`setup_memory_mb + peak_memory_mb`), in GB of 2³⁰ bytes."
+        f"4·B·H·N²·d per forward (halved when causal), ×{bench.forwards('fwd_jvp', shape):g} "
+        f"for forward + JVP and ×{bench.forwards('bwd', shape):g} for the backward, the same "
+        "for every implementation, so they compare times; causal in brackets. *Memory held* "
+        "is what chapter 8 counts: the inputs and saved state plus the call's own peak "
+        "(`setup_memory_mb + peak_memory_mb`), in GB of 2³⁰ bytes."
     )
     return "\n".join(lines) + "\n" + note
 

@@ -71,8 +71,8 @@ def check_schema(data: dict) -> None:
         assert case["status"] in ("ok", "error", "skipped"), case
         assert bool(case["error"]) == (case["status"] == "error"), case
         assert bool(case["skipped"]) == (case["status"] == "skipped"), case
-        assert case["flops"] == ts.case_flops(case["B"], case["H"], case["N"], case["d"],
-                                              case["mode"])
+        assert case["flops"] == ts.bench.case_flops(case["B"], case["H"], case["N"], case["N"],
+                                                    case["d"], case["causal"], case["mode"])
         if case["status"] != "ok":
             continue
         for key in ALWAYS_MEASURED:
@@ -135,9 +135,26 @@ def test_plan_shapes_modes_and_filters() -> None:
 
 def test_flop_count() -> None:
     forward = 4 * 16 * 16 * 1024 * 1024 * 72
-    assert ts.case_flops(16, 16, 1024, 72, "fwd_jvp") == 3 * forward
-    assert ts.case_flops(16, 16, 1024, 72, "meanflow") == 5.5 * forward
-    assert ts.case_flops(16, 16, 1024, 72, "second_order") == 10.5 * forward
+    flops = {mode: ts.Case("s", "ours", mode, 16, 16, 1024, 72, "bf16").flops for mode in ts.MODES}
+    assert flops == {"fwd_jvp": 3 * forward, "meanflow": 5.5 * forward,
+                     "second_order": 10.5 * forward}
+
+
+def test_saved_results_keep_their_flops() -> None:
+    """bench.py's one convention gives every saved record's FLOPs (and so its TFLOP/s)."""
+    bench = ts.bench
+    for path in sorted(bench.RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            continue
+        schema = data.get("schema", "")
+        for case in data.get("cases", []):
+            flops = bench.case_flops(case["B"], case["H"], case["N"], case["N"], case["d"],
+                                     case["causal"], case["mode"])
+            if "flops" in case:  # bench.py's and training_shapes.py's records
+                assert case["flops"] == flops, (path.name, case)
+            elif schema.startswith("jvp_attention.context_parallel/") and case.get("ms"):
+                assert case["tflops"] == pytest.approx(flops / case["ms"] / 1e9, abs=0.06), case
 
 
 def test_skips_jfa_head_dim_and_the_math_path_above_its_memory() -> None:
