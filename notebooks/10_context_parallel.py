@@ -1536,8 +1536,9 @@ plt.show()
 # of a shorter call. The NCCL kernels run for 1 to 13% of a call, and what no kernel hides
 # is a few milliseconds. Ulysses needs less memory per GPU than one GPU on the whole
 # sequence (4.7 against 6.0 GB in the MeanFlow step at 131072); the ring needs more
-# (7.0 GB): each rank keeps the fp32 running merge and the blocks' fp32 gradient sums
-# beside its shard.
+# (7.0 GB): besides its shard, each rank holds two packed copies of a block of keys and
+# values with their tangents (the one it computes on and the one arriving), the fp32 running
+# merge, and in the backward the blocks' fp32 gradient sums.
 #
 # Where one GPU runs out: the kernels' memory is linear in $N$ (nothing of size
 # $N \times N$), so the bytes per token of the MeanFlow step at the longest measured length
