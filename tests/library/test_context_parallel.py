@@ -182,6 +182,14 @@ def transforms() -> dict[str, float]:
         found[f"{method} 3-d"] = (unbatched - one).abs().max().item()
         stacked = attend(*(torch.stack([x, x]) for x in (q, k, v)))
         found[f"{method} 5-d"] = (stacked - unbatched).abs().max().item()
+        compiled = torch.compile(attend, backend="aot_eager")  # Dynamo + AOTAutograd, no codegen
+        pairs = zip(torch.func.jvp(compiled, (q, k, v), (tq, tk, tv)),
+                    torch.func.jvp(attend, (q, k, v), (tq, tk, tv)), strict=True)
+        found[f"{method} compiled jvp"] = max((a - b).abs().max().item() for a, b in pairs)
+        leaf = q.clone().requires_grad_()
+        grads = [torch.autograd.grad(fn(leaf, k, v).square().sum(), leaf)[0]
+                 for fn in (compiled, attend)]
+        found[f"{method} compiled backward"] = (grads[0] - grads[1]).abs().max().item()
     penalty = _gradient_penalty("ulysses", q, k, v)
     one = shard_sequence(_gradient_penalty("one", *whole[:3]), rank, world)
     found["ulysses gradient penalty"] = (penalty - one).abs().max().item()
