@@ -128,10 +128,11 @@ def public_api() -> list[tuple[str, str, bool]]:
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
     exported: list[str] = []
     origin: dict[str, str] = {}
-    for node in tree.body:
+    for node in ast.walk(tree):  # the imports sit under `if TYPE_CHECKING:` (lazy package)
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jvp_attention."):
             for alias in node.names:
                 origin[alias.asname or alias.name] = node.module.removeprefix("jvp_attention.")
+    for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
         ):

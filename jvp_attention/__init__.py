@@ -15,10 +15,42 @@ Public API:
     get_precision: the precision mode in effect.
 """
 
-from jvp_attention.autograd import attention, attention_jvp, sdpa
-from jvp_attention.context_parallel import context_parallel_attention, shard_sequence
-from jvp_attention.launch import get_precision, precision, set_precision
-from jvp_attention.reference import AttentionOutputs, reference_attention, tiled_attention
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers and the API reference read; at run time, see below
+    from jvp_attention.autograd import attention, attention_jvp, sdpa
+    from jvp_attention.context_parallel import context_parallel_attention, shard_sequence
+    from jvp_attention.launch import get_precision, precision, set_precision
+    from jvp_attention.reference import AttentionOutputs, reference_attention, tiled_attention
+
+# The package imports a module on first use (PEP 562), so that importing one module (the
+# references, say, or chapter 7 building the autograd layer itself) imports nothing else and
+# the custom operators are registered once, by jvp_attention.autograd, when it is first used.
+_HOME = {
+    "attention": "autograd", "attention_jvp": "autograd", "sdpa": "autograd",
+    "context_parallel_attention": "context_parallel", "shard_sequence": "context_parallel",
+    "get_precision": "launch", "precision": "launch", "set_precision": "launch",
+    "AttentionOutputs": "reference", "reference_attention": "reference",
+    "tiled_attention": "reference",
+}
+_MODULES = ("accuracy", "autograd", "backward", "context_parallel", "forward", "launch",
+            "reference", "tiles")
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"jvp_attention.{name}")
+    if name not in _HOME:
+        raise AttributeError(f"module 'jvp_attention' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"jvp_attention.{_HOME[name]}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME) | set(_MODULES))
+
 
 __all__ = [
     "AttentionOutputs",
