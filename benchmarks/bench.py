@@ -66,9 +66,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import jvp_attention  # noqa: E402
-from jvp_attention.autograd import sdpa_flops  # noqa: E402
 from jvp_attention.backward import flash_attention_backward  # noqa: E402
 from jvp_attention.forward import flash_attention_forward  # noqa: E402
+from jvp_attention.reference import FORWARDS_PER_CALL, sdpa_flops  # noqa: E402
 
 SCHEMA = "jvp_attention.bench/1"
 RESULTS = REPO / "benchmarks" / "results"
@@ -103,12 +103,11 @@ MODE_LABELS = {
     "bwd": "backward of the output: dq, dk, dv, given the forward's saved state",
     "bwd2": "backward through output and tangent: dq, dk, dv, dtq, dtk, dtv",
 }
-# The FLOP convention, in this one place (training_shapes.py, context_parallel.py and the
-# records' flop_convention use it): a call is credited MODE_FORWARDS[mode] forwards, one
-# forward being jvp_attention.autograd.sdpa_flops (QK^T and PV, 2*Nq*Nk*d FLOPs each per
-# head, halved when causal). Every implementation of a mode is credited the same FLOPs, so
+# The FLOP convention is the library's (chapter 1, jvp_attention.reference): a call is credited
+# MODE_FORWARDS[mode] forwards, one forward being sdpa_flops (QK^T and PV, 2*Nq*Nk*d FLOPs each
+# per head, halved when causal). Every implementation of a mode is credited the same FLOPs, so
 # TFLOP/s compares times; MODE_FORWARDS_WHY says why each multiple.
-MODE_FORWARDS = {"fwd": 1.0, "fwd_jvp": 3.0, "bwd": 2.5, "bwd2": 7.5}
+MODE_FORWARDS = FORWARDS_PER_CALL
 MODE_FORWARDS_WHY = {
     "fwd": "QK^T and PV",
     "fwd_jvp": "six matrix products per tile instead of two",
@@ -204,7 +203,7 @@ def flop_convention(modes: Iterable[str] = MODES) -> str:
 
     credits = ", ".join(f"{mode} {forwards(mode):g}x ({why(mode)})" for mode in modes)
     return ("4*B*H*Nq*Nk*d FLOPs per forward (QK^T and PV, 2*Nq*Nk*d each; "
-            "jvp_attention.autograd.sdpa_flops), halved when causal; a call is credited a "
+            "jvp_attention.reference.sdpa_flops), halved when causal; a call is credited a "
             f"multiple of it: {credits}. The same count is credited to every implementation of a "
             "mode, so TFLOP/s compare times.")
 

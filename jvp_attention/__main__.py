@@ -86,7 +86,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import jvp_attention  # noqa: E402
 from jvp_attention.accuracy import accuracy_table, float64_truth, math_path  # noqa: E402
-from jvp_attention.autograd import Unsupported, sdpa_flops  # noqa: E402
+from jvp_attention.autograd import Unsupported  # noqa: E402
+from jvp_attention.reference import sdpa_flops  # noqa: E402
 
 DEVICE = "cuda" if GPU else "cpu"
 

@@ -85,9 +85,10 @@ def float64_truth(
     grad_tangent_out: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The same quantities as `math_path`, from chapter 1's references in float64."""
-    def wide(x):
-        return None if x is None else x.double()
+    def wide(x):  # a bool mask stays bool; float tensors, a float mask too, go to float64
+        return x if x is None or x.dtype == torch.bool else x.double()
 
+    attn_mask = wide(attn_mask)
     options = {"attn_mask": attn_mask, "is_causal": is_causal, "scale": scale,
                "enable_gqa": enable_gqa}
     q, k, v, grad_out, grad_tangent_out = map(wide, (q, k, v, grad_out, grad_tangent_out))

@@ -126,7 +126,7 @@ from jvp_attention.reference import (  # noqa: E402
 def _check_local_arguments(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
                            is_causal: bool, scale: float | None, enable_gqa: bool) -> None:
     """`attention`'s own validation, applied to this rank's shards."""
-    _library._check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    _library.check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
 
 
 def _precision() -> str:
@@ -135,7 +135,7 @@ def _precision() -> str:
 
 def _jvp_nesting() -> int:
     """How many `torch.func.jvp` are active around this call."""
-    return _library._jvp_nesting()
+    return _library.jvp_nesting()
 
 
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...] | None,
@@ -143,7 +143,7 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...]
                    precision: str) -> AttentionOutputs:
     """(out, lse[, tangent_out, mu]) of (B, H, n, D) queries against one block of keys; out
     and tangent_out in the accumulation dtype (fp32, or float64 for float64 inputs)."""
-    if not _library._uses_kernels(q, k, v):
+    if not _library.uses_kernels(q, k, v):
         result = reference_attention(q, k, v, mask, is_causal, scale, True, tangents)
         return AttentionOutputs(*(None if x is None else x.to(result.lse.dtype)
                                   for x in result))
@@ -166,7 +166,7 @@ def _block_backward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...
     (out, lse, tangent_out, mu, out_residual, tangent_out_residual): (dq, dk, dv), and with
     `grad_tangent_out` also (dtq, dtk, dtv)."""
     out, lse, t_out, mu, out_res, t_res = saved
-    if not _library._uses_kernels(q, k, v):
+    if not _library.uses_kernels(q, k, v):
         if grad_tangent_out is None:
             return reference_backward(q, k, v, out, lse, grad_out, mask, is_causal, scale, True)
         return reference_backward_tangent(q, k, v, tangents, out, lse, t_out, mu, grad_out,

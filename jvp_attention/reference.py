@@ -130,59 +130,124 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_shapes(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool
+def check_sdpa_arguments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    mask_tangent: torch.Tensor | None = None,
 ) -> None:
+    """Raise unless the arguments keep the contract of PyTorch's SDPA.
+
+    The one validator of every entry point: these references, `attention`, `attention_jvp`,
+    the SDPA drop-in and context parallelism (which add only their own limits, such as
+    dropout or the head dims the kernels take).
+
+    Args:
+        query, key, value, attn_mask, is_causal, scale, enable_gqa: As in
+            `reference_attention`. A mask is bool, float32 or the query's dtype.
+        tangents: None, or (t_query, t_key, t_value) of the inputs' shapes and dtype.
+        mask_tangent: None, or the tangent of a float `attn_mask`, of its shape and dtype;
+            it needs `tangents`.
+
+    Raises:
+        TypeError: For an argument of the wrong type or dtype.
+        ValueError: For shapes that do not fit (the message shows them) or tensors on
+            different devices.
+    """
+    _check_types(query, key, value, is_causal, scale)
+    _check_shapes(query, key, value, enable_gqa)
+    _check_dtypes_and_devices(query, key, value, attn_mask, tangents)
+    if attn_mask is not None:
+        _check_mask(attn_mask, query, key)
+    if tangents is not None:
+        _check_tangents(tangents, (query, key, value))
+    if mask_tangent is not None:
+        _check_mask_tangent(mask_tangent, attn_mask, tangents)
+
+
+def _check_types(query, key, value, is_causal, scale) -> None:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if scale is not None and not isinstance(scale, (float, int)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+
+def _check_shapes(query, key, value, enable_gqa: bool) -> None:
     shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
     if min(query.dim(), key.dim(), value.dim()) < 3:
-        raise ValueError(f"query, key and value must be (..., heads, length, dim); got {shapes}")
+        raise ValueError(f"query, key and value must have rank >= 3, (..., heads, length, "
+                         f"dim); got {shapes}")
     if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
         raise ValueError(f"query, key and value must share their leading dims; got {shapes}")
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(f"key must have the query's head dim; got {shapes}")
     if key.shape[-3:-1] != value.shape[-3:-1]:
         raise ValueError(f"key and value must have the same heads and length; got {shapes}")
-    if not enable_gqa and query.shape[-3] != key.shape[-3]:
-        raise ValueError(
-            f"query and key/value have different numbers of heads; got {shapes}; "
-            "pass enable_gqa=True for grouped-query attention"
-        )
+    n_q_heads, n_kv_heads = query.shape[-3], key.shape[-3]
+    if enable_gqa and n_kv_heads and n_q_heads % n_kv_heads:
+        raise ValueError(f"enable_gqa=True needs query heads ({n_q_heads}) to be a multiple "
+                         f"of key/value heads ({n_kv_heads}); got {shapes}")
+    if not enable_gqa and n_q_heads != n_kv_heads:
+        raise ValueError(f"query has {n_q_heads} heads but key/value have {n_kv_heads}; got "
+                         f"{shapes}; pass enable_gqa=True for grouped-query attention")
+
+
+def _check_dtypes_and_devices(query, key, value, attn_mask, tangents) -> None:
     if not (query.is_floating_point() and query.dtype == key.dtype == value.dtype):
-        raise ValueError(
-            "query, key and value must share one floating dtype; got "
-            f"{query.dtype}, {key.dtype}, {value.dtype}"
-        )
+        raise TypeError(f"query, key and value must share one floating dtype (outside "
+                        f"autocast, which casts them); got {query.dtype}, {key.dtype}, "
+                        f"{value.dtype}")
+    others = [x for x in (attn_mask, *(tangents or ())) if isinstance(x, torch.Tensor)]
+    devices = {x.device for x in (query, key, value, *others)}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
-def _check_mask_and_tangents(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-) -> None:
-    if attn_mask is not None:
-        scores_shape = torch.Size((*query.shape[:-1], key.shape[-2]))
-        try:
-            fits = torch.broadcast_shapes(attn_mask.shape, scores_shape) == scores_shape
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ValueError(
-                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
-                f"scores' shape {tuple(scores_shape)}"
-            )
+def _check_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise TypeError(f"attn_mask must be bool, float32 or query's dtype {query.dtype}, as "
+                        f"for torch's SDPA; got {attn_mask.dtype}")
+    scores = torch.Size((*query.shape[:-1], key.shape[-2]))
+    try:
+        fits = torch.broadcast_shapes(attn_mask.shape, scores) == scores
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"the scores' shape (..., Hq, Nq, Nk) = {tuple(scores)}")
+
+
+def _check_tangents(tangents, inputs) -> None:
+    if not isinstance(tangents, (tuple, list)) or len(tangents) != 3:
+        count = len(tangents) if isinstance(tangents, (tuple, list)) else type(tangents).__name__
+        raise ValueError(f"tangents must be (t_query, t_key, t_value); got {count} items")
+    for name, x, t in zip(("query", "key", "value"), inputs, tangents, strict=True):
+        if not (isinstance(t, torch.Tensor) and t.shape == x.shape and t.dtype == x.dtype):
+            got = (f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise ValueError(f"the tangent of {name} (t_{name}) must have its shape "
+                             f"{tuple(x.shape)} and dtype {x.dtype}; got {got}")
+
+
+def _check_mask_tangent(mask_tangent, attn_mask, tangents) -> None:
+    if attn_mask is None or not attn_mask.is_floating_point():
+        kind = "no attn_mask" if attn_mask is None else f"a {attn_mask.dtype} attn_mask"
+        raise ValueError(f"mask_tangent is the tangent of an additive (float) attn_mask; got "
+                         f"{kind}")
     if tangents is None:
-        return
-    if len(tangents) != 3:
-        raise ValueError(f"tangents must be (t_query, t_key, t_value); got {len(tangents)} items")
-    names = ("t_query", "t_key", "t_value")
-    for name, primal, tangent in zip(names, (query, key, value), tangents, strict=True):
-        if tangent.shape != primal.shape:
-            raise ValueError(
-                f"tangents: {name} has shape {tuple(tangent.shape)}, but must match its input "
-                f"{tuple(primal.shape)}"
-            )
+        raise ValueError("mask_tangent is part of the tangent: pass tangents too")
+    if mask_tangent.shape != attn_mask.shape or mask_tangent.dtype != attn_mask.dtype:
+        raise ValueError(f"mask_tangent must have attn_mask's shape {tuple(attn_mask.shape)} "
+                         f"and dtype {attn_mask.dtype}; got {tuple(mask_tangent.shape)} "
+                         f"{mask_tangent.dtype}")
 
 
 def _prepare(
@@ -196,12 +261,8 @@ def _prepare(
     tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     mask_tangent: torch.Tensor | None = None,
 ) -> _Inputs:
-    _check_shapes(query, key, value, enable_gqa)
-    _check_mask_and_tangents(query, key, value, attn_mask, tangents)
-    if mask_tangent is not None and (tangents is None or attn_mask is None
-                                     or not attn_mask.is_floating_point()
-                                     or mask_tangent.shape != attn_mask.shape):
-        raise ValueError("mask_tangent needs tangents and a float attn_mask of its shape")
+    check_sdpa_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
+                         mask_tangent)
     acc = _accumulation_dtype(query.dtype)
     n_q_heads = query.shape[-3]
 
@@ -301,6 +362,20 @@ def reference_attention(
     tangent_probs = probs * (tangent_scores - mu[..., None])
     tangent_out = tangent_probs @ x.v + probs @ x.tangents[2]
     return AttentionOutputs(out, lse, tangent_out.to(query.dtype), mu)
+
+
+FORWARDS_PER_CALL = {"fwd": 1.0, "fwd_jvp": 3.0, "bwd": 2.5, "bwd2": 7.5}
+
+
+def sdpa_flops(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, value_dim: int,
+               is_causal: bool = False) -> float:
+    """FLOPs of one attention forward (QKᵀ and PV), halved for causal masking.
+
+    Multiply by `FORWARDS_PER_CALL[mode]` for a call of another kind ("fwd_jvp", "bwd",
+    "bwd2").
+    """
+    flops = 2.0 * batch * heads * n_q * n_k * (head_dim + value_dim)
+    return flops / 2 if is_causal else flops
 
 
 def _online_epilogue(

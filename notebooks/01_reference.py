@@ -295,9 +295,12 @@ print(expand_kv_heads(kv, 4).flatten())
 # %% [markdown]
 # ### Checking inputs once
 #
-# All four functions take the same arguments, so one private helper checks them (errors name
-# the argument and the shapes, as SDPA's do), upcasts to the accumulation dtype, expands the
-# key/value heads and builds the bias. Helpers for the scores and a row-safe softmax follow.
+# All four functions take the same arguments as SDPA, and so will the library's entry points
+# in chapter 7. One public validator, `check_sdpa_arguments`, holds that contract for all of
+# them: a wrong type or dtype raises `TypeError`, shapes that do not fit raise `ValueError`,
+# and every message names the argument and shows the shapes. A private helper then upcasts to
+# the accumulation dtype, expands the key/value heads and builds the bias. Helpers for the
+# scores and a row-safe softmax follow.
 #
 # The softmax is where a row with no visible key bites: its max is $-\infty$ and
 # $S - m = -\infty - (-\infty)$ is NaN. Shifting such a row by 0 instead gives $\tilde P = 0$,
@@ -323,59 +326,124 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_shapes(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool
+def check_sdpa_arguments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    mask_tangent: torch.Tensor | None = None,
 ) -> None:
+    """Raise unless the arguments keep the contract of PyTorch's SDPA.
+
+    The one validator of every entry point: these references, `attention`, `attention_jvp`,
+    the SDPA drop-in and context parallelism (which add only their own limits, such as
+    dropout or the head dims the kernels take).
+
+    Args:
+        query, key, value, attn_mask, is_causal, scale, enable_gqa: As in
+            `reference_attention`. A mask is bool, float32 or the query's dtype.
+        tangents: None, or (t_query, t_key, t_value) of the inputs' shapes and dtype.
+        mask_tangent: None, or the tangent of a float `attn_mask`, of its shape and dtype;
+            it needs `tangents`.
+
+    Raises:
+        TypeError: For an argument of the wrong type or dtype.
+        ValueError: For shapes that do not fit (the message shows them) or tensors on
+            different devices.
+    """
+    _check_types(query, key, value, is_causal, scale)
+    _check_shapes(query, key, value, enable_gqa)
+    _check_dtypes_and_devices(query, key, value, attn_mask, tangents)
+    if attn_mask is not None:
+        _check_mask(attn_mask, query, key)
+    if tangents is not None:
+        _check_tangents(tangents, (query, key, value))
+    if mask_tangent is not None:
+        _check_mask_tangent(mask_tangent, attn_mask, tangents)
+
+
+def _check_types(query, key, value, is_causal, scale) -> None:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if scale is not None and not isinstance(scale, (float, int)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+
+def _check_shapes(query, key, value, enable_gqa: bool) -> None:
     shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
     if min(query.dim(), key.dim(), value.dim()) < 3:
-        raise ValueError(f"query, key and value must be (..., heads, length, dim); got {shapes}")
+        raise ValueError(f"query, key and value must have rank >= 3, (..., heads, length, "
+                         f"dim); got {shapes}")
     if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
         raise ValueError(f"query, key and value must share their leading dims; got {shapes}")
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(f"key must have the query's head dim; got {shapes}")
     if key.shape[-3:-1] != value.shape[-3:-1]:
         raise ValueError(f"key and value must have the same heads and length; got {shapes}")
-    if not enable_gqa and query.shape[-3] != key.shape[-3]:
-        raise ValueError(
-            f"query and key/value have different numbers of heads; got {shapes}; "
-            "pass enable_gqa=True for grouped-query attention"
-        )
+    n_q_heads, n_kv_heads = query.shape[-3], key.shape[-3]
+    if enable_gqa and n_kv_heads and n_q_heads % n_kv_heads:
+        raise ValueError(f"enable_gqa=True needs query heads ({n_q_heads}) to be a multiple "
+                         f"of key/value heads ({n_kv_heads}); got {shapes}")
+    if not enable_gqa and n_q_heads != n_kv_heads:
+        raise ValueError(f"query has {n_q_heads} heads but key/value have {n_kv_heads}; got "
+                         f"{shapes}; pass enable_gqa=True for grouped-query attention")
+
+
+def _check_dtypes_and_devices(query, key, value, attn_mask, tangents) -> None:
     if not (query.is_floating_point() and query.dtype == key.dtype == value.dtype):
-        raise ValueError(
-            "query, key and value must share one floating dtype; got "
-            f"{query.dtype}, {key.dtype}, {value.dtype}"
-        )
+        raise TypeError(f"query, key and value must share one floating dtype (outside "
+                        f"autocast, which casts them); got {query.dtype}, {key.dtype}, "
+                        f"{value.dtype}")
+    others = [x for x in (attn_mask, *(tangents or ())) if isinstance(x, torch.Tensor)]
+    devices = {x.device for x in (query, key, value, *others)}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
-def _check_mask_and_tangents(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-) -> None:
-    if attn_mask is not None:
-        scores_shape = torch.Size((*query.shape[:-1], key.shape[-2]))
-        try:
-            fits = torch.broadcast_shapes(attn_mask.shape, scores_shape) == scores_shape
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ValueError(
-                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
-                f"scores' shape {tuple(scores_shape)}"
-            )
+def _check_mask(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise TypeError(f"attn_mask must be bool, float32 or query's dtype {query.dtype}, as "
+                        f"for torch's SDPA; got {attn_mask.dtype}")
+    scores = torch.Size((*query.shape[:-1], key.shape[-2]))
+    try:
+        fits = torch.broadcast_shapes(attn_mask.shape, scores) == scores
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"the scores' shape (..., Hq, Nq, Nk) = {tuple(scores)}")
+
+
+def _check_tangents(tangents, inputs) -> None:
+    if not isinstance(tangents, (tuple, list)) or len(tangents) != 3:
+        count = len(tangents) if isinstance(tangents, (tuple, list)) else type(tangents).__name__
+        raise ValueError(f"tangents must be (t_query, t_key, t_value); got {count} items")
+    for name, x, t in zip(("query", "key", "value"), inputs, tangents, strict=True):
+        if not (isinstance(t, torch.Tensor) and t.shape == x.shape and t.dtype == x.dtype):
+            got = (f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise ValueError(f"the tangent of {name} (t_{name}) must have its shape "
+                             f"{tuple(x.shape)} and dtype {x.dtype}; got {got}")
+
+
+def _check_mask_tangent(mask_tangent, attn_mask, tangents) -> None:
+    if attn_mask is None or not attn_mask.is_floating_point():
+        kind = "no attn_mask" if attn_mask is None else f"a {attn_mask.dtype} attn_mask"
+        raise ValueError(f"mask_tangent is the tangent of an additive (float) attn_mask; got "
+                         f"{kind}")
     if tangents is None:
-        return
-    if len(tangents) != 3:
-        raise ValueError(f"tangents must be (t_query, t_key, t_value); got {len(tangents)} items")
-    names = ("t_query", "t_key", "t_value")
-    for name, primal, tangent in zip(names, (query, key, value), tangents, strict=True):
-        if tangent.shape != primal.shape:
-            raise ValueError(
-                f"tangents: {name} has shape {tuple(tangent.shape)}, but must match its input "
-                f"{tuple(primal.shape)}"
-            )
+        raise ValueError("mask_tangent is part of the tangent: pass tangents too")
+    if mask_tangent.shape != attn_mask.shape or mask_tangent.dtype != attn_mask.dtype:
+        raise ValueError(f"mask_tangent must have attn_mask's shape {tuple(attn_mask.shape)} "
+                         f"and dtype {attn_mask.dtype}; got {tuple(mask_tangent.shape)} "
+                         f"{mask_tangent.dtype}")
 
 
 def _prepare(
@@ -389,12 +457,8 @@ def _prepare(
     tangents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     mask_tangent: torch.Tensor | None = None,
 ) -> _Inputs:
-    _check_shapes(query, key, value, enable_gqa)
-    _check_mask_and_tangents(query, key, value, attn_mask, tangents)
-    if mask_tangent is not None and (tangents is None or attn_mask is None
-                                     or not attn_mask.is_floating_point()
-                                     or mask_tangent.shape != attn_mask.shape):
-        raise ValueError("mask_tangent needs tangents and a float attn_mask of its shape")
+    check_sdpa_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
+                         mask_tangent)
     acc = _accumulation_dtype(query.dtype)
     n_q_heads = query.shape[-3]
 
@@ -450,14 +514,17 @@ def _sum_kv_groups(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 # %% [markdown]
-# The helpers at work: a GQA call without `enable_gqa` is refused with both shapes, and the
+# The helpers at work: a GQA call without `enable_gqa` is refused with the shapes, and the
 # safe softmax of a row with no visible key is a row of zeros with $\mathrm{LSE} = -\infty$.
 
 # %%
 try:
-    _prepare(q, k[:, :1], v[:, :1], None, False, None, False, None)
+    check_sdpa_arguments(q, k[:, :1], v[:, :1])
 except ValueError as error:
     print("ValueError:", error)
+    assert "enable_gqa=True" in str(error) and str(tuple(q.shape)) in str(error)
+else:
+    raise AssertionError("a GQA call without enable_gqa must be refused")
 print(_safe_softmax(torch.tensor([[0.0, 1.0], [-torch.inf, -torch.inf]], **f64)))
 
 # %% [markdown]
@@ -522,6 +589,44 @@ check("reference_attention: out", result.out, out)
 check("reference_attention: lse", result.lse, lse)
 check("reference_attention: tangent_out", result.tangent_out, jvp_out)
 check("reference_attention: mu", result.mu, jvp_lse)
+
+# %% [markdown]
+# ### What a call costs
+#
+# One forward runs two matrix products per head, $S = QK^\top$ and $O = PV$: $2 N_q N_k D$
+# and $2 N_q N_k D_v$ FLOPs, half of them when a causal mask hides half the scores. Every
+# TFLOP/s in this book credits a call a multiple of that: the forward with its JVP three
+# forwards (six products per tile instead of two), the backward 2.5 (five products), the
+# backward through output and tangent $2.5 \times 3 = 7.5$. The same credit goes to every
+# implementation of a call, so TFLOP/s compare times.
+
+# %% tags=["export"]
+FORWARDS_PER_CALL = {"fwd": 1.0, "fwd_jvp": 3.0, "bwd": 2.5, "bwd2": 7.5}
+
+
+def sdpa_flops(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, value_dim: int,
+               is_causal: bool = False) -> float:
+    """FLOPs of one attention forward (QKᵀ and PV), halved for causal masking.
+
+    Multiply by `FORWARDS_PER_CALL[mode]` for a call of another kind ("fwd_jvp", "bwd",
+    "bwd2").
+    """
+    flops = 2.0 * batch * heads * n_q * n_k * (head_dim + value_dim)
+    return flops / 2 if is_causal else flops
+
+
+# %% [markdown]
+# PyTorch's own FLOP counter agrees on the textbook attention (its softmax and scaling count
+# nothing, as here):
+
+# %%
+from torch.utils.flop_counter import FlopCounterMode
+
+with FlopCounterMode(display=False) as counter:
+    plain_attention(q, k, v)
+counted = float(counter.get_total_flops())
+check("sdpa_flops vs torch's FlopCounterMode", torch.tensor(counted),
+      torch.tensor(sdpa_flops(batch, heads, n_q, n_k, d_qk, d_v)), tol=0)
 
 # %% [markdown]
 # With masks and grouped-query attention, against SDPA for the output and against

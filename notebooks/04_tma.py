@@ -112,7 +112,7 @@ for name, tensor in layouts.items():
 # %%
 from jvp_attention.backward import flash_attention_backward
 from jvp_attention.forward import flash_attention_forward
-from jvp_attention.reference import reference_attention
+from jvp_attention.reference import FORWARDS_PER_CALL, reference_attention, sdpa_flops
 
 torch.manual_seed(0)
 N_Q, N_K = (4250, 4133) if FULL_SIZE else (45, 37)
@@ -202,8 +202,9 @@ for row in sorted(rows, key=lambda r: (r["kernel"], tuple(r["tile"]), r["use_tma
 #
 # On the H200 (bf16, B = 4, H = 16, N = 4096, d = 128), each kernel autotuned on each
 # path, timed with `triton.testing.do_bench` (median, L2 flushed between calls). FLOPs are
-# counted as in chapter 8: $4BHN^2d$ per forward (halved when causal), three times that
-# for the forward with its JVP, 2.5 times for the backward.
+# counted as everywhere in the book (chapter 1's `sdpa_flops` and `FORWARDS_PER_CALL`):
+# $4BHN^2d$ per forward (halved when causal), three times that for the forward with its JVP,
+# 2.5 times for the backward.
 
 # %%
 def timings(causal: bool) -> dict[str, dict[str, float]]:
@@ -213,15 +214,16 @@ def timings(causal: bool) -> dict[str, dict[str, float]]:
     b, h, n, d = 4, 16, 4096, 128
     x = [torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
     q_, k_, v_, tq, tk, tv, do = x
-    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+    flops = sdpa_flops(b, h, n, n, d, d, causal)
+    credit = FORWARDS_PER_CALL
     calls = {
-        "fwd": (1.0, lambda: flash_attention_forward(q_, k_, v_, is_causal=causal)),
-        "fwd+JVP": (3.0, lambda: flash_attention_forward(q_, k_, v_, is_causal=causal,
-                                                         tangents=(tq, tk, tv))),
+        "fwd": (credit["fwd"], lambda: flash_attention_forward(q_, k_, v_, is_causal=causal)),
+        "fwd+JVP": (credit["fwd_jvp"], lambda: flash_attention_forward(
+            q_, k_, v_, is_causal=causal, tangents=(tq, tk, tv))),
     }
     saved = flash_attention_forward(q_, k_, v_, is_causal=causal)
-    calls["bwd"] = (2.5, lambda: flash_attention_backward(q_, k_, v_, saved.out, saved.lse,
-                                                          do, is_causal=causal))
+    calls["bwd"] = (credit["bwd"], lambda: flash_attention_backward(
+        q_, k_, v_, saved.out, saved.lse, do, is_causal=causal))
     result = {}
     for setting, label in (("auto", "TMA"), ("0", "pointers")):
         os.environ["JVP_ATTENTION_TMA"] = setting

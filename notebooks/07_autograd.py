@@ -98,7 +98,7 @@ from torch.overrides import TorchFunctionMode
 from jvp_attention.backward import flash_attention_backward
 from jvp_attention.forward import flash_attention_forward
 from jvp_attention.launch import accurate, get_precision, interpreting
-from jvp_attention.reference import reference_attention, tiled_attention
+from jvp_attention.reference import check_sdpa_arguments, reference_attention, tiled_attention
 
 Tensor = torch.Tensor
 # The kernels take any strides, but Inductor must hand them the layouts it traced.
@@ -511,10 +511,12 @@ torch.library.register_autograd("jvp_attention::forward_jvp", _FusedTangent.back
 # %% [markdown]
 # ## Validation
 #
-# SDPA's contract, checked up front with messages that name the argument, its shape and what
-# to change. `_check_arguments` is the one validator of `attention`, `attention_jvp` and the
-# drop-in: invalid calls raise `TypeError`/`ValueError` as SDPA would, and calls that SDPA
-# takes but we cannot (dropout, head dims above 256, bfloat16 in Triton's interpreter, whose
+# SDPA's contract is chapter 1's `check_sdpa_arguments`, the one validator of the references
+# and of every entry point here. `check_arguments` adds this library's own limits to it and
+# is what `attention`, `attention_jvp`, the drop-in and context parallelism call: invalid
+# calls raise `TypeError`/`ValueError` as SDPA would, with messages that name the argument and
+# show the shapes, and calls that SDPA takes but we cannot (dropout, head dims above 256,
+# dtypes other than fp16, bf16, fp32 and float64, bfloat16 in Triton's interpreter, whose
 # bfloat16 products are wrong) raise `Unsupported`, a `NotImplementedError` with a short
 # `reason` that the drop-in counts. Masks may be bool, float32 or the query's dtype, as for
 # SDPA (autocast hands fp32 masks to 16-bit queries; the kernels add the bias in fp32).
@@ -532,59 +534,33 @@ class Unsupported(NotImplementedError):
         self.reason = reason
 
 
-def _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """SDPA's contract, after autocast's casts: the one validator of every entry point."""
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+def check_arguments(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    tangents: tuple[Tensor, Tensor, Tensor] | None = None,
+    mask_tangent: Tensor | None = None,
+) -> None:
+    """Raise unless `attention` takes the call: SDPA's contract (`check_sdpa_arguments`),
+    then this library's limits. Arguments as for `attention` and `attention_jvp`, after
+    autocast's casts.
+
+    Raises:
+        TypeError, ValueError: For calls that SDPA would reject.
+        Unsupported: For calls that SDPA takes but the library cannot.
+    """
+    check_sdpa_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
+                         mask_tangent)
     if dropout_p != 0.0:
         raise Unsupported(
             "dropout_p > 0",
             f"dropout_p={dropout_p}: jvp_attention has no attention dropout; pass dropout_p=0.0"
             " (or leave the model in eval mode) or use torch's SDPA for this call")
-    if query.dim() < 3 or not query.dim() == key.dim() == value.dim():
-        raise ValueError(
-            "query, key and value must have the same rank >= 3, shaped (..., H, N, D); got "
-            f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
-    if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
-        raise ValueError(
-            "query, key and value must share their leading (batch) dimensions; got "
-            f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
-    if key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"key's head dim {key.shape[-1]} must equal query's {query.shape[-1]}")
-    if key.shape[-3:-1] != value.shape[-3:-1]:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the "
-                         "same number of heads and the same length")
-    _check_heads(query.shape[-3], key.shape[-3], enable_gqa)
-    _check_dtypes_and_devices(query, key, value, attn_mask)
-    if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
-        raise Unsupported("head dim > 256",
-                          f"head dims up to {MAX_HEAD_DIM} are supported; got query "
-                          f"{query.shape[-1]} and value {value.shape[-1]}")
-    if attn_mask is not None:
-        _check_mask(attn_mask, query, key)
-    if scale is not None and not isinstance(scale, (float, int)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-
-
-def _check_heads(n_q_heads: int, n_kv_heads: int, enable_gqa: bool) -> None:
-    if enable_gqa and n_kv_heads and n_q_heads % n_kv_heads:
-        raise ValueError(f"enable_gqa=True needs query heads ({n_q_heads}) to be a multiple "
-                         f"of key/value heads ({n_kv_heads})")
-    if not enable_gqa and n_q_heads != n_kv_heads:
-        raise ValueError(f"query has {n_q_heads} heads but key/value have {n_kv_heads}; pass "
-                         "enable_gqa=True for grouped-query attention")
-
-
-def _check_dtypes_and_devices(query, key, value, attn_mask):
-    if not query.dtype == key.dtype == value.dtype:
-        raise TypeError(f"query, key and value must share a dtype (outside autocast, which "
-                        f"casts them); got {query.dtype}, {key.dtype}, {value.dtype}")
-    devices = {x.device for x in (query, key, value, attn_mask) if x is not None}
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
     if query.dtype not in (*KERNEL_DTYPES, torch.float64):
         raise Unsupported(f"dtype {query.dtype}",
                           f"dtype {query.dtype} is not supported; use float16, bfloat16, "
@@ -595,28 +571,17 @@ def _check_dtypes_and_devices(query, key, value, attn_mask):
             "bfloat16 inputs under TRITON_INTERPRET=1: Triton's interpreter computes bfloat16 "
             "matrix products wrongly, so the kernels would return garbage. Use float16 or "
             "float32 on the CPU, or unset TRITON_INTERPRET to run PyTorch operations there.")
+    if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
+        raise Unsupported("head dim > 256",
+                          f"head dims up to {MAX_HEAD_DIM} are supported; got query "
+                          f"{query.shape[-1]} and value {value.shape[-1]}")
 
 
-def _check_mask(attn_mask, query, key):
-    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
-        raise TypeError(f"attn_mask must be bool, float32 or query's dtype {query.dtype}, as "
-                        f"for torch's SDPA; got {attn_mask.dtype}")
-    target = (*query.shape[:-1], key.shape[-2])
-    try:
-        torch.broadcast_shapes(attn_mask.shape, target)
-        ok = attn_mask.dim() <= len(target)
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                         f"(..., Hq, Nq, Nk) = {target}")
-
-
-def _uses_kernels(query: Tensor, key: Tensor, value: Tensor) -> bool:
-    """Triton kernels for CUDA tensors, and for CPU tensors under the interpreter, of the
-    kernels' dtypes and with something to compute; everything else runs chapter 1's tiled
-    PyTorch implementation, which PyTorch differentiates to any order: float64 (gradcheck),
-    empty inputs, and CPU tensors without the interpreter."""
+def uses_kernels(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """Whether a call runs the Triton kernels: for CUDA tensors, and for CPU tensors under
+    the interpreter, of the kernels' dtypes and with something to compute. Everything else
+    runs chapter 1's tiled PyTorch implementation, which PyTorch differentiates to any
+    order: float64 (gradcheck), empty inputs, and CPU tensors without the interpreter."""
     if not (query.is_cuda or interpreting()) or query.dtype not in KERNEL_DTYPES:
         return False
     return query.numel() > 0 and key.shape[-2] > 0 and value.shape[-1] > 0
@@ -704,8 +669,8 @@ def attention(
         with torch.autocast(query.device.type, enabled=False):
             return attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                              enable_gqa)
-    _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if not _uses_kernels(query, key, value) or _jvp_nesting() > 1:
+    check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if not uses_kernels(query, key, value) or jvp_nesting() > 1:
         return _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     q, k, v, mask = _as_4d(query, key, value, attn_mask)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -754,14 +719,9 @@ def attention_jvp(
         >>> q, k, v = (torch.randn(1, 4, 64, 32) for _ in range(3))
         >>> out, t_out = attention_jvp(q, k, v, (q, k, v))  # tangent along the inputs
     """
-    _check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
-    for name, x, t in zip(("query", "key", "value"), (query, key, value), tangents,
-                          strict=True):
-        if not isinstance(t, Tensor) or t.shape != x.shape or t.dtype != x.dtype:
-            raise ValueError(f"the tangent of {name} must be a tensor of shape "
-                             f"{tuple(x.shape)} and dtype {x.dtype}")
-    _check_mask_tangent(attn_mask, mask_tangent)
-    if not _uses_kernels(query, key, value):
+    check_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, tangents,
+                    mask_tangent)
+    if not uses_kernels(query, key, value):
         return _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                                   tuple(tangents), mask_tangent)
     q, k, v, mask = _as_4d(query, key, value, attn_mask)
@@ -773,16 +733,6 @@ def attention_jvp(
                                            get_precision())[:2]
     shape = (*query.shape[:-1], value.shape[-1])
     return out.reshape(shape), tangent_out.reshape(shape)
-
-
-def _check_mask_tangent(attn_mask: Tensor | None, mask_tangent: Tensor | None) -> None:
-    if mask_tangent is None:
-        return
-    if attn_mask is None or attn_mask.dtype == torch.bool:
-        raise ValueError("mask_tangent needs a float attn_mask (a bool mask has no tangent)")
-    if mask_tangent.shape != attn_mask.shape or mask_tangent.dtype != attn_mask.dtype:
-        raise ValueError(f"mask_tangent must have attn_mask's shape {tuple(attn_mask.shape)} "
-                         f"and dtype {attn_mask.dtype}")
 
 
 def _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
@@ -837,7 +787,7 @@ def _as_4d_mask(attn_mask: Tensor, query: Tensor, key: Tensor) -> Tensor:
     return mask.reshape(-1, *mask.shape[-3:])
 
 
-def _jvp_nesting() -> int:
+def jvp_nesting() -> int:
     """How many torch.func.jvp transforms are active around this call (Dynamo traces this
     global, unlike functorch's interpreter stack)."""
     return eager_transforms.JVP_NESTING
@@ -920,7 +870,7 @@ def _route(call: dict, strict: bool, routing: SDPARouting):
         for name in ("query", "key", "value", "attn_mask"):
             checked[name] = _autocast(call[name], autocast_dtype)
     try:
-        _check_arguments(**checked)
+        check_arguments(**checked)
     except Unsupported as error:
         if strict:
             raise
@@ -993,13 +943,6 @@ def sdpa(strict: bool = False):
             yield routing
     finally:
         F.scaled_dot_product_attention = previous
-
-
-def sdpa_flops(batch: int, heads: int, n_q: int, n_k: int, head_dim: int, value_dim: int,
-               is_causal: bool = False) -> float:
-    """FLOPs of one attention forward (two matrix products), halved for causal masking."""
-    flops = 2.0 * batch * heads * n_q * n_k * (head_dim + value_dim)
-    return flops / 2 if is_causal else flops
 
 
 # %% [markdown]

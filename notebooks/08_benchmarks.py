@@ -82,8 +82,8 @@
 #
 # `fwd_jvp` is credited $3\times$ (chapter 2: six products per tile instead of two), `bwd`
 # $2.5\times$ (five products), and `bwd2` $2.5 \times 3 = 7.5\times$ (the backward of the
-# fused pass): `MODE_FORWARDS` in `benchmarks/bench.py`, the one place that defines these
-# multiples. The H200's ceiling to read utilisation against is **778 TFLOP/s**, a bf16
+# fused pass): chapter 1's `FORWARDS_PER_CALL` and `sdpa_flops`, the one place that defines
+# these multiples. The H200's ceiling to read utilisation against is **778 TFLOP/s**, a bf16
 # 8192³ matmul measured through torch on the same machine.
 #
 # **Memory** is `torch.cuda.max_memory_allocated()` over one warm call minus what was
@@ -177,8 +177,8 @@ FIGURES.mkdir(parents=True, exist_ok=True)
 
 # %% [markdown]
 # Every case records its credited FLOPs and its TFLOP/s, which the tables and plots below
-# read: `bench.py` counts them (`case_flops`, the `sdpa_flops` helper of chapter 7 times the
-# mode's multiple) and writes the convention into the record, printed here.
+# read: `bench.py` counts them (`case_flops`, chapter 1's `sdpa_flops` times the mode's
+# multiple) and writes the convention into the record, printed here.
 
 # %%
 print(f"FLOPs: {DATA['flop_convention']}")

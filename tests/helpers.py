@@ -451,8 +451,11 @@ def expected_forward(p: Problem, with_tangents: bool = True,
 
     def truth(c):
         t = None if not with_tangents else tuple(x.double() for x in c["tangents"])
+        options = _options(p, c)
+        if options["attn_mask"] is not None and options["attn_mask"].is_floating_point():
+            options["attn_mask"] = options["attn_mask"].double()
         ref = reference_attention(c["q"].double(), c["k"].double(), c["v"].double(),
-                                  tangents=t, **_options(p, c))
+                                  tangents=t, **options)
         return {n: getattr(ref, n) for n in names}
 
     def floor(c):

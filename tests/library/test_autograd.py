@@ -432,7 +432,7 @@ def test_device_mismatch_raises() -> None:
 def without_kernels(monkeypatch):
     """What a CPU machine without TRITON_INTERPRET runs: chapter 1's tiled attention,
     differentiated by PyTorch itself."""
-    monkeypatch.setattr(api, "_uses_kernels", lambda query, key, value: False)
+    monkeypatch.setattr(api, "uses_kernels", lambda query, key, value: False)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=ids)

@@ -182,9 +182,10 @@ def test_flop_count() -> None:
     assert bench.case_flops(4, 16, 4096, 4096, 128, False, "fwd_jvp") == 3 * forward
     assert bench.case_flops(4, 16, 4096, 4096, 128, False, "bwd") == 2.5 * forward
     assert bench.case_flops(4, 16, 4096, 4096, 128, True, "bwd2") == 7.5 * forward / 2
-    from jvp_attention.autograd import sdpa_flops
+    from jvp_attention.reference import FORWARDS_PER_CALL, sdpa_flops
 
     assert sdpa_flops(4, 16, 4096, 4096, 128, 128) == forward
+    assert bench.MODE_FORWARDS is FORWARDS_PER_CALL  # one convention, the library's
 
 
 def test_math_path_is_skipped_above_its_memory_estimate() -> None:
