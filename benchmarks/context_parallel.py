@@ -67,14 +67,16 @@ SCHEMA = "jvp_attention.context_parallel/1"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMPLS = ("one", "ulysses", "ring")
 MODES = ("fwd_jvp", "meanflow")
-SMOKE = {"n": [32], "heads": 4, "head_dim": 16, "dtype": "fp32", "reps": 1, "warmup": 1,
+SMOKE = {"lengths": [32], "heads": 4, "head_dim": 16, "dtype": "fp32", "reps": 1, "warmup": 1,
          "check_n": 32}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, nargs="+", default=[32768, 65536, 131072],
+    # Option names that torchrun does not take for a prefix of its own (it reads this script's
+    # arguments too, and `--n` or `--nproc` would be ambiguous there).
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072],
                         help="sequence lengths (whole sequence)")
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -88,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--check-n", type=int, default=32768,
                         help="check both methods against one GPU at this N (0: no check)")
-    parser.add_argument("--nproc", type=int, default=None,
+    parser.add_argument("--processes", type=int, default=None,
                         help="processes (default: the visible GPUs; 2 with --smoke)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true",
@@ -104,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def launch(argv: list[str], args: argparse.Namespace) -> int:
     """Run this script under torchrun, one process per GPU (two CPU processes for --smoke)."""
     gpus = 0 if args.smoke else torch.cuda.device_count()
-    nproc = args.nproc or (gpus if gpus else 2)
+    nproc = args.processes or (gpus if gpus else 2)
     if nproc < 2 or (not args.smoke and gpus < nproc):
         print(f"context parallelism needs at least 2 GPUs (found {gpus}); --smoke runs two CPU "
               "processes", file=sys.stderr)
@@ -327,7 +329,7 @@ def header(args: argparse.Namespace, device: torch.device) -> dict:
         "world_size": dist.get_world_size(),
         "backend": dist.get_backend(),
         "settings": {"dtype": args.dtype, "batch": args.batch, "heads": args.heads,
-                     "head_dim": args.head_dim, "n": args.n, "impls": args.impls,
+                     "head_dim": args.head_dim, "lengths": args.lengths, "impls": args.impls,
                      "modes": args.modes, "causal": args.causal, "reps": args.reps,
                      "warmup": args.warmup, "check_n": args.check_n,
                      "autotune": os.environ.get("JVP_ATTENTION_AUTOTUNE", "1") != "0",
@@ -389,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
     record = header(args, device)
     start = time.perf_counter()
     try:
-        for n in args.n:
+        for n in args.lengths:
             for causal in (False, True) if args.causal else (False,):
                 if n == args.check_n:
                     record["checks"].update(check(n, causal, args, device))

@@ -269,7 +269,23 @@ class MeanFlow(nn.Module):
         self.adaptive_p = adaptive_p
 
     def forward(self, x, noise, t, r):
+        gather_sharded_weights(self.net)
         return meanflow_loss(self.net, x, noise, t, r, self.adaptive_p)
+
+
+def gather_sharded_weights(net: nn.Module) -> None:
+    """FSDP2 gathers a block's weights in the block's pre-forward hook. Inside
+    `torch.func.jvp` that hook would allocate the gathered buffers as functorch's wrapped
+    tensors, which have no storage ("Cannot access storage of TensorWrapper" on GPUs), so
+    gather them here, before the transform; the hooks then find them gathered, and reshard
+    and backward work as usual. Does nothing for a model that FSDP2 did not shard."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in net.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
 
 
 @torch.no_grad()

@@ -1397,10 +1397,12 @@ if FULL_SIZE:  # one GPU per process, Wan-like heads
 else:  # tiny: the kernels run in Triton's interpreter
     SHAPE = {"batch": 1, "heads": 2, "kv_heads": 2, "length": 16, "head_dim": 8}
 gqa = dict(SHAPE, kv_heads=1)
+# float64 runs PyTorch operations, not the kernels: the exact merge needs no long sequence.
+exact = dict(gqa, batch=2, length=min(SHAPE["length"], 256))
 cases = [CheckCase(method="ring", dtype=torch.float64, is_causal=True, layout="zigzag",
-                   key_padding=True, **dict(gqa, batch=2)),
+                   key_padding=True, **exact),
          CheckCase(method="ulysses", dtype=torch.float64, is_causal=True, key_padding=True,
-                   **dict(gqa, batch=2))]
+                   **exact)]
 for dtype in (torch.float32, torch.bfloat16) if FULL_SIZE else (torch.float32,):
     cases += [CheckCase(method="ulysses", dtype=dtype, is_causal=True, layout="zigzag", **gqa),
               CheckCase(method="ring", dtype=dtype, is_causal=True, layout="zigzag",
