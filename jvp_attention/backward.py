@@ -20,7 +20,9 @@ from jvp_attention.launch import (
     max_magnitudes,
     on_device,
     prepare_descriptors,
+    row_strides,
     tma_eligible,
+    unit_last_stride,
 )
 from jvp_attention.tiles import (
     LOG2E,
@@ -55,8 +57,7 @@ def _load_fp32_rows(ptr, residual_ptr, head_rows, rows, dims, n_rows, n_dims,
 @triton.jit
 def _row_statistics_kernel(
     o_ptr, do_ptr, to_ptr, dto_ptr, mu_ptr, delta_ptr, c_ptr, o_residual_ptr, to_residual_ptr,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dtob, stride_dtoh, stride_dtom, stride_dtod,
+    stride_dob, stride_doh, stride_dom, stride_dtob, stride_dtoh, stride_dtom,
     n_heads, n_rows, value_dim,
     HAS_TANGENT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -71,13 +72,13 @@ def _row_statistics_kernel(
     o = _load_fp32_rows(o_ptr, o_residual_ptr, head_rows, rows, dims, n_rows, value_dim,
                         HAS_RESIDUAL)
     do = load_tile(head_base(do_ptr, batch, head, stride_dob, stride_doh), rows, dims,
-                    stride_dom, stride_dod, n_rows, value_dim)
+                    stride_dom, 1, n_rows, value_dim)
     delta = tl.sum(do.to(tl.float32) * o, 1)
     if HAS_TANGENT:
         t_o = _load_fp32_rows(to_ptr, to_residual_ptr, head_rows, rows, dims, n_rows,
                               value_dim, HAS_RESIDUAL)
         dto = load_tile(head_base(dto_ptr, batch, head, stride_dtob, stride_dtoh), rows, dims,
-                         stride_dtom, stride_dtod, n_rows, value_dim).to(tl.float32)
+                         stride_dtom, 1, n_rows, value_dim).to(tl.float32)
         c = tl.sum(dto * o, 1)
         mu = tl.load(mu_ptr + head_rows + rows, mask=rows < n_rows, other=0.0)
         delta += tl.sum(dto * t_o, 1) - mu * c
@@ -189,15 +190,11 @@ def _carried_units(factors_ptr, qk_scale, CARRY: tl.constexpr):
 def _attention_backward_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr,
     lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, dk_ptr, dv_ptr, dtk_ptr, dtv_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_tqb, stride_tqh, stride_tqm, stride_tqd,
-    stride_tkb, stride_tkh, stride_tkn, stride_tkd,
-    stride_tvb, stride_tvh, stride_tvn, stride_tvd,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_tqb, stride_tqh, stride_tqm,
+    stride_tkb, stride_tkh, stride_tkn, stride_tvb, stride_tvh, stride_tvn,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dtob, stride_dtoh, stride_dtom, stride_dtod,
+    stride_dob, stride_doh, stride_dom, stride_dtob, stride_dtoh, stride_dtom,
     n_kv_heads, n_q, n_k, head_dim, value_dim, group_size, qk_scale, scale,
     n_q_bucket, n_k_bucket,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
@@ -214,17 +211,16 @@ def _attention_backward_dkdv_kernel(
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     k = load_head_rows(head_base(k_ptr, batch, kv_head, stride_kb, stride_kh), start_n, stride_kn,
-                        stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+                        n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
     v = load_head_rows(head_base(v_ptr, batch, kv_head, stride_vb, stride_vh), start_n, stride_vn,
-                        stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
+                        n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
     acc_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     acc_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     if HAS_TANGENT:
         tk = load_head_rows(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh), start_n,
-                             stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+                             stride_tkn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
         tv = load_head_rows(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh), start_n,
-                             stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N, BLOCK_DV,
-                             USE_TMA)
+                             stride_tvn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
         acc_dtk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         acc_dtv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     else:
@@ -249,15 +245,14 @@ def _attention_backward_dkdv_kernel(
         head_mask = head_base(mask_ptr, batch, head, stride_mask_b, stride_mask_h)
         for start_m in range(first_m, n_q, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
-            q = load_rows(q_src, start_m, stride_qm, stride_qd, n_q, head_dim, BLOCK_M,
-                           BLOCK_D, USE_TMA)
-            do = load_rows(do_src, start_m, stride_dom, stride_dod, n_q, value_dim, BLOCK_M,
-                            BLOCK_DV, USE_TMA)
+            q = load_rows(q_src, start_m, stride_qm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+            do = load_rows(do_src, start_m, stride_dom, n_q, value_dim, BLOCK_M, BLOCK_DV,
+                            USE_TMA)
             if HAS_TANGENT:
-                tq = load_rows(tq_src, start_m, stride_tqm, stride_tqd, n_q, head_dim,
-                                BLOCK_M, BLOCK_D, USE_TMA)
-                dto = load_rows(dto_src, start_m, stride_dtom, stride_dtod, n_q, value_dim,
-                                 BLOCK_M, BLOCK_DV, USE_TMA)
+                tq = load_rows(tq_src, start_m, stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D,
+                                USE_TMA)
+                dto = load_rows(dto_src, start_m, stride_dtom, n_q, value_dim, BLOCK_M,
+                                 BLOCK_DV, USE_TMA)
             else:
                 tq, dto = q, do
             lse2, delta, mu, c = _load_row_statistics(
@@ -287,8 +282,7 @@ def _attention_backward_dkdv_kernel(
 @triton.jit
 def _dq_key_block(
     acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
-    k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
-    tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
+    k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
     mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
     n_q, n_k, head_dim, value_dim, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
@@ -299,15 +293,12 @@ def _dq_key_block(
     """Fold the key block starting at `start_n` into dQ (and dtQ); with MASK_GRAD, store
     its tile of dS (and dtS) as the gradient of the additive mask (and of its tangent)."""
     cols = start_n + tl.arange(0, BLOCK_N)
-    k = load_rows(k_src, start_n, stride_kn, stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D,
-                   USE_TMA)
-    v = load_rows(v_src, start_n, stride_vn, stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV,
-                   USE_TMA)
+    k = load_rows(k_src, start_n, stride_kn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+    v = load_rows(v_src, start_n, stride_vn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
     if HAS_TANGENT:
-        tk = load_rows(tk_src, start_n, stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N,
-                        BLOCK_D, USE_TMA)
-        tv = load_rows(tv_src, start_n, stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N,
-                        BLOCK_DV, USE_TMA)
+        tk = load_rows(tk_src, start_n, stride_tkn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+        tv = load_rows(tv_src, start_n, stride_tvn, n_k, value_dim, BLOCK_N, BLOCK_DV,
+                        USE_TMA)
     else:
         tk, tv = k, v
     p, ds, tp, dts = _backward_tile(
@@ -330,15 +321,11 @@ def _dq_key_block(
 def _attention_backward_dq_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr,
     lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, dq_ptr, dtq_ptr, dmask_ptr, dtmask_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_tqb, stride_tqh, stride_tqm, stride_tqd,
-    stride_tkb, stride_tkh, stride_tkn, stride_tkd,
-    stride_tvb, stride_tvh, stride_tvn, stride_tvd,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_tqb, stride_tqh, stride_tqm,
+    stride_tkb, stride_tkh, stride_tkn, stride_tvb, stride_tvh, stride_tvn,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dtob, stride_dtoh, stride_dtom, stride_dtod,
+    stride_dob, stride_doh, stride_dom, stride_dtob, stride_dtoh, stride_dtom,
     n_heads, n_q, n_k, head_dim, value_dim, group_size, qk_scale, scale,
     n_q_bucket, n_k_bucket,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
@@ -356,15 +343,14 @@ def _attention_backward_dq_kernel(
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     q = load_head_rows(head_base(q_ptr, batch, head, stride_qb, stride_qh), start_m, stride_qm,
-                        stride_qd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+                        n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
     do = load_head_rows(head_base(do_ptr, batch, head, stride_dob, stride_doh), start_m, stride_dom,
-                         stride_dod, n_q, value_dim, BLOCK_M, BLOCK_DV, USE_TMA)
+                         n_q, value_dim, BLOCK_M, BLOCK_DV, USE_TMA)
     if HAS_TANGENT:
         tq = load_head_rows(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh), start_m,
-                             stride_tqm, stride_tqd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+                             stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
         dto = load_head_rows(head_base(dto_ptr, batch, head, stride_dtob, stride_dtoh), start_m,
-                              stride_dtom, stride_dtod, n_q, value_dim, BLOCK_M, BLOCK_DV,
-                              USE_TMA)
+                              stride_dtom, n_q, value_dim, BLOCK_M, BLOCK_DV, USE_TMA)
         acc_dtq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     else:
         tq, dto = q, do
@@ -392,16 +378,14 @@ def _attention_backward_dq_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc_dq, acc_dtq = _dq_key_block(
             acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
-            k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
-            tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
+            k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
             mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr, n_q, n_k,
             head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
             BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD)
     for start_n in range(full_end, end, BLOCK_N):
         acc_dq, acc_dtq = _dq_key_block(
             acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
-            k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
-            tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
+            k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
             mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr, n_q, n_k,
             head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
             BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD)
@@ -453,7 +437,8 @@ def flash_attention_backward(
     Args:
         q, k, v: The forward's inputs (see `flash_attention_forward`).
         out, lse: The forward's contiguous output and fp32 log-sum-exp.
-        grad_out: Cotangent of `out`, any strides.
+        grad_out: Cotangent of `out`, any strides (as q, k, v, the tangents and
+            grad_tangent_out); a last dimension that is not contiguous is copied.
         attn_mask, is_causal, scale: As in the forward.
         tangents, tangent_out, mu, grad_tangent_out: For the backward through the tangent
             (chapter 6): the forward's tangents (tq, tk, tv), its tO and mu, and the
@@ -490,8 +475,9 @@ def flash_attention_backward(
     has_tangent = grad_tangent_out is not None
     if has_tangent and (tangents is None or tangent_out is None or mu is None):
         raise ValueError("the backward through the tangent needs tangents, tangent_out and mu")
-    tq, tk, tv = tangents if has_tangent else (q, k, v)
-    dto = grad_tangent_out if has_tangent else grad_out
+    q, k, v, grad_out = (unit_last_stride(x) for x in (q, k, v, grad_out))
+    tq, tk, tv = (unit_last_stride(x) for x in tangents) if has_tangent else (q, k, v)
+    dto = unit_last_stride(grad_tangent_out) if has_tangent else grad_out
     t_out = tangent_out if has_tangent else out
     mu = mu if has_tangent else lse
     delta = torch.empty_like(lse)
@@ -522,9 +508,9 @@ def flash_attention_backward(
             q, k, v, grad_operand, factors = backward_operands(q, k, v, grad_out)
         tq, tk, tv, dto = q, k, v, grad_operand
     meta = kernel_meta(q, head_dim, value_dim, split=exact and not carry)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *tq.stride(), *tk.stride(),
-               *tv.stride(), *(mask.stride() if mask is not None else (0, 0, 0, 0)),
-               *grad_operand.stride(), *dto.stride())
+    strides = (*row_strides(q, k, v, tq, tk, tv),
+               *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+               *row_strides(grad_operand, dto))
     sizes = (n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads, scale * LOG2E.value, scale,
              triton.next_power_of_2(n_q), triton.next_power_of_2(n_k))
     # Descriptors (chapter 4) for the first-order kernels only: compiled for sm_90, the
@@ -537,7 +523,7 @@ def flash_attention_backward(
         prepare_descriptors(use_tma)
         _row_statistics_kernel[(triton.cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
             out, grad_out, t_out, dto, mu, delta, c, residual, t_residual,
-            *grad_out.stride(), *dto.stride(), n_heads, n_q, value_dim,
+            *row_strides(grad_out, dto), n_heads, n_q, value_dim,
             HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
             BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"])
         dkdv = _backward_dkdv_tangent if has_tangent else _backward_dkdv

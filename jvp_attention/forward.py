@@ -23,7 +23,9 @@ from jvp_attention.launch import (
     max_magnitudes,
     on_device,
     prepare_descriptors,
+    row_strides,
     tma_eligible,
+    unit_last_stride,
 )
 from jvp_attention.reference import AttentionOutputs
 from jvp_attention.tiles import (
@@ -48,8 +50,7 @@ from jvp_attention.tiles import (
 @triton.jit
 def _forward_key_block(
     acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-    k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
-    tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
+    k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
     mask_ptr, stride_mask_m, stride_mask_n,
     n_q, n_k, head_dim, value_dim, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
@@ -59,10 +60,8 @@ def _forward_key_block(
 ):
     """Fold the key block starting at `start_n` into the softmax state (and the tangent state)."""
     cols = start_n + tl.arange(0, BLOCK_N)
-    k = load_rows(k_src, start_n, stride_kn, stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D,
-                   USE_TMA)
-    v = load_rows(v_src, start_n, stride_vn, stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV,
-                   USE_TMA)
+    k = load_rows(k_src, start_n, stride_kn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+    v = load_rows(v_src, start_n, stride_vn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     s = masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
                        IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
@@ -70,10 +69,9 @@ def _forward_key_block(
     l_new = l_i * alpha + tl.sum(p, 1)
     acc_o = acc_o * alpha[:, None]
     if HAS_TANGENT:
-        tk = load_rows(tk_src, start_n, stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N,
-                        BLOCK_D, USE_TMA)
-        tv = load_rows(tv_src, start_n, stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N,
-                        BLOCK_DV, USE_TMA)
+        tk = load_rows(tk_src, start_n, stride_tkn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+        tv = load_rows(tv_src, start_n, stride_tvn, n_k, value_dim, BLOCK_N, BLOCK_DV,
+                        USE_TMA)
         # Natural units: masked entries have p~ = 0, so their tS never matters.
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
@@ -125,12 +123,9 @@ def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Te
 def _attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, o_ptr, to_ptr, lse_ptr, mu_ptr,
     o_residual_ptr, to_residual_ptr, factors_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_tqb, stride_tqh, stride_tqm, stride_tqd,
-    stride_tkb, stride_tkh, stride_tkn, stride_tkd,
-    stride_tvb, stride_tvh, stride_tvn, stride_tvd,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_tqb, stride_tqh, stride_tqm,
+    stride_tkb, stride_tkh, stride_tkn, stride_tvb, stride_tvh, stride_tvn,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     n_heads, n_q, n_k, head_dim, value_dim, group_size, qk_scale, scale,
     n_q_bucket, n_k_bucket,
@@ -147,7 +142,7 @@ def _attention_forward_kernel(
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
     q = load_head_rows(head_base(q_ptr, batch, head, stride_qb, stride_qh), start_m, stride_qm,
-                        stride_qd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+                        n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
     k_src = tile_source(head_base(k_ptr, batch, kv_head, stride_kb, stride_kh), n_k, head_dim,
                          stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
     v_src = tile_source(head_base(v_ptr, batch, kv_head, stride_vb, stride_vh), n_k, value_dim,
@@ -155,7 +150,7 @@ def _attention_forward_kernel(
     mask_ptr = head_base(mask_ptr, batch, head, stride_mask_b, stride_mask_h)
     if HAS_TANGENT:
         tq = load_head_rows(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh), start_m,
-                             stride_tqm, stride_tqd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+                             stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
         tk_src = tile_source(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh), n_k,
                               head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
         tv_src = tile_source(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh), n_k,
@@ -174,16 +169,14 @@ def _attention_forward_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc_o, acc_t, l_i, mu_i, m_i = _forward_key_block(
             acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-            k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
-            tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
+            k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
             BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
     for start_n in range(full_end, end, BLOCK_N):
         acc_o, acc_t, l_i, mu_i, m_i = _forward_key_block(
             acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-            k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
-            tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
+            k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
             BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
@@ -233,7 +226,8 @@ def flash_attention_forward(
     """Run the fused forward kernel on (B, H, N, D) tensors.
 
     Args:
-        q: Queries, (B, Hq, Nq, Dqk), fp16/bf16/fp32, any strides.
+        q: Queries, (B, Hq, Nq, Dqk), fp16/bf16/fp32, any strides (as k, v and the
+            tangents); a last dimension that is not contiguous is copied.
         k: Keys, (B, Hkv, Nk, Dqk) with Hq a multiple of Hkv (GQA).
         v: Values, (B, Hkv, Nk, Dv).
         attn_mask: None, bool (True = attend) or additive, broadcastable to (B, Hq, Nq, Nk).
@@ -267,7 +261,8 @@ def flash_attention_forward(
     out = torch.empty((batch, n_heads, n_q, value_dim), device=q.device, dtype=q.dtype)
     lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=torch.float32)
     has_tangent = tangents is not None
-    tq, tk, tv = tangents if has_tangent else (q, k, v)
+    q, k, v = (unit_last_stride(x) for x in (q, k, v))
+    tq, tk, tv = (unit_last_stride(x) for x in tangents) if has_tangent else (q, k, v)
     t_out = torch.empty_like(out) if has_tangent else out
     mu = torch.empty_like(lse) if has_tangent else lse
     out_res = torch.empty_like(out) if residuals else out
@@ -294,8 +289,7 @@ def flash_attention_forward(
         prepare_descriptors(use_tma)
         (_attention_forward_jvp if has_tangent else _attention_forward)[grid](
             q, k, v, tq, tk, tv, q if mask is None else mask, out, t_out, lse, mu,
-            out_res, t_out_res, factors, *q.stride(), *k.stride(), *v.stride(),
-            *tq.stride(), *tk.stride(), *tv.stride(), *mask_strides,
+            out_res, t_out_res, factors, *row_strides(q, k, v, tq, tk, tv), *mask_strides,
             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
             scale * LOG2E.value, scale, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,

@@ -257,3 +257,20 @@ def check_kernel_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
         raise ValueError(f"expected q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) with "
                          f"Hq a multiple of Hkv; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
+
+
+def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """`x` with unit stride along its last dimension, as the kernels read columns: `x`
+    itself when it has that (or when the dimension has at most one entry, whose stride is
+    never used), else a copy. Dimensions broadcast with stride 0 (an expanded cotangent)
+    stay broadcast: only one slice along them is copied."""
+    if x.stride(-1) == 1 or x.shape[-1] <= 1:
+        return x
+    one_slice = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.stride()[:-1])
+    return x[one_slice].contiguous().expand(x.shape)
+
+
+def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """The batch, head and row strides of each (B, H, N, D) tensor, in order: the kernels'
+    stride arguments (their columns are at unit stride, see `unit_last_stride`)."""
+    return tuple(stride for t in tensors for stride in t.stride()[:-1])

@@ -50,23 +50,23 @@ def tile_source(ptr, n_rows, n_cols, stride_row, BLOCK_R: tl.constexpr,
 
 
 @triton.jit
-def load_rows(src, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R: tl.constexpr,
+def load_rows(src, start, stride_row, n_rows, n_cols, BLOCK_R: tl.constexpr,
                BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
-    """The [BLOCK_R x BLOCK_C] tile of rows start.. of a `tile_source`; zeros outside."""
+    """The [BLOCK_R x BLOCK_C] tile of rows start.. of a `tile_source` (columns at unit
+    stride); zeros outside."""
     if USE_TMA:
         return src.load([start, 0])
     else:
         return load_tile(src, start + tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_C),
-                          stride_row, stride_col, n_rows, n_cols)
+                          stride_row, 1, n_rows, n_cols)
 
 
 @triton.jit
-def load_head_rows(ptr, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R: tl.constexpr,
+def load_head_rows(ptr, start, stride_row, n_rows, n_cols, BLOCK_R: tl.constexpr,
                     BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
     """One tile of rows start.. of a matrix read once (no source kept for later tiles)."""
     src = tile_source(ptr, n_rows, n_cols, stride_row, BLOCK_R, BLOCK_C, USE_TMA)
-    return load_rows(src, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R, BLOCK_C,
-                      USE_TMA)
+    return load_rows(src, start, stride_row, n_rows, n_cols, BLOCK_R, BLOCK_C, USE_TMA)
 
 
 @triton.jit

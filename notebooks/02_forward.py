@@ -40,7 +40,7 @@
 # masks, not asserts), causal masking with PyTorch's top-left alignment, boolean or additive
 # masks broadcast with stride-0 dimensions (never materialised), GQA by index arithmetic
 # (no repeated K/V), head dimensions that are not powers of two, $d_{qk} \ne d_v$, and
-# arbitrary strides.
+# arbitrary strides (a last dimension that is not contiguous is copied).
 
 # %%
 import math
@@ -66,7 +66,14 @@ from jvp_attention.reference import AttentionOutputs  # noqa: E402  (chapter 1)
 # %% [markdown]
 # ## Loading tiles with pointer arithmetic
 #
-# A tile is addressed by its row and column indices and the tensor's strides; rows past the
+# A tile is addressed by its row and column indices and the tensor's strides, except that
+# columns are read at unit stride: the launchers copy an operand whose last dimension is not
+# contiguous (`unit_last_stride`, below), which the usual layouts never need, since a linear
+# layer's output seen through `view` and `transpose` keeps a unit last stride. That saves a
+# stride parameter per tensor and the multiply by it in every column address, and the
+# kernels give up nothing they used: Triton specialises an integer argument equal to 1 into
+# a constant, so for such inputs this is the code the GPU ran already. (Masks keep all
+# their strides: one broadcast over the keys has a last stride of 0.) Rows past the
 # sequence end and columns past the head dimension are masked and read as zero. Zeros are
 # harmless everywhere: a zero query row produces scores that are never stored, a zero key row
 # is masked to $-\infty$ below, and zero padding columns add nothing to a dot product. This is
@@ -126,23 +133,23 @@ def tile_source(ptr, n_rows, n_cols, stride_row, BLOCK_R: tl.constexpr,
 
 
 @triton.jit
-def load_rows(src, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R: tl.constexpr,
+def load_rows(src, start, stride_row, n_rows, n_cols, BLOCK_R: tl.constexpr,
                BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
-    """The [BLOCK_R x BLOCK_C] tile of rows start.. of a `tile_source`; zeros outside."""
+    """The [BLOCK_R x BLOCK_C] tile of rows start.. of a `tile_source` (columns at unit
+    stride); zeros outside."""
     if USE_TMA:
         return src.load([start, 0])
     else:
         return load_tile(src, start + tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_C),
-                          stride_row, stride_col, n_rows, n_cols)
+                          stride_row, 1, n_rows, n_cols)
 
 
 @triton.jit
-def load_head_rows(ptr, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R: tl.constexpr,
+def load_head_rows(ptr, start, stride_row, n_rows, n_cols, BLOCK_R: tl.constexpr,
                     BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
     """One tile of rows start.. of a matrix read once (no source kept for later tiles)."""
     src = tile_source(ptr, n_rows, n_cols, stride_row, BLOCK_R, BLOCK_C, USE_TMA)
-    return load_rows(src, start, stride_row, stride_col, n_rows, n_cols, BLOCK_R, BLOCK_C,
-                      USE_TMA)
+    return load_rows(src, start, stride_row, n_rows, n_cols, BLOCK_R, BLOCK_C, USE_TMA)
 
 
 @triton.jit
@@ -330,7 +337,9 @@ from jvp_attention.launch import (
     max_magnitudes,
     on_device,
     prepare_descriptors,
+    row_strides,
     tma_eligible,
+    unit_last_stride,
 )
 from jvp_attention.reference import AttentionOutputs
 from jvp_attention.tiles import (
@@ -356,8 +365,7 @@ from jvp_attention.tiles import (
 @triton.jit
 def _forward_key_block(
     acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-    k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
-    tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
+    k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
     mask_ptr, stride_mask_m, stride_mask_n,
     n_q, n_k, head_dim, value_dim, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
@@ -367,10 +375,8 @@ def _forward_key_block(
 ):
     """Fold the key block starting at `start_n` into the softmax state (and the tangent state)."""
     cols = start_n + tl.arange(0, BLOCK_N)
-    k = load_rows(k_src, start_n, stride_kn, stride_kd, n_k, head_dim, BLOCK_N, BLOCK_D,
-                   USE_TMA)
-    v = load_rows(v_src, start_n, stride_vn, stride_vd, n_k, value_dim, BLOCK_N, BLOCK_DV,
-                   USE_TMA)
+    k = load_rows(k_src, start_n, stride_kn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+    v = load_rows(v_src, start_n, stride_vn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     s = masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
                        IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
@@ -378,10 +384,9 @@ def _forward_key_block(
     l_new = l_i * alpha + tl.sum(p, 1)
     acc_o = acc_o * alpha[:, None]
     if HAS_TANGENT:
-        tk = load_rows(tk_src, start_n, stride_tkn, stride_tkd, n_k, head_dim, BLOCK_N,
-                        BLOCK_D, USE_TMA)
-        tv = load_rows(tv_src, start_n, stride_tvn, stride_tvd, n_k, value_dim, BLOCK_N,
-                        BLOCK_DV, USE_TMA)
+        tk = load_rows(tk_src, start_n, stride_tkn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+        tv = load_rows(tv_src, start_n, stride_tvn, n_k, value_dim, BLOCK_N, BLOCK_DV,
+                        USE_TMA)
         # Natural units: masked entries have p~ = 0, so their tS never matters.
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
@@ -577,12 +582,9 @@ def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Te
 def _attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, o_ptr, to_ptr, lse_ptr, mu_ptr,
     o_residual_ptr, to_residual_ptr, factors_ptr,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_tqb, stride_tqh, stride_tqm, stride_tqd,
-    stride_tkb, stride_tkh, stride_tkn, stride_tkd,
-    stride_tvb, stride_tvh, stride_tvn, stride_tvd,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_tqb, stride_tqh, stride_tqm,
+    stride_tkb, stride_tkh, stride_tkn, stride_tvb, stride_tvh, stride_tvn,
     stride_mask_b, stride_mask_h, stride_mask_m, stride_mask_n,
     n_heads, n_q, n_k, head_dim, value_dim, group_size, qk_scale, scale,
     n_q_bucket, n_k_bucket,
@@ -599,7 +601,7 @@ def _attention_forward_kernel(
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
     q = load_head_rows(head_base(q_ptr, batch, head, stride_qb, stride_qh), start_m, stride_qm,
-                        stride_qd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+                        n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
     k_src = tile_source(head_base(k_ptr, batch, kv_head, stride_kb, stride_kh), n_k, head_dim,
                          stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
     v_src = tile_source(head_base(v_ptr, batch, kv_head, stride_vb, stride_vh), n_k, value_dim,
@@ -607,7 +609,7 @@ def _attention_forward_kernel(
     mask_ptr = head_base(mask_ptr, batch, head, stride_mask_b, stride_mask_h)
     if HAS_TANGENT:
         tq = load_head_rows(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh), start_m,
-                             stride_tqm, stride_tqd, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+                             stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
         tk_src = tile_source(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh), n_k,
                               head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
         tv_src = tile_source(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh), n_k,
@@ -626,16 +628,14 @@ def _attention_forward_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc_o, acc_t, l_i, mu_i, m_i = _forward_key_block(
             acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-            k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
-            tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
+            k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
             BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
     for start_n in range(full_end, end, BLOCK_N):
         acc_o, acc_t, l_i, mu_i, m_i = _forward_key_block(
             acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-            k_src, stride_kn, stride_kd, v_src, stride_vn, stride_vd,
-            tk_src, stride_tkn, stride_tkd, tv_src, stride_tvn, stride_tvd,
+            k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
             mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
             qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
             BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
@@ -679,8 +679,8 @@ def _attention_forward_kernel(
 # first tile that survives the pruning below is the one used, so the list starts with tiles
 # that compile within those limits for every mask kind.
 #
-# The launcher takes `(B, H, N, D)` tensors with any strides and launches on the inputs'
-# own device. The public API of chapter 7 validates arguments and handles other ranks;
+# The launcher takes `(B, H, N, D)` tensors with any strides (a last dimension that is not
+# contiguous is copied) and launches on the inputs' own device. The public API of chapter 7 validates arguments and handles other ranks;
 # here we only check what would make the kernel read out of bounds.
 
 # %% tags=["export:launch"]
@@ -901,6 +901,23 @@ def check_kernel_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
                          f"v {tuple(v.shape)}")
 
 
+def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """`x` with unit stride along its last dimension, as the kernels read columns: `x`
+    itself when it has that (or when the dimension has at most one entry, whose stride is
+    never used), else a copy. Dimensions broadcast with stride 0 (an expanded cotangent)
+    stay broadcast: only one slice along them is copied."""
+    if x.stride(-1) == 1 or x.shape[-1] <= 1:
+        return x
+    one_slice = tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.stride()[:-1])
+    return x[one_slice].contiguous().expand(x.shape)
+
+
+def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """The batch, head and row strides of each (B, H, N, D) tensor, in order: the kernels'
+    stride arguments (their columns are at unit stride, see `unit_last_stride`)."""
+    return tuple(stride for t in tensors for stride in t.stride()[:-1])
+
+
 # %% tags=["export"]
 # The tangent doubles the accumulators, so it has its own list: tiles whose registers and
 # shared memory fit with the tangent on (tools/kernel_resources.py).
@@ -928,7 +945,8 @@ def flash_attention_forward(
     """Run the fused forward kernel on (B, H, N, D) tensors.
 
     Args:
-        q: Queries, (B, Hq, Nq, Dqk), fp16/bf16/fp32, any strides.
+        q: Queries, (B, Hq, Nq, Dqk), fp16/bf16/fp32, any strides (as k, v and the
+            tangents); a last dimension that is not contiguous is copied.
         k: Keys, (B, Hkv, Nk, Dqk) with Hq a multiple of Hkv (GQA).
         v: Values, (B, Hkv, Nk, Dv).
         attn_mask: None, bool (True = attend) or additive, broadcastable to (B, Hq, Nq, Nk).
@@ -962,7 +980,8 @@ def flash_attention_forward(
     out = torch.empty((batch, n_heads, n_q, value_dim), device=q.device, dtype=q.dtype)
     lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=torch.float32)
     has_tangent = tangents is not None
-    tq, tk, tv = tangents if has_tangent else (q, k, v)
+    q, k, v = (unit_last_stride(x) for x in (q, k, v))
+    tq, tk, tv = (unit_last_stride(x) for x in tangents) if has_tangent else (q, k, v)
     t_out = torch.empty_like(out) if has_tangent else out
     mu = torch.empty_like(lse) if has_tangent else lse
     out_res = torch.empty_like(out) if residuals else out
@@ -989,8 +1008,7 @@ def flash_attention_forward(
         prepare_descriptors(use_tma)
         (_attention_forward_jvp if has_tangent else _attention_forward)[grid](
             q, k, v, tq, tk, tv, q if mask is None else mask, out, t_out, lse, mu,
-            out_res, t_out_res, factors, *q.stride(), *k.stride(), *v.stride(),
-            *tq.stride(), *tk.stride(), *tv.stride(), *mask_strides,
+            out_res, t_out_res, factors, *row_strides(q, k, v, tq, tk, tv), *mask_strides,
             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
             scale * LOG2E.value, scale, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,

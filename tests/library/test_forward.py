@@ -157,6 +157,27 @@ def test_shifted_key_tangent_keeps_the_tangent_accurate() -> None:
     assert_accurate(kernel_forward(p), truth, floor, torch.float32, p.label)
 
 
+def test_columns_at_other_strides_give_the_same_results() -> None:
+    """The kernels read columns at unit stride: operands whose last dimension is not
+    contiguous are copied by the launcher and give the contiguous operands' results bit for
+    bit, with tangents and without. A dimension of one entry (any stride) is used as it is,
+    and stride-0 dimensions stay broadcast in the copy."""
+    p = make_problem(Spec(batch=2, hq=4, hkv=2, nq=33, nk=17, d=16, dv=24, mask="keypad",
+                          causal=True), torch.float32)
+    contiguous = kernel_forward(p), kernel_forward(p, with_tangents=False)
+    p.q, p.k, p.v = (x.mT.contiguous().mT for x in (p.q, p.k, p.v))
+    p.tangents = tuple(x.mT.contiguous().mT for x in p.tangents)
+    assert all(x.stride(-1) != 1 for x in (p.q, p.k, p.v, *p.tangents))
+    strided = kernel_forward(p), kernel_forward(p, with_tangents=False)
+    for ours, theirs in zip(strided, contiguous, strict=True):
+        for name in theirs:
+            assert torch.equal(ours[name], theirs[name]), name
+    column = torch.randn(2, 3, 5, 1).transpose(0, 1)
+    assert jvp_attention.launch.unit_last_stride(column) is column
+    ones = torch.ones(()).expand(2, 3, 5, 4)
+    assert jvp_attention.launch.unit_last_stride(ones).stride() == (0, 0, 0, 1)
+
+
 # --- fuzzing ------------------------------------------------------------------------------
 
 @fuzz_settings("JVP_FUZZ_EXAMPLES", 120)
