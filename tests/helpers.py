@@ -439,6 +439,15 @@ def _run_chunked(p: Problem, compute, names, max_scores: int) -> dict[str, torch
 MAX_SCORES = 2**27  # entries of (B, Hq, Nq, Nk) the references materialise at once
 
 
+def float64_options(options: dict) -> dict:
+    """`options` for float64 inputs: a float mask in float64 too (SDPA's contract takes a
+    mask of the query's dtype, float32 or bool)."""
+    mask = options.get("attn_mask")
+    if mask is not None and mask.is_floating_point():
+        return {**options, "attn_mask": mask.double()}
+    return options
+
+
 def _options(p: Problem, chunk: dict) -> dict:
     return {"attn_mask": chunk["attn_mask"], "is_causal": p.spec.causal,
             "scale": p.spec.scale, "enable_gqa": p.spec.hq != p.spec.hkv}
@@ -451,11 +460,8 @@ def expected_forward(p: Problem, with_tangents: bool = True,
 
     def truth(c):
         t = None if not with_tangents else tuple(x.double() for x in c["tangents"])
-        options = _options(p, c)
-        if options["attn_mask"] is not None and options["attn_mask"].is_floating_point():
-            options["attn_mask"] = options["attn_mask"].double()
         ref = reference_attention(c["q"].double(), c["k"].double(), c["v"].double(),
-                                  tangents=t, **options)
+                                  tangents=t, **float64_options(_options(p, c)))
         return {n: getattr(ref, n) for n in names}
 
     def floor(c):
@@ -508,7 +514,7 @@ def cancellation_scale(p: Problem, second_order: bool = False) -> float:
     q, k, v = p.q.double(), p.k.double(), p.v.double()
     tangents = tuple(t.double() for t in p.tangents)
     ref = reference_attention(q, k, v, tangents=tangents if second_order else None,
-                              **p.reference_options)
+                              **float64_options(p.reference_options))
     grad_out = p.grad_out.double()
     terms = (grad_out * ref.out).sum(-1).abs()
     if second_order:

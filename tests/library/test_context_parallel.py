@@ -349,3 +349,25 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     assert len(record["checks"]) == 2
     assert all(q["passed"] for rows in record["checks"].values() for q in rows.values())
     assert "| N | causal | mode | one | ulysses | ring |" in result.stdout
+
+
+def test_benchmark_options_pass_through_torchrun() -> None:
+    """The benchmark relaunches itself under torchrun, whose parser also reads the script's
+    arguments and refuses one that is a prefix of several of its own options (`--n` was)."""
+    import importlib.util
+
+    from torch.distributed.run import get_args_parser
+
+    spec = importlib.util.spec_from_file_location(
+        "context_parallel_bench", REPO / "benchmarks" / "context_parallel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    values = {"--lengths": "32768", "--heads": "4", "--head-dim": "64", "--batch": "1",
+              "--dtype": "bf16", "--impls": "ring", "--modes": "fwd_jvp", "--reps": "1",
+              "--warmup": "1", "--check-n": "0", "--processes": "2", "--out": "x.json"}
+    argv = [item for option, value in values.items() for item in (option, value)]
+    argv += ["--causal"]
+    assert bench.parse_args(argv).lengths == [32768]
+    parsed = get_args_parser().parse_args(["--standalone", "--nproc_per_node=2", "bench.py",
+                                           *argv])
+    assert parsed.training_script_args == argv
