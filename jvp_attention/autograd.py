@@ -15,6 +15,8 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch._functorch import eager_transforms
+from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
+from torch._functorch.utils import unwrap_dead_wrappers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
@@ -531,16 +533,16 @@ def attention(
     precision = get_precision()
     tangents = _tangents_of(q, k, v, mask)
     if tangents is None:
-        out = _Attention.apply(q, k, v, mask, is_causal, scale, _wants_residual(q, k, v),
-                               precision)[0]
+        out = _apply(_Attention, q, k, v, mask, is_causal, scale, _wants_residual(q, k, v),
+                     precision)[0]
     else:
         # Unpack the duals, run the fused op on primals and tangents as plain inputs, and
         # hand forward-mode AD tO as the tangent of O: no copy, and Dynamo can trace it.
         primals = [None if x is None else forward_ad.unpack_dual(x).primal
                    for x in (q, k, v, mask)]
-        out, tangent_out = _FusedTangent.apply(
-            *primals[:3], *tangents[:3], primals[3], tangents[3], is_causal, scale,
-            _wants_residual(*primals[:3], *tangents[:3]), precision)[:2]
+        out, tangent_out = _apply(
+            _FusedTangent, *primals[:3], *tangents[:3], primals[3], tangents[3], is_causal,
+            scale, _wants_residual(*primals[:3], *tangents[:3]), precision)[:2]
         out = forward_ad.make_dual(out, tangent_out)
     return out if query.dim() == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
 
@@ -645,6 +647,44 @@ def jvp_nesting() -> int:
     """How many torch.func.jvp transforms are active around this call (Dynamo traces this
     global, unlike functorch's interpreter stack)."""
     return eager_transforms.JVP_NESTING
+
+
+def _apply(function: type[torch.autograd.Function], *args) -> tuple[Tensor, ...]:
+    """`function.apply(*args)`, every argument given, with less of PyTorch's per-call Python
+    where it changes nothing (the host time of a call at training shapes is mostly this):
+
+    - Outside functorch's transforms, `Function.apply` binds the arguments to the forward's
+      signature (about 80 Python calls) to fill in defaults, and none are missing here.
+    - Inside exactly one eager `torch.func.jvp`, functorch lifts the Function on every call:
+      a generated Function class that unwraps the inputs from the transform's level, runs
+      this Function below it and wraps the outputs, with pytree passes over both. No input
+      carries a tangent at that level (`attention` unpacked the duals), so the lifted `jvp`
+      would never run: the three steps are done here directly.
+
+    Anywhere else (vmap, grad, nested transforms, torch.compile): `function.apply`."""
+    if torch.compiler.is_compiling():
+        return function.apply(*args)
+    depth = _functorch_depth()
+    if depth == 0:
+        return _apply_bound(function, unwrap_dead_wrappers(args))
+    if depth != 1 or jvp_nesting() != 1:
+        return function.apply(*args)
+    level = _functorch_top().level()
+    unwrapped = [_unwrap_for_grad(x, level) if isinstance(x, Tensor) else x for x in args]
+    with temporarily_pop_interpreter_stack():
+        outputs = _apply_bound(function, unwrapped)
+    return tuple(_wrap_for_grad(x, level) for x in outputs)
+
+
+def _apply_bound(function: type[torch.autograd.Function], args) -> tuple[Tensor, ...]:
+    """What `Function.apply` does outside transforms once its arguments are bound."""
+    return _FUNCTION_BASE_APPLY.__get__(None, function)(*args)
+
+
+_FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
+_functorch_depth = torch._C._functorch.get_dynamic_layer_stack_depth
+_functorch_top = torch._C._functorch.peek_interpreter_stack
+_unwrap_for_grad, _wrap_for_grad = torch._C._functorch._unwrap_for_grad, torch._C._functorch._wrap_for_grad
 
 
 def _tangents_of(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,

@@ -6,6 +6,7 @@ guard, the mask operand, the shape checks and the host side of the bf16 carry.
 `notebooks/02_forward.py` derives it.
 """
 
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import triton
+from triton.runtime.autotuner import Autotuner
 
 from jvp_attention.tiles import ADDITIVE_MASK, ADDITIVE_WITH_TANGENT, BOOL_MASK, NO_MASK
 
@@ -76,11 +78,46 @@ AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
                  "IS_CAUSAL", "MASK_KIND", "HAS_TANGENT", "SPLIT", "USE_TMA"]
 
 
-def autotuned(kernel, gpu_tiles: list[tuple[int, int, int, int]]):
+class KeyedAutotuner(Autotuner):
+    """Triton's autotuner with two changes for a kernel launched many times per step.
+
+    - Tuned tiles persist across processes: Triton's `cache_results`, stored in Triton's
+      cache directory (`TRITON_CACHE_DIR`, by default `~/.triton/cache`) under a hash of
+      the kernel's source, the GPU, Triton's version, the tuning key and the candidates.
+    - A launch at a key already tuned finds its tile from the key arguments' positions.
+      Triton's own `run` builds and filters dicts of all of the kernel's ~60 arguments on
+      every launch, a sizeable share of a short call's host time.
+    """
+
+    def __init__(self, kernel, configs: list[triton.Config], key: list[str]):
+        super().__init__(kernel, kernel.arg_names, configs, key, reset_to_zero=None,
+                         restore_value=None, cache_results=True,
+                         prune_configs_by={"early_config_prune": prune_wide_tiles})
+        self.tuned: dict[tuple, triton.Config] = {}
+        self.key_positions = [kernel.arg_names.index(name) for name in key]
+
+    def launch_key(self, args: tuple, kwargs: dict) -> tuple:
+        """The key values (by position, or by name when passed as keywords) and the dtypes
+        of the tensor arguments: what Triton's key holds."""
+        values = [args[i] if i < len(args) else kwargs.get(self.arg_names[i])
+                  for i in self.key_positions]
+        return (*values, *[a.dtype for a in args if isinstance(a, torch.Tensor)])
+
+    def run(self, *args, **kwargs):
+        key = self.launch_key(args, kwargs)
+        config = self.tuned.get(key)
+        if config is None:  # first launch at this key: tune (or read the disk cache)
+            result = super().run(*args, **kwargs)
+            self.tuned[key] = self.best_config
+            return result
+        self.best_config = config
+        return self.fn.run(*args, **kwargs, **config.all_kwargs())
+
+
+def autotuned(kernel, gpu_tiles: list[tuple[int, int, int, int]]) -> KeyedAutotuner:
     """`kernel` autotuned over `gpu_tiles` (in order of preference: with autotuning off the
     first tile that survives `prune_wide_tiles` runs), keyed by AUTOTUNE_KEYS."""
-    return triton.autotune(configs=tile_configs(gpu_tiles), key=AUTOTUNE_KEYS,
-                           prune_configs_by={"early_config_prune": prune_wide_tiles})(kernel)
+    return KeyedAutotuner(kernel, tile_configs(gpu_tiles), AUTOTUNE_KEYS)
 
 
 def check_mask_tangent(attn_mask: torch.Tensor | None, mask_tangent: torch.Tensor | None,
@@ -211,9 +248,16 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
         return setting == "1"
     if interpreting() or not all(t.is_cuda for t in tensors):
         return False
-    if torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if cuda_major(tensors[0].device.index) < 9:
         return False
     return all(descriptor_compatible(t) for t in tensors)
+
+
+@functools.cache
+def cuda_major(index: int | None) -> int:
+    """The compute capability's major version of CUDA device `index` (None: the current
+    one), asked once per device."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def descriptor_compatible(t: torch.Tensor) -> bool:
@@ -273,4 +317,4 @@ def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
 def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
     """The batch, head and row strides of each (B, H, N, D) tensor, in order: the kernels'
     stride arguments (their columns are at unit stride, see `unit_last_stride`)."""
-    return tuple(stride for t in tensors for stride in t.stride()[:-1])
+    return tuple([stride for t in tensors for stride in t.stride()[:-1]])

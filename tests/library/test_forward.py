@@ -178,6 +178,37 @@ def test_columns_at_other_strides_give_the_same_results() -> None:
     assert jvp_attention.launch.unit_last_stride(ones).stride() == (0, 0, 0, 1)
 
 
+def test_tuned_tiles_are_looked_up_by_key(monkeypatch) -> None:
+    """`KeyedAutotuner` times the candidates once per key (Triton's: the key arguments and
+    the tensors' dtypes) and then launches the chosen tile without timing again; another
+    length bucket or dtype is a new key. Timings are stubbed: the interpreter cannot time."""
+    from triton import Config
+
+    configs = [Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1),
+               Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    tuner = jvp_attention.launch.KeyedAutotuner(
+        jvp_attention.forward._attention_forward.fn, configs, jvp_attention.launch.AUTOTUNE_KEYS)
+    timed = []
+
+    def bench(*args, config, **kwargs):
+        timed.append(config)
+        return [1.0 if config is configs[1] else 2.0]
+
+    monkeypatch.setattr(tuner, "_bench", bench)
+    monkeypatch.setattr(jvp_attention.forward, "_attention_forward", tuner)
+    p = make_problem(Spec(nq=40, nk=24), torch.float32)
+    first = kernel_forward(p, with_tangents=False)
+    assert timed == configs and tuner.best_config is configs[1]
+    again = kernel_forward(p, with_tangents=False)
+    assert len(timed) == 2 and tuner.best_config is configs[1]
+    for name in first:
+        assert torch.equal(first[name], again[name]), name
+    kernel_forward(make_problem(Spec(nq=80, nk=24), torch.float32), with_tangents=False)
+    kernel_forward(make_problem(Spec(nq=40, nk=24), torch.float16), with_tangents=False)
+    assert len(timed) == 6
+    assert len(tuner.tuned) == len(tuner.cache) == 3
+
+
 # --- fuzzing ------------------------------------------------------------------------------
 
 @fuzz_settings("JVP_FUZZ_EXAMPLES", 120)
