@@ -671,6 +671,15 @@ def _attention_forward_kernel(
 # arguments to the key itself. Under the interpreter there is one small configuration
 # (several would need a GPU to time them), chosen so that CPU tests cross block boundaries.
 #
+# Triton's autotuner is used with two changes (`KeyedAutotuner`). Timing the candidates
+# takes seconds at a new key, so the chosen tiles are written to Triton's cache directory
+# (its `cache_results`), and a new process at a known shape reads them back instead of
+# timing again (`benchmarks/first_call.py` measures the difference, chapter 8). And on every
+# launch, Triton's autotuner builds dictionaries of all of the kernel's ~60 arguments to
+# find the key. That is tens of microseconds per launch, at shapes where the kernel itself
+# runs for 0.2 ms. Once a key is tuned, `KeyedAutotuner` reads the key's arguments by
+# position and looks the tile up directly.
+#
 # Which tiles are worth timing was decided before any GPU time was spent: `tools/kernel_resources.py`
 # compiles each candidate for Hopper (sm_90) on a CPU machine and reads ptxas's report, the
 # `-Xptxas -v` of the CUDA world. For bf16, $d = 128$ with the tangent, a 128 × 32 tile on 8

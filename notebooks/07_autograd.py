@@ -1232,3 +1232,99 @@ for name, fn, args in [("forward+backward", block, (x, w)),
     assert same, f"{name}: compiled differs from eager"
     print(f"{name:17} first compiled step {compile_s:6.1f} s   eager {eager_ms:8.2f} ms   "
           f"compiled {compiled_ms:8.2f} ms   same result: {same}")
+
+# %% [markdown]
+# ## What a call costs the host
+#
+# At DiT's shapes the fused kernel is short: 0.18 ms of GPU time for DiT-B/2 at 256 px
+# (B64 H12 N256 d64, bf16) on the H200. Unless the host issues the next call within that
+# time, the GPU waits, and the step is only as fast as the Python around the kernels.
+# Inside `torch.func.jvp` most of that Python was not ours. `torch.func.jvp` pushes a
+# functorch interpreter, and from then on every `autograd.Function.apply` is *lifted*:
+# functorch generates a new Function class for the call, maps pytree functions over the
+# inputs to unwrap them from the transform's level, runs the Function one level down, and
+# wraps the outputs again. `Function.apply` also binds every call's arguments to
+# `forward`'s signature with `inspect`, to fill in defaults.
+#
+# `_apply` does the same work directly. Inside exactly one eager `torch.func.jvp`, it
+# unwraps the inputs, runs the Function with the interpreter set aside, and wraps the
+# outputs. Outside the transforms, it calls the Function's C++ `apply` without binding the
+# arguments again. This is safe because `attention` has already unpacked the duals. No
+# input of the Function carries a tangent at the transform's level, so the lifted Function's
+# `jvp` could never run. All that lifting does there is the unwrapping and wrapping.
+# Anything else (`vmap`, `grad`, nested transforms, `torch.compile`) takes `Function.apply`
+# as before. The cell below times both paths on the same inputs, and times
+# `torch.func.jvp` of a one-multiplication function as a floor. It also checks that both
+# paths give the same bits.
+#
+# `tests/library/test_autograd_call_cost.py` counts the Python calls of a call in CI, so
+# that this cannot creep back: 1195 with the lifting, 185 without (torch 2.13, outside the
+# Triton launch). `benchmarks/training_shapes.py` measures the whole step (chapter 8).
+
+# %%
+import sys
+from collections import Counter
+from unittest import mock
+
+
+def python_calls(fn) -> int:
+    """Python function calls (generator steps included) made while `fn()` runs."""
+    calls = Counter()
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls[frame.f_code.co_name] += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return sum(calls.values())
+
+
+def host_us_per_call(fn, repeats: int = 300 if FULL_SIZE else 2) -> float:
+    """Wall time per call of a host-bound `fn` (the GPU waits for the host), in µs."""
+    fn()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+shape = (64, 12, 256, 64) if FULL_SIZE else (1, 2, 32, 16)  # DiT-B/2 at 256 px on the GPU
+dtype = torch.bfloat16 if FULL_SIZE else torch.float16
+q_, k_, v_, tq_, tk_, tv_ = (torch.randn(shape, device=DEVICE, dtype=dtype) for _ in range(6))
+
+
+def ours():
+    return torch.func.jvp(attention, (q_, k_, v_), (tq_, tk_, tv_))
+
+
+def floor():
+    return torch.func.jvp(lambda a, b, c: a * 1, (q_, k_, v_), (tq_, tk_, tv_))
+
+
+direct = ours()
+direct_us, direct_calls = host_us_per_call(ours), python_calls(ours)
+
+
+def lifted_by_functorch():
+    """`ours` with `_apply` stepping aside (as under any other transform): functorch lifts."""
+    with mock.patch.dict(globals(), {"_functorch_depth": lambda: -1}):
+        return ours(), host_us_per_call(ours), python_calls(ours)
+
+
+lifted, lifted_us, lifted_calls = lifted_by_functorch()
+assert all(torch.equal(a, b) for a, b in zip(direct, lifted, strict=True))
+floor_us = host_us_per_call(floor)
+print(f"torch.func.jvp(attention), B{shape[0]} H{shape[1]} N{shape[2]} d{shape[3]} {dtype}:")
+print(f"  functorch lifts the Function  {lifted_us:8.0f} µs per call  {lifted_calls:6d} Python calls")
+print(f"  `_apply`                      {direct_us:8.0f} µs per call  {direct_calls:6d} Python calls")
+print(f"  torch.func.jvp of a * 1       {floor_us:8.0f} µs per call")
+if not FULL_SIZE:
+    print("(CPU: the times and calls include Triton's interpreter running the kernel)")

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""The first call at a new shape in a new process: how long a user waits before the first
+training step runs, with nothing cached, with Triton's compiled kernels cached, and with the
+tuned tiles cached as well (`jvp_attention.launch.KeyedAutotuner` stores them in Triton's
+cache directory). Saved as JSON.
+
+    python benchmarks/first_call.py --out benchmarks/results/first_call_h200.json
+    python benchmarks/first_call.py --smoke   # CPU: a tiny shape through Triton's interpreter
+
+Each measurement is a fresh Python process (`--child`) that imports jvp_attention, runs one
+MeanFlow-style step at the shape (`torch.func.jvp(attention)`, then a backward through the
+primal output: the forward+JVP kernel and the three kernels of the backward) and times the
+jvp and the backward of that first step, then of a second step. Its `TRITON_CACHE_DIR` is a
+folder of this run, in three states, in this order:
+
+    cold      empty: Triton compiles every candidate tile and times them
+    compiled  the compiled kernels the cold process left, its tuned tiles deleted: the
+              tiles are timed again, without compiling
+    tuned     everything the earlier processes left: the tuned tiles are read back
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SCHEMA = "jvp_attention.first_call/1"
+# name: (B, H, N, d), bf16 on the GPU (DiT shapes of benchmarks/training_shapes.py)
+SHAPES = {"dit-b2-256": (64, 12, 256, 64), "dit-b2-512": (32, 12, 1024, 64),
+          "dit-xl2-256": (32, 16, 256, 72)}
+SMOKE_SHAPES = {"smoke": (1, 2, 32, 16)}
+STATES = ("cold", "compiled", "tuned")
+STATE_LABELS = {
+    "cold": "empty TRITON_CACHE_DIR: compile every candidate tile and time them",
+    "compiled": "the compiled kernels of the cold process, its tuned tiles (*.autotune.json) "
+                "deleted: time the tiles again without compiling",
+    "tuned": "the compiled kernels and the tuned tiles of the earlier processes",
+}
+
+
+def child(shape: str, smoke: bool) -> dict:
+    """One fresh process's first and second MeanFlow-style steps at `shape` (seconds)."""
+    start = time.perf_counter()
+    import torch
+
+    import jvp_attention
+
+    imported = time.perf_counter() - start
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    b, h, n, d = (SMOKE_SHAPES if smoke else SHAPES)[shape]
+    generator = torch.Generator(device).manual_seed(0)
+    primals = [torch.randn(b, h, n, d, device=device, dtype=dtype, generator=generator)
+               .requires_grad_() for _ in range(3)]
+    tangents = [torch.randn(b, h, n, d, device=device, dtype=dtype, generator=generator)
+                for _ in range(3)]
+    grad = torch.randn(b, h, n, d, device=device, dtype=dtype, generator=generator)
+
+    def sync() -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    steps = []
+    for _ in range(2):
+        t0 = sync()
+        out, _ = torch.func.jvp(jvp_attention.attention, tuple(primals), tuple(tangents))
+        t1 = sync()
+        torch.autograd.grad(out, primals, grad)
+        t2 = sync()
+        steps.append({"jvp_s": round(t1 - t0, 4), "backward_s": round(t2 - t1, 4)})
+    return {"import_s": round(imported, 3), "first": steps[0], "second": steps[1]}
+
+
+def run_child(shape: str, cache: Path, smoke: bool) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", shape]
+    if smoke:
+        command.append("--smoke")
+        env["TRITON_INTERPRET"] = "1"
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{shape}: the child process failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["process_s"] = round(time.perf_counter() - start, 3)
+    return result
+
+
+def forget_tuned_tiles(cache: Path) -> int:
+    """Delete the tuned tiles in `cache`, keep the compiled kernels; returns how many."""
+    files = list(cache.rglob("*.autotune.json"))
+    for path in files:
+        path.unlink()
+    return len(files)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="the JSON file to write (default: "
+                        "benchmarks/results/first_call_<cpu|gpu>.json)")
+    parser.add_argument("--shape", nargs="+", choices=list(SHAPES), help="only these shapes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU plumbing check: a tiny shape through Triton's interpreter")
+    parser.add_argument("--child", metavar="SHAPE", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.smoke)))
+        return
+
+    sys.path.insert(0, str(HERE))
+    import bench  # the run record: device, versions, commit
+
+    shapes = list(SMOKE_SHAPES) if args.smoke else (args.shape or list(SHAPES))
+    data = bench.run_record(SCHEMA, args.smoke)
+    data.update({"shapes": {name: dict(zip("BHNd", (SMOKE_SHAPES if args.smoke else SHAPES)[name],
+                                           strict=True)) for name in shapes},
+                 "dtype": "fp16 (interpreter)" if args.smoke else "bf16",
+                 "states": STATE_LABELS,
+                 "step": "out, _ = torch.func.jvp(attention, (q, k, v), (tq, tk, tv)); "
+                         "torch.autograd.grad(out, (q, k, v), grad); q, k, v require grad",
+                 "cases": []})
+    started = time.perf_counter()
+    for shape in shapes:
+        with tempfile.TemporaryDirectory(prefix="jvp_first_call_") as folder:
+            cache = Path(folder)
+            for state in STATES:
+                deleted = forget_tuned_tiles(cache) if state == "compiled" else 0
+                result = run_child(shape, cache, args.smoke)
+                case = {"shape": shape, "state": state, "tuned_tiles_deleted": deleted, **result}
+                data["cases"].append(case)
+                first = result["first"]
+                print(f"{shape:12s} {state:9s} first step: jvp {first['jvp_s']:7.3f} s, "
+                      f"backward {first['backward_s']:7.3f} s | second step "
+                      f"{result['second']['jvp_s'] + result['second']['backward_s']:.4f} s | "
+                      f"import {result['import_s']:.2f} s", flush=True)
+    data["wall_seconds"] = round(time.perf_counter() - started, 1)
+    out = args.out or REPO / "benchmarks" / "results" / (
+        f"first_call_{'gpu' if data['device'].get('cuda') else 'cpu'}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"-> {out}")
+
+
+if __name__ == "__main__":
+    main()
