@@ -43,6 +43,7 @@
 # arbitrary strides (a last dimension that is not contiguous is copied).
 
 # %%
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -60,6 +61,7 @@ print(f"device: {DEVICE}, interpreter: {os.environ.get('TRITON_INTERPRET', '0') 
 
 import triton  # noqa: E402  (after the interpreter switch)
 import triton.language as tl  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
 
 from jvp_attention.reference import AttentionOutputs  # noqa: E402  (chapter 1)
 
