@@ -119,8 +119,9 @@ MODE_NAMES = {"fwd": "forward", "fwd_jvp": "forward + JVP", "bwd": "backward",
               "bwd2": "backward through output and tangent"}
 
 
-def newest_gpu_results(folder: Path) -> tuple[Path | None, dict | None]:
-    """The saved GPU run with the latest date (smoke runs and CPU runs are not results)."""
+def gpu_runs(folder: Path) -> list[tuple[str, str, dict]]:
+    """(date, path, data) of every saved bench.py GPU run (smoke and CPU runs are not
+    results)."""
     found = []
     for path in sorted(folder.glob("*.json")):
         try:
@@ -132,9 +133,16 @@ def newest_gpu_results(folder: Path) -> tuple[Path | None, dict | None]:
         if (str(data.get("schema", "")).startswith("jvp_attention.bench/")
                 and data.get("device", {}).get("cuda") and not data.get("smoke")):
             found.append((data["date"], str(path), data))
+    return found
+
+
+def newest_gpu_results(folder: Path) -> tuple[Path | None, dict | None]:
+    """The saved GPU run that covers the most cases (the whole grid rather than `--quick`'s
+    headline shapes), the newest of those."""
+    found = gpu_runs(folder)
     if not found:
         return None, None
-    _, path, data = max(found, key=lambda item: item[:2])
+    _, path, data = max(found, key=lambda item: (len(item[2]["cases"]), *item[:2]))
     return Path(path), data
 
 
@@ -559,6 +567,64 @@ for impl in IMPL_NAMES:
             cells.append(f"{first / 1e3:9.2f}" if first is not None else f"{'-':>9}")
         if any(c.strip() != "-" for c in cells):
             print(f"{IMPL_NAMES[impl]:26} {mode:8} " + " ".join(cells))
+
+# %% [markdown]
+# ## Side by side with rcm's kernel, in one run
+#
+# NVlabs rcm trains video consistency models with a Triton FlashAttention-2 kernel that
+# computes the output and the tangent in one call (Apache-2.0; non-causal only, no masks,
+# GQA or second order). `bench.py --rcm-kernel PATH` loads a local copy of its file, which
+# is never committed, and times it beside ours in the same run. The newest such run is
+# below, with our fwd+JVP at the same case in the grid run above. Where the two runs come
+# from different commits, that column shows whether our kernels' speed moved between them.
+
+# %% tags=["hide_input"]
+def rcm_run() -> tuple[str | None, dict | None]:
+    """The newest GPU run that has the rcm column."""
+    runs = [(date, path, data) for date, path, data in gpu_runs(RESULTS)
+            if (data.get("settings") or {}).get("rcm_kernel")]
+    if not runs:
+        return None, None
+    _, path, data = max(runs, key=lambda item: item[:2])
+    return path, data
+
+
+def median(cases, impl, mode, shape):
+    for case in cases:
+        if (case["impl"], case["mode"], (case["B"], case["H"], case["N"], case["d"],
+                                         case["causal"])) == (impl, mode, shape):
+            return case.get("median_ms"), case.get("tflops"), case.get("skipped")
+    return None, None, None
+
+
+RCM_PATH, RCM_DATA = rcm_run()
+if RCM_DATA is None:
+    print("no saved run with the rcm column (bench.py --rcm-kernel PATH)")
+else:
+    rcm = RCM_DATA["settings"]["rcm_kernel"]
+    print(f"results: {Path(RCM_PATH).relative_to(REPO)} | commit "
+          f"{RCM_DATA['git']['commit'][:10]} | {RCM_DATA['date']} | rcm file sha256 "
+          f"{rcm.get('sha256', '?')[:12]}; grid run: commit {DATA['git']['commit'][:10]}")
+    shapes = sorted({(c["B"], c["H"], c["N"], c["d"], c["causal"])
+                     for c in RCM_DATA["cases"] if c["mode"] == "fwd_jvp"})
+    rows = []
+    for shape in shapes:
+        cells = []
+        for impl in ("ours", "ours_fast", "rcm", "jfa"):
+            ms, tflops, skipped = median(RCM_DATA["cases"], impl, "fwd_jvp", shape)
+            cells.append(f"{ms:.3f} ms ({tflops:.0f})" if ms else
+                         ("skipped" if skipped else "-"))
+        ours_ms = median(RCM_DATA["cases"], "ours", "fwd_jvp", shape)[0]
+        rcm_ms = median(RCM_DATA["cases"], "rcm", "fwd_jvp", shape)[0]
+        grid_ms = median(CASES, "ours", "fwd_jvp", shape)[0]
+        B, H, N, d, causal = shape
+        rows.append([f"B{B} H{H} N{N} d{d}" + (" causal" if causal else ""), *cells,
+                     f"{rcm_ms / ours_ms:.2f}x" if ours_ms and rcm_ms else "-",
+                     f"{grid_ms:.3f} ms" if grid_ms else "-"])
+    RCM_TABLE = HTML("<h4>forward + JVP, bf16: median (TFLOP/s)</h4>" + html_table(
+        ["shape", "ours", "ours, fast", "rcm", "jvp-flash-attention", "rcm / ours (time)",
+         "ours in the grid run"], rows))
+RCM_TABLE if RCM_DATA is not None else None
 
 # %% [markdown]
 # ## What the numbers mean
@@ -994,3 +1060,40 @@ else:
                     print(f"{label}host {eager[0]:6.3g} -> {mine[0]:<6.3g} wall {eager[1]:6.3g} "
                           f"-> {mine[1]:<6.3g} {eager[1] / mine[1]:5.2f}x"
                           + (f"  compile {compile_s:.0f} s" if compile_s is not None else ""))
+
+# %% [markdown]
+# ### The first call in a new process
+#
+# Before a training run's first step, Triton compiles the kernels at the run's head
+# dimension, and the autotuner times the candidate tiles at its lengths. Both results
+# persist in Triton's cache directory: compiled kernels always, and chosen tiles since
+# chapter 2's `KeyedAutotuner`. `benchmarks/first_call.py` runs a MeanFlow-style step
+# (`torch.func.jvp`, then the backward through the primal output) in fresh processes with
+# that directory in three states: empty (`cold`), with the compiled kernels but no tuned
+# tiles (`compiled`, what a second process saw before tiles were cached), and with both
+# (`tuned`). The import of torch and the library is timed apart.
+
+# %% tags=["hide_input"]
+FIRST_CALL = RESULTS / "first_call_h200.json"
+try:
+    FC = json.loads(FIRST_CALL.read_text())
+except (OSError, ValueError):
+    FC = None
+if FC is None:
+    print(f"no {FIRST_CALL.relative_to(REPO)}: run benchmarks/first_call.py on a GPU")
+else:
+    print(f"results: {FIRST_CALL.relative_to(REPO)} | {FC['gpu']} | commit "
+          f"{FC['git']['commit'][:10]} | {FC['date']} | {FC['dtype']}")
+    rows = []
+    for case in FC["cases"]:
+        shape = FC["shapes"][case["shape"]]
+        first, second = case["first"], case["second"]
+        rows.append([f"{case['shape']} (B{shape['B']} H{shape['H']} N{shape['N']} "
+                     f"d{shape['d']})", case["state"], f"{first['jvp_s']:.2f} s",
+                     f"{first['backward_s']:.2f} s",
+                     f"{first['jvp_s'] + first['backward_s']:.2f} s",
+                     f"{1e3 * (second['jvp_s'] + second['backward_s']):.1f} ms",
+                     f"{case['import_s']:.1f} s"])
+    FC_TABLE = HTML(html_table(["shape", "cache", "first jvp", "first backward",
+                                "first step", "second step", "import"], rows))
+FC_TABLE if FC is not None else None
