@@ -653,7 +653,8 @@ RCM_TABLE if RCM_DATA is not None else None
 #
 # To refresh these numbers, run `benchmarks/bench.py` on the GPU (the command is in
 # `benchmarks/README.md`), put the JSON in `benchmarks/results/`, and re-run this notebook:
-# it picks the newest GPU run and rewrites the figures in `docs/assets/benchmarks/`.
+# it picks the GPU run with the most cases (the newest of those) and rewrites the figures in
+# `docs/assets/benchmarks/`.
 
 # %% [markdown]
 # ## Training shapes
