@@ -282,6 +282,26 @@ def test_vmap_of_jvp_over_a_batch_of_tangents() -> None:
         torch.testing.assert_close(got[i].double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_jvp_inside_other_transforms() -> None:
+    """`attention` skips functorch's lifting inside one plain torch.func.jvp only; inside
+    grad(jvp(...)) and jacfwd (vmap over jvp) the Functions are lifted as before, with the
+    float64 results."""
+    torch.manual_seed(2)
+    q, k, v, tq = (torch.randn(1, 2, 5, 8, device=DEVICE) for _ in range(4))
+
+    def tangent_norm(attend, q, k, v, tq):
+        return torch.func.jvp(lambda a: attend(a, k, v), (q,), (tq,))[1].square().sum()
+
+    got = torch.func.grad(tangent_norm, argnums=(1, 2))(attention, q, k, v, tq)
+    want = torch.func.grad(tangent_norm, argnums=(1, 2))(
+        sdpa64, q.double(), k.double(), v.double(), tq.double())
+    for ours, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(ours.double(), theirs, rtol=1e-4, atol=1e-5)
+    got = torch.func.jacfwd(lambda a: attention(a, k, v))(q)
+    want = torch.func.jacfwd(lambda a: sdpa64(a, k.double(), v.double()))(q.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 4, 17, 16), (4, 17, 16)], ids=["5d", "3d"])
 def test_any_leading_dims(shape) -> None:
     """(..., H, N, D) with two leading dims, and with none; forward, jvp and backward."""
