@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -254,8 +255,43 @@ EXPECTED_ERRORS = {  # call: (exception type on every rank, words of the message
 }
 
 
+def checks_over_gloo(world: int, cases: list[CheckCase], probes: bool) -> dict:
+    """`checks_on_ranks` on `world` gloo processes. Once in many runs on a loaded two-core
+    machine, a process was aborted by a C++ thread of gloo itself (`terminate called without
+    an active exception`, no Python error); such a run is started once more. A Python
+    error, a wrong number or a second abort still fails the test."""
+    try:
+        return run_on_processes(checks_on_ranks, world, cases, probes, backend="gloo")
+    except RuntimeError as error:
+        if "terminate called" not in str(error):
+            raise
+        warnings.warn(f"a gloo process aborted; starting the {world} processes once more:\n"
+                      f"{error}", stacklevel=2)
+        return run_on_processes(checks_on_ranks, world, cases, probes, backend="gloo")
+
+
+def test_only_a_gloo_abort_starts_the_processes_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def fails(*args: object, **kwargs: object) -> dict:
+        calls.append(args)
+        raise RuntimeError(errors.pop(0))
+
+    monkeypatch.setattr(sys.modules[__name__], "run_on_processes", fails)
+    errors = ["rank 0 failed; its output ends with:\nterminate called without an active "
+              "exception", "rank 1 failed: AssertionError"]
+    with pytest.warns(UserWarning, match="once more"), pytest.raises(RuntimeError,
+                                                                     match="AssertionError"):
+        checks_over_gloo(2, [], False)
+    assert len(calls) == 2
+    errors = ["rank 0 failed: ValueError"]
+    with pytest.raises(RuntimeError, match="ValueError"):
+        checks_over_gloo(2, [], False)
+    assert len(calls) == 3
+
+
 def test_two_ranks_match_one_process_and_refuse_bad_calls() -> None:
-    results = run_on_processes(checks_on_ranks, 2, TWO_RANKS, True, backend="gloo")
+    results = checks_over_gloo(2, TWO_RANKS, True)
     assert_match_one_process(TWO_RANKS, results["cases"], 2)
     errors = results["errors"]
     for call, (kind, words) in EXPECTED_ERRORS.items():
@@ -270,7 +306,7 @@ def test_two_ranks_match_one_process_and_refuse_bad_calls() -> None:
 
 
 def test_four_ranks_match_one_process() -> None:
-    results = run_on_processes(checks_on_ranks, 4, FOUR_RANKS, False, backend="gloo")
+    results = checks_over_gloo(4, FOUR_RANKS, False)
     assert_match_one_process(FOUR_RANKS, results["cases"], 4)
 
 
