@@ -8,6 +8,7 @@ One command runs every implementation on a grid of shapes and writes one JSON fi
     python benchmarks/bench.py --smoke         # a tiny size; on CPU through Triton's interpreter
     python benchmarks/bench.py --list          # print the planned cases and exit
     python benchmarks/bench.py --rcm-kernel .peers/rcm/flash_attention_jvp_triton.py  # + rcm
+    python benchmarks/bench.py --impl ours --carry-min-keys 0  # bf16 accurate: carry at every N
 
 Implementations and modes (see benchmarks/README.md for what each times):
 
@@ -736,6 +737,7 @@ def header(args: argparse.Namespace) -> dict:
                       if HAS_CUDA else "time.perf_counter median (CPU plumbing check)"),
             "sdpa_backends_enabled": sdpa_flags,
             "precision": {"ours": precision_mode(), "ours_fast": "fast"},
+            "carry_min_keys": jvp_attention.launch.CARRY_MIN_KEYS,
             "rcm_kernel": load_rcm(args.rcm_kernel).settings() if args.rcm_kernel else None,
         },
         "flop_convention": FLOP_CONVENTION,
@@ -855,6 +857,11 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                         help="NVlabs rcm's rcm/utils/flash_attention_jvp_triton.py: adds the "
                              "rcm column, loading that file at run time (never committed: "
                              "benchmarks/README.md says how to get it)")
+    parser.add_argument("--carry-min-keys", type=int, metavar="N",
+                        help="bf16 in the accurate precision: carry exact fp16 copies from N "
+                             "keys per row and split below (the library's CARRY_MIN_KEYS, "
+                             "default 2048); 0 carries at every length, a huge N never: two "
+                             "runs locate the crossover")
     parser.add_argument("--resume", type=Path, nargs="+",
                         help="copy cases already measured in these earlier results files (a "
                              "later file wins); run only the rest")
@@ -891,6 +898,8 @@ def main(argv: Iterable[str] | None = None) -> dict:
         except Exception as error:
             raise SystemExit(f"--rcm-kernel {args.rcm_kernel}: cannot load it: "
                              f"{type(error).__name__}: {error}") from error
+    if args.carry_min_keys is not None:
+        jvp_attention.launch.CARRY_MIN_KEYS = args.carry_min_keys
     data = header(args)
     if HAS_CUDA and args.autotune_rep_ms > 0:
         data["settings"]["quick_autotune"] = use_quick_autotune(args.autotune_rep_ms)

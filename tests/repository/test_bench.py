@@ -197,6 +197,17 @@ def test_math_path_is_skipped_above_its_memory_estimate() -> None:
         bench.Case("sdpa_math", "fwd_jvp", 1, 16, 16384, 128, False, "bf16")) < 100e9
 
 
+def test_carry_min_keys_moves_the_crossover(tmp_path: Path, monkeypatch) -> None:
+    import jvp_attention.launch
+
+    monkeypatch.setattr(jvp_attention.launch, "CARRY_MIN_KEYS", 2048)  # restored afterwards
+    out = tmp_path / "carry.json"
+    data = bench.main(["--smoke", "--max-seconds", "1e-6", "--autotune-rep-ms", "0",
+                       "--carry-min-keys", "0", "--out", str(out)])
+    assert data["settings"]["carry_min_keys"] == 0
+    assert jvp_attention.launch.carries(torch.empty(0, dtype=torch.bfloat16), 1)
+
+
 def test_wall_budget_records_what_it_skipped(tmp_path: Path) -> None:
     out = tmp_path / "budget.json"
     data = bench.main(["--smoke", "--max-seconds", "1e-6", "--autotune-rep-ms", "0",
