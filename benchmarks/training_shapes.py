@@ -16,7 +16,9 @@ Modes (one training step's attention call; see MODE_LABELS):
 
 Implementations (columns; see IMPL_LABELS): ours (eager jvp_attention.attention),
 ours_compiled (torch.compile, default mode), ours_cudagraphs (mode="reduce-overhead"), math
-(SDPA's math backend under torch.func.jvp), jfa (jvp-flash-attention 0.14, when installed).
+(SDPA's math backend under torch.func.jvp), jfa (jvp-flash-attention 0.14, when installed),
+floor (`v * 1` in place of attention: PyTorch's own cost of the same calls, which no
+attention called this way can go below).
 
 Per case: GPU time, wall time and host time per call, kernels per call, TFLOP/s, peak memory
 beyond the inputs, first-call (compile) time; the definitions are written into the JSON's
@@ -112,7 +114,7 @@ MODE_LABELS = {
                     "torch.autograd.backward((out, t_out), (grad, t_grad)): the backward "
                     "through both outputs; grads of all six",
 }
-IMPLS = ("ours", "ours_compiled", "ours_cudagraphs", "math", "jfa")
+IMPLS = ("ours", "ours_compiled", "ours_cudagraphs", "math", "jfa", "floor")
 IMPL_LABELS = {
     "ours": "jvp_attention.attention under torch.func.jvp, eager",
     "ours_compiled": "the same forward+JVP function under torch.compile (default mode, "
@@ -125,6 +127,10 @@ IMPL_LABELS = {
             "torch.func.jvp (what forward-mode AD through SDPA runs), eager",
     "jfa": "jvp-flash-attention 0.14 (PyPI jvp_flash_attention): JVPAttn.fwd_dual under "
            "torch.func.jvp (its README's JVP entry point), eager",
+    "floor": "v * 1 in place of attention, eager, under the same torch.func.jvp and backward: "
+             "PyTorch's own cost per call of the transform, its dual tensors and the autograd "
+             "engine, with one elementwise product where attention's kernels would be. The "
+             "floor of any attention called this way; no FLOPs are credited (tflops None)",
 }
 COMPILE_MODES = {"ours_compiled": "default", "ours_cudagraphs": "reduce-overhead"}
 # The math path's memory per entry of the (B, H, N, N) score matrix (fp32 scores):
@@ -305,6 +311,11 @@ def attention_function(case: Case, args: argparse.Namespace) -> Callable:
                 return F.scaled_dot_product_attention(q, k, v)
 
         return math
+    if case.impl == "floor":
+        def floor(q, k, v):
+            return v * 1.0
+
+        return floor
     if case.impl == "jfa":
         if case.d not in bench.JFA_HEAD_DIMS:
             raise Skip(f"unsupported (d={case.d}): jvp-flash-attention takes d in "
@@ -587,6 +598,9 @@ def measure(case: Case, step, args: argparse.Namespace, cycles_per_ms: float | N
         record["tflops"] = tflops(case.flops, record["wall_ms"])
         notes["tflops"] = "from wall_ms (CPU, Triton's interpreter: plumbing, not speed)"
     record["tflops_wall"] = tflops(case.flops, record["wall_ms"])
+    if case.impl == "floor":
+        record["tflops"] = record["tflops_wall"] = None
+        notes["tflops"] = notes["tflops_wall"] = "the floor column does no attention"
     clear_grads(step)
     return record
 
@@ -695,7 +709,8 @@ def describe(record: dict) -> str:
     if record.get("gpu_ms") is not None:
         parts += [f"gpu {record['gpu_ms']:9.3f} ms", f"host {record['host_ms']:7.3f} ms"
                   + ("" if record["host_overlapped"] else "*"),
-                  f"{record['tflops']:7.1f} TFLOP/s", f"{record['kernels_per_call']} kernels",
+                  ("  no FLOPs" if record["tflops"] is None else f"{record['tflops']:7.1f} TFLOP/s"),
+                  f"{record['kernels_per_call']} kernels",
                   f"peak {record['peak_memory_mb']:8.1f} MB"]
     parts.append(f"first {record['first_call_s']:.2f} s")
     return " | ".join(parts) + (" (resumed)" if record.get("resumed_from") else "")

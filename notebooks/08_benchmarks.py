@@ -675,8 +675,11 @@ RCM_TABLE if RCM_DATA is not None else None
 #
 # The columns: ours in eager mode; ours under `torch.compile` (default mode) and under
 # `torch.compile(mode="reduce-overhead")`, which replays the step as CUDA graphs, when the
-# run has them; PyTorch's math path under `torch.func.jvp`; jvp-flash-attention 0.14. All in
-# bf16, no mask, the shapes listed below. Three times per call:
+# run has them; PyTorch's math path under `torch.func.jvp`; jvp-flash-attention 0.14; and,
+# when the run has it, the floor: the same calls with `v * 1` in place of attention, which
+# is what PyTorch's transform, dual tensors and autograd engine cost by themselves, the
+# host time below which no attention called this way can go. All in bf16, no mask, the
+# shapes listed below. Three times per call:
 #
 # - **GPU time** (`gpu_ms`): the device's time for the call's kernels run back to back, with
 #   the host's gaps between launches taken out;
@@ -698,9 +701,9 @@ import html
 TRAINING_SHAPES = RESULTS / "training_shapes_h200.json"
 TS_IMPLS = {"ours": "ours (eager)", "ours_compiled": "ours, torch.compile",
             "ours_cudagraphs": "ours, CUDA graphs", "math": "math + forward AD",
-            "jfa": "jvp-flash-attention 0.14"}
+            "jfa": "jvp-flash-attention 0.14", "floor": "floor: v * 1 (PyTorch alone)"}
 TS_COLORS = {"ours": "C3", "ours_compiled": "C9", "ours_cudagraphs": "C4", "math": "C2",
-             "jfa": "C1"}
+             "jfa": "C1", "floor": "C7"}
 TS_MODES = {"fwd_jvp": "forward + JVP", "meanflow": "MeanFlow step (fwd+JVP, backward of out)",
             "second_order": "second order (fwd+JVP, backward of out and t_out)"}
 
@@ -833,14 +836,15 @@ if TS_CASES:
 # host-bound: the fused kernels finish early and the GPU waits for the next launch. Where
 # the run has the compiled columns, their host time is drawn beside (hatched): what is left
 # of the host's work once `torch.compile` has traced the step, or once a CUDA graph replays
-# it.
+# it, and the floor's host time, PyTorch's own share of every such call.
 
 # %% tags=["hide_input"]
 if TS_CASES:
     split_bars = [("ours", "gpu_ms", "GPU, ours (eager)", "C0", None),
                   ("ours", "host_ms", "host, ours (eager)", "C3", None)]
     split_bars += [(impl, "host_ms", f"host, {TS_IMPLS[impl]}", TS_COLORS[impl], "//")
-                   for impl in ("ours_compiled", "ours_cudagraphs") if impl in TS_IMPL_LIST]
+                   for impl in ("ours_compiled", "ours_cudagraphs", "floor")
+                   if impl in TS_IMPL_LIST]
     fig, axes = plt.subplots(1, len(TS_MODE_LIST), figsize=(4.6 * len(TS_MODE_LIST), 4.2),
                              squeeze=False, sharey=True)
     width = 0.8 / len(split_bars)
