@@ -15,6 +15,7 @@ a data-parallel check. `notebooks/09_training.py` tells the story with it.
 
     python examples/meanflow_dit.py --steps 400                      # train on one device
     python examples/meanflow_dit.py --bench                          # the step-time table
+    python examples/meanflow_dit.py --bench --preset dit-b2 --compile eager default
     torchrun --nproc_per_node=2 examples/meanflow_dit.py --ddp       # 2 ranks == 1 rank?
     torchrun --nproc_per_node=2 examples/meanflow_dit.py --fsdp      # the same with FSDP2
 
@@ -26,10 +27,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -186,6 +189,18 @@ class DiT(nn.Module):
         grid = self.config.image_size // p
         x = x.view(x.shape[0], grid, grid, p, p, channels)
         return x.permute(0, 5, 1, 3, 2, 4).reshape(x.shape[0], channels, grid * p, grid * p)
+
+
+# Named model sizes for `--preset`. DiT-B/2 (Peebles & Xie 2023): width 768, 12 blocks of 12
+# heads, patch 2; about 130 M parameters here (two time embeddings, for t and t - r).
+PRESETS = {"dit-b2": DiTConfig(patch_size=2, width=768, depth=12, heads=12)}
+
+
+def parameter_count(config: DiTConfig) -> int:
+    """Parameters of `DiT(config)`, counted on the meta device (no memory is allocated)."""
+    with torch.device("meta"):
+        net = DiT(config)
+    return sum(p.numel() for p in net.parameters())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,6 +406,28 @@ def attention_context(attention: str):
     raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
 
 
+ATTENTION_RANGE = "attention"
+
+
+@contextlib.contextmanager
+def labelled_attention():
+    """Run every call of the current `F.scaled_dot_product_attention` (enter this inside
+    `attention_context`) in a `torch.profiler.record_function(ATTENTION_RANGE)` range, so a
+    profile can tell the attention's forward and JVP apart from the rest of the step
+    (`attention_profile` also finds its backward from these ranges)."""
+    inner = F.scaled_dot_product_attention
+
+    def labelled(*args, **kwargs):
+        with torch.profiler.record_function(ATTENTION_RANGE):
+            return inner(*args, **kwargs)
+
+    F.scaled_dot_product_attention = labelled
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = inner
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
@@ -422,10 +459,12 @@ def make_optimizer(model: nn.Module, config: TrainConfig):
 
 
 def training_step(model: nn.Module, optimizer, batch, config: TrainConfig,
-                  device: torch.device) -> torch.Tensor:
-    """One optimisation step on `batch` (this rank's part). Returns the per-sample errors."""
+                  device: torch.device, *, label_attention: bool = False) -> torch.Tensor:
+    """One optimisation step on `batch` (this rank's part). Returns the per-sample errors.
+    `label_attention` puts each SDPA call in a profiler range (see `labelled_attention`)."""
     x, noise, t, r = (b.to(device, non_blocking=True) for b in batch)
-    with attention_context(config.attention), autocast(device, config.dtype):
+    labels = labelled_attention() if label_attention else contextlib.nullcontext()
+    with attention_context(config.attention), labels, autocast(device, config.dtype):
         loss, error = model(x, noise, t, r)
     loss.backward()
     optimizer.step()
@@ -480,41 +519,220 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def benchmark_step(dit: DiTConfig, batch_size: int, attention: str, device: torch.device,
-                   dtype: str = "bfloat16", warmup: int = 2, repeats: int = 5) -> dict:
-    """Median time and peak memory of one training step (forward + JVP, backward, Adam).
+# torch.compile modes the benchmark takes ("eager" = not compiled). Compiled, the whole
+# training forward (the DiT under torch.func.jvp, and the loss) is one compiled region;
+# the backward runs AOTAutograd's compiled backward, and Adam stays eager.
+COMPILE_MODES = ("eager", "default", "reduce-overhead", "max-autotune")
 
-    Failures (out of memory, an attention that refuses the shapes) are recorded, not raised.
+# Operators through which a compiled graph calls our kernels (eager calls skip them).
+OUR_OPERATORS = "jvp_attention::"
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
+def _ancestors(event):
+    parent = event.cpu_parent
+    while parent is not None:
+        yield parent
+        parent = parent.cpu_parent
+
+
+def attention_profile(events, on_cuda: bool) -> dict:
+    """The attention's share of one profiled training step, from `torch.profiler` events.
+
+    Time is CUDA kernel time on CUDA (a counted event's is that of the kernels launched by it
+    and the operators inside it; the step's total is that of all kernels) and, as a stand-in
+    so that the code runs on CPU, CPU time elsewhere (the step's total is the sum of every
+    event's self time).
+
+    What counts as attention:
+
+    - forward and JVP: the `ATTENTION_RANGE` ranges put round each SDPA call by
+      `labelled_attention` (eager only: torch.compile drops record_function ranges);
+    - backward: the autograd nodes created inside those ranges. A node's backward runs as
+      "autograd::engine::evaluate_function: <node>", whose `sequence_nr` (and `fwd_thread`)
+      is the number the node got when the forward created it. A forward op's event carries
+      the thread's next sequence number whether or not the op creates a node, so an op that
+      creates none shares the number of the next node, which may be created after the range
+      (seen: `is_same_size` inside `_make_dual`, then the `transpose` after attention). Hence
+      the nodes of a range are those numbered from the first number seen inside it up to,
+      not including, the first number seen after it on the same thread. Checked on CPU under
+      torch.func.jvp: our kernels' `_FusedTangentBackward` and the math path's
+      Bmm/Softmax/... backward nodes are found this way, and no node from outside;
+    - our kernels' custom operators (`jvp_attention::forward_jvp`, `jvp_attention::backward`,
+      ...), which a compiled graph calls: under torch.compile they are what is left to find.
+
+    Events nested in another counted event are not counted again.
+
+    Returns {"attention_ms", "attention_fwd_ms", "attention_bwd_ms", "attention_share",
+    "attention_basis", "attention_backward_nodes": {node name: count}}, or with
+    "attention_note" (why) instead of the share when forward or backward cannot be attributed.
     """
-    result = {"attention": attention, "tokens": dit.tokens, "batch": batch_size,
-              "image_size": dit.image_size, "dtype": dtype}
+    from torch.autograd import DeviceType
+
+    cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    ranges = [e for e in cpu if e.name == ATTENTION_RANGE
+              and not any(a.name == ATTENTION_RANGE for a in _ancestors(e))]
+    # The outermost range each event sits in, if any.
+    owner = {}
+    for event in cpu:
+        for a in (event, *_ancestors(event)):
+            if a.name == ATTENTION_RANGE:
+                owner[id(event)] = a
+    by_thread: dict[int, list] = {}
+    for event in sorted(cpu, key=lambda e: e.time_range.start):
+        by_thread.setdefault(event.thread, []).append(event)
+    spans: dict[int, list[tuple[int, float]]] = {}  # forward thread -> [first, end) numbers
+    for r in ranges:
+        inside = [e.sequence_nr for e in cpu if e.sequence_nr >= 0 and owner.get(id(e)) is r]
+        if not inside:
+            continue
+        around = {id(a) for a in _ancestors(r)}
+        after = (e.sequence_nr for e in by_thread[r.thread]
+                 if e.time_range.start >= r.time_range.start and e.sequence_nr >= 0
+                 and owner.get(id(e)) is not r and id(e) not in around)
+        spans.setdefault(r.thread, []).append((min(inside), next(after, math.inf)))
+
+    def linked(event) -> bool:
+        return (event.name.startswith(BACKWARD_NODE) and event.sequence_nr >= 0
+                and any(lo <= event.sequence_nr < hi
+                        for lo, hi in spans.get(event.fwd_thread, ())))
+
+    counted = ranges + [e for e in cpu if linked(e) or e.name.startswith(OUR_OPERATORS)]
+    ids = {id(e) for e in counted}
+    roots = [e for e in counted if not any(id(a) in ids for a in _ancestors(e))]
+    if not roots:
+        return {"attention_note": "not attributed: no attention ranges or jvp_attention "
+                "operators in the profile (torch.compile drops record_function ranges and "
+                "fuses the attention's operations into its own kernels)"}
+    spent = {id(e): 0.0 for e in roots}  # microseconds per counted root
+    if on_cuda:
+        # Each kernel belongs to the operator that launched it (`linked_correlation_id` is
+        # that operator's id), as in PyTorch's own tables; "gpu_user_annotation" events,
+        # device-side copies of the record_function ranges, are not kernels.
+        root_ids = set(spent)
+        by_id = {e.id: e for e in cpu if not e.linked_correlation_id}  # operators
+        kernels = [e for e in events
+                   if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+        total = 0.0
+        for kernel in kernels:
+            duration = kernel.time_range.elapsed_us()
+            total += duration
+            launcher = by_id.get(kernel.linked_correlation_id)
+            if launcher is not None:
+                for a in (launcher, *_ancestors(launcher)):
+                    if id(a) in root_ids:
+                        spent[id(a)] += duration
+                        break
+    else:
+        total = sum(e.self_cpu_time_total for e in cpu)
+        spent = {id(e): e.cpu_time_total for e in roots}
+
+    def backward(event) -> bool:
+        return (event.name.startswith(BACKWARD_NODE)
+                or (event.name.startswith(OUR_OPERATORS) and "backward" in event.name))
+
+    bwd = sum(spent[id(e)] for e in roots if backward(e))
+    fwd = sum(spent[id(e)] for e in roots if not backward(e))
+    nodes: dict[str, int] = {}  # which backward nodes were counted, for the record
+    for event in roots:
+        if event.name.startswith(BACKWARD_NODE):
+            name = event.name[len(BACKWARD_NODE):]
+            nodes[name] = nodes.get(name, 0) + 1
+    found = {"attention_fwd_ms": fwd / 1e3, "attention_bwd_ms": bwd / 1e3,
+             "attention_backward_nodes": nodes}
+    if fwd <= 0 or bwd <= 0 or total <= 0:
+        missing = " and ".join(part for part, t in (("forward", fwd), ("backward", bwd))
+                               if t <= 0)
+        return {**found, "attention_note": f"not attributed: no {missing} time found "
+                "(under CUDA graphs the replayed kernels belong to no operator)"}
+    return {**found, "attention_ms": (fwd + bwd) / 1e3, "attention_share": (fwd + bwd) / total,
+            "attention_basis": "cuda kernel time" if on_cuda else "cpu time"}
+
+
+def profile_step(step: Callable[[], object], device: torch.device):
+    """Run `step` once under torch.profiler (CPU, and CUDA on a GPU); returns its events."""
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        with torch.profiler.record_function("meanflow step"):  # Python time counts on CPU
+            step()
+        synchronize(device)
+    return profiler.events()
+
+
+def benchmark_step(dit: DiTConfig, batch_size: int, attention: str, device: torch.device,
+                   dtype: str = "bfloat16", warmup: int = 2, repeats: int = 5,
+                   compile_mode: str = "eager", profile: bool = True) -> dict:
+    """Median time and peak memory of one training step (forward + JVP, backward, Adam),
+    eager or with the training forward under `torch.compile(mode=compile_mode)`; then, if
+    `profile`, one more step under torch.profiler for the attention's share of it
+    (`attention_profile`).
+
+    Failures (out of memory, an attention that refuses the shapes, a compilation error) are
+    recorded, not raised.
+    """
+    if compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
+    result = {"attention": attention, "compile": compile_mode, "tokens": dit.tokens,
+              "batch": batch_size, "image_size": dit.image_size, "dtype": dtype}
     config = TrainConfig(batch_size=batch_size, dtype=dtype, attention=attention, warmup=1)
-    model = optimizer = None
+    compiled = compile_mode != "eager"
+    if compiled:
+        # Compilation, then (reduce-overhead) CUDA-graph warm-up and recording, take the
+        # first calls; dynamo's caches start empty so that no earlier row's graphs count
+        # against its recompile limit.
+        warmup = max(warmup, 3)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+    model = optimizer = run = None
     try:
         torch.manual_seed(0)
         model = MeanFlow(dit).to(device)
         optimizer, _ = make_optimizer(model, config)
+        run = torch.compile(model, mode=compile_mode) if compiled else model
         batch = tuple(b.to(device) for b in global_batch(0, batch_size, dit.image_size))
-        for _ in range(warmup):
-            training_step(model, optimizer, batch, config, device)
-        synchronize(device)
+        for i in range(warmup):
+            start = time.perf_counter()
+            training_step(run, optimizer, batch, config, device)
+            synchronize(device)
+            if i == 0:
+                result["first_step_s"] = time.perf_counter() - start
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = []
         for _ in range(repeats):
             synchronize(device)
             start = time.perf_counter()
-            training_step(model, optimizer, batch, config, device)
+            training_step(run, optimizer, batch, config, device)
             synchronize(device)
             times.append(time.perf_counter() - start)
         result["step_ms"] = 1e3 * statistics.median(times)
         if device.type == "cuda":
             result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if compiled:  # one graph and no breaks: the whole forward + JVP + loss was compiled
+            counters = torch._dynamo.utils.counters
+            result["graphs"] = counters["stats"]["unique_graphs"]
+            result["graph_breaks"] = sum(counters["graph_break"].values())
+        if profile:
+            # Eager: the SDPA calls get profiler ranges for this step only. Compiled: not
+            # (dynamo drops the ranges, and a new SDPA function would mean a recompilation).
+            one_step = functools.partial(training_step, run, optimizer, batch, config, device,
+                                         label_attention=not compiled)
+            try:
+                result.update(attention_profile(profile_step(one_step, device),
+                                                device.type == "cuda"))
+            except Exception as error:  # the timing stands; say why there is no share
+                result["attention_note"] = (f"profiling failed: {type(error).__name__}: "
+                                            f"{error}".splitlines()[0][:300])
     except Exception as error:  # recorded in the table: OOM, or a backend that refuses
-        message = f"{type(error).__name__}: {error}"
-        result["error"] = message.splitlines()[0][:300]
+        result["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
     finally:
-        del model, optimizer
+        del model, optimizer, run
+        if compiled:
+            torch._dynamo.reset()  # frees the compiled graphs (and CUDA graphs' memory pools)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return result
@@ -525,56 +743,71 @@ BENCH_IMAGE_SIZES = (32, 64, 128)  # with patch 2: 256, 1024, 4096 tokens
 
 def benchmark(dit: DiTConfig, batch_size: int, device: torch.device, dtype: str = "bfloat16",
               image_sizes=BENCH_IMAGE_SIZES, warmup: int = 2, repeats: int = 5,
-              attentions=ATTENTIONS) -> list[dict]:
-    """`benchmark_step` for every attention and image size; jvp-flash-attention is skipped
-    with a note when it does not import."""
+              attentions=ATTENTIONS, compile_modes=("eager",),
+              profile: bool = True) -> list[dict]:
+    """`benchmark_step` for every image size, compile mode and attention; jvp-flash-attention
+    is skipped with a note when it does not import."""
     rows = []
     for size in image_sizes:
         config = replace(dit, image_size=size)
-        for attention in attentions:
-            if attention == "jvp_flash_attention":
-                missing = jvp_flash_attention_available()
-                if missing is not None:
-                    rows.append({"attention": attention, "tokens": config.tokens,
-                                 "batch": batch_size, "image_size": size, "dtype": dtype,
-                                 "skipped": f"not importable ({missing})"})
-                    continue
-            rows.append(benchmark_step(config, batch_size, attention, device, dtype, warmup,
-                                       repeats))
-            print(format_row(rows[-1]), flush=True)
+        for compile_mode in compile_modes:
+            for attention in attentions:
+                if attention == "jvp_flash_attention":
+                    missing = jvp_flash_attention_available()
+                    if missing is not None:
+                        rows.append({"attention": attention, "compile": compile_mode,
+                                     "tokens": config.tokens, "batch": batch_size,
+                                     "image_size": size, "dtype": dtype,
+                                     "skipped": f"not importable ({missing})"})
+                        continue
+                rows.append(benchmark_step(config, batch_size, attention, device, dtype, warmup,
+                                           repeats, compile_mode, profile))
+                print(format_row(rows[-1]), flush=True)
     return rows
 
 
 def format_row(row: dict) -> str:
-    head = f"{row['tokens']:>6} tokens  batch {row['batch']:>3}  {row['attention']:<20}"
-    if "step_ms" in row:
-        memory = row.get("peak_memory_gb")
-        memory = f"{memory:7.2f} GB" if memory is not None else "      n/a"
-        return f"{head} {row['step_ms']:9.1f} ms {memory}"
-    return f"{head} {row.get('error') or row.get('skipped')}"
+    head = (f"{row['tokens']:>6} tokens  batch {row['batch']:>3}  "
+            f"{row.get('compile', 'eager'):<15} {row['attention']:<20}")
+    if "step_ms" not in row:
+        return f"{head} {row.get('error') or row.get('skipped')}"
+    memory = row.get("peak_memory_gb")
+    memory = f"{memory:7.2f} GB" if memory is not None else "      n/a"
+    if "attention_share" in row:
+        share = (f"attention {row['attention_ms']:8.1f} ms = {100 * row['attention_share']:4.1f}%"
+                 f" ({row['attention_basis']})")
+    else:
+        share = row.get("attention_note", "")
+    return f"{head} {row['step_ms']:9.1f} ms {memory}  {share}"
 
 
 def summary_table(rows: list[dict]) -> str:
-    """Markdown table: step time and peak memory per token count, and the speed-up of
-    jvp_attention over the math path."""
-    by_key = {(r["tokens"], r["attention"]): r for r in rows}
-    lines = ["| tokens | attention | step (ms) | peak memory (GB) | math / this |",
-             "|---:|---|---:|---:|---:|"]
+    """Markdown table: step time, peak memory and the attention's share of the step per token
+    count and compile mode, and the speed-up over the math path in the same mode."""
+    by_key = {(r["tokens"], r.get("compile", "eager"), r["attention"]): r for r in rows}
+    modes = [m for m in COMPILE_MODES if any(r.get("compile", "eager") == m for r in rows)]
+    lines = ["| tokens | compile | attention | step (ms) | peak memory (GB) | math / this "
+             "| attention (ms) | attention share |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
     for tokens in sorted({r["tokens"] for r in rows}):
-        math_row = by_key.get((tokens, "math"), {})
-        for attention in ATTENTIONS:
-            row = by_key.get((tokens, attention))
-            if row is None:
-                continue
-            if "step_ms" not in row:
-                lines.append(f"| {tokens} | {attention} | {row.get('error') or row.get('skipped')}"
-                             " | | |")
-                continue
-            memory = row.get("peak_memory_gb")
-            speedup = (f"{math_row['step_ms'] / row['step_ms']:.2f}x"
-                       if "step_ms" in math_row else "")
-            lines.append(f"| {tokens} | {attention} | {row['step_ms']:.1f} | "
-                         f"{'' if memory is None else f'{memory:.2f}'} | {speedup} |")
+        for mode in modes:
+            math_row = by_key.get((tokens, mode, "math"), {})
+            for attention in ATTENTIONS:
+                row = by_key.get((tokens, mode, attention))
+                if row is None:
+                    continue
+                head = f"| {tokens} | {mode} | {attention} |"
+                if "step_ms" not in row:
+                    lines.append(f"{head} {row.get('error') or row.get('skipped')} | | | | |")
+                    continue
+                memory = row.get("peak_memory_gb")
+                speedup = (f"{math_row['step_ms'] / row['step_ms']:.2f}x"
+                           if "step_ms" in math_row else "")
+                share = (f"{row['attention_ms']:.1f} | {100 * row['attention_share']:.0f}%"
+                         if "attention_share" in row else " | n/a")
+                lines.append(f"{head} {row['step_ms']:.1f} | "
+                             f"{'' if memory is None else f'{memory:.2f}'} | {speedup} | "
+                             f"{share} |")
     return "\n".join(lines)
 
 
@@ -700,14 +933,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--fsdp", action="store_true",
                       help="the same check with FSDP2 (fully_shard per block) instead of DDP")
     mode.add_argument("--bench", action="store_true",
-                      help="step time and peak memory on the three attentions at 256, 1024 and "
-                           "4096 tokens (image sizes 32, 64, 128 with patch 2)")
-    model = parser.add_argument_group("model")
-    model.add_argument("--image-size", type=int, default=32)
-    model.add_argument("--patch-size", type=int, default=2)
-    model.add_argument("--width", type=int, default=256)
-    model.add_argument("--depth", type=int, default=6)
-    model.add_argument("--heads", type=int, default=4)
+                      help="step time, peak memory and the attention's share of the step on "
+                           "each attention at 256, 1024 and 4096 tokens (image sizes 32, 64, "
+                           "128 with patch 2)")
+    model = parser.add_argument_group(
+        "model", "defaults: image 32, patch 2, width 256, depth 6, heads 4, or the preset's; "
+                 "a flag given overrides the preset")
+    model.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="a named model size: dit-b2 = DiT-B/2 (width 768, depth 12, "
+                            "heads 12, patch 2; about 130 M parameters)")
+    model.add_argument("--image-size", type=int, default=None)
+    model.add_argument("--patch-size", type=int, default=None)
+    model.add_argument("--width", type=int, default=None)
+    model.add_argument("--depth", type=int, default=None)
+    model.add_argument("--heads", type=int, default=None)
     run = parser.add_argument_group("training")
     run.add_argument("--steps", type=int, default=400)
     run.add_argument("--batch-size", type=int, default=128, help="global batch")
@@ -722,12 +961,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "bfloat16/float16, 1e-4 in float32)")
     run.add_argument("--bench-sizes", type=int, nargs="+", default=list(BENCH_IMAGE_SIZES))
     run.add_argument("--repeats", type=int, default=5)
+    run.add_argument("--compile", nargs="+", choices=COMPILE_MODES, default=["eager"],
+                     help="--bench: run the step eager and/or with the training forward "
+                          "(DiT under torch.func.jvp, and the loss) under torch.compile in "
+                          "these modes, e.g. --compile eager default reduce-overhead")
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
     parser.add_argument("--nvlink-multicast", action="store_true",
                         help="--ddp/--fsdp: leave NVLink multicast as NCCL and torch choose "
                              "(by default it is turned off: NCCL_NVLS_ENABLE=0, "
                              "TORCH_SYMM_MEM_DISABLE_MULTICAST=1, unless already set)")
     return parser.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace) -> DiTConfig:
+    """The DiT of the command line: the preset (or the default DiTConfig), with the model
+    flags that were given on top."""
+    base = PRESETS[args.preset] if args.preset else DiTConfig()
+    given = {field: getattr(args, field) for field in
+             ("image_size", "patch_size", "width", "depth", "heads")
+             if getattr(args, field) is not None}
+    return replace(base, **given)
 
 
 def main(argv=None) -> int:
@@ -737,8 +990,7 @@ def main(argv=None) -> int:
     if dtype == "float32":  # true fp32 everywhere, so fp32 comparisons can be tight
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    dit = DiTConfig(image_size=args.image_size, patch_size=args.patch_size, width=args.width,
-                    depth=args.depth, heads=args.heads)
+    dit = model_config(args)
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          warmup=args.warmup, seed=args.seed, dtype=dtype,
                          attention=args.attention)
@@ -757,11 +1009,19 @@ def main(argv=None) -> int:
         result = ddp_check(dit, config, out, rtol, wrapper)
         return 0 if result is None or result["passed"] else 1
     device = torch.device("cuda" if cuda else "cpu")
+    parameters = parameter_count(dit)
+    print(f"DiT{f' ({args.preset})' if args.preset else ''}: width {dit.width}, depth "
+          f"{dit.depth}, heads {dit.heads}, patch {dit.patch_size}: {parameters:,} "
+          f"parameters ({parameters / 1e6:.1f} M)", flush=True)
     if args.bench:
         rows = benchmark(dit, args.batch_size, device, dtype, tuple(args.bench_sizes),
-                         repeats=args.repeats)
+                         repeats=args.repeats, compile_modes=tuple(args.compile))
         out = args.out or RESULTS / f"bench_{tag}.json"
-        write_json(out, {"model": asdict(dit), "environment": environment(), "rows": rows})
+        argv = sys.argv[1:] if argv is None else list(argv)
+        write_json(out, {"model": asdict(dit), "preset": args.preset, "parameters": parameters,
+                         "argv": argv,
+                         "command": shlex.join(["python", "examples/meanflow_dit.py", *argv]),
+                         "environment": environment(), "rows": rows})
         print(summary_table(rows))
         print(f"wrote {out}")
         return 0

@@ -6,9 +6,12 @@
 - `--ddp` (and `--fsdp`, FSDP2) under torchrun with two gloo processes follows the
   single-process loss trajectory (the CPU tiled path, without the interpreter, keeps it fast).
 - The benchmark records every attention, and skips jvp-flash-attention with a note when it
-  does not import.
+  does not import; it measures the attention's share of the step from a profile (eager:
+  profiler ranges and the autograd nodes created in them; compiled: our custom operators, or
+  a note saying why not), eager and under torch.compile; `--preset dit-b2` is DiT-B/2 sized.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -113,9 +116,12 @@ def test_two_ranks_match_one(tmp_path: Path, wrapper: str):
     assert report["loss_ddp"][-1] != report["loss_ddp"][0]  # the model trained
 
 
+BENCH_TINY = mf.DiTConfig(width=32, depth=1, heads=2)
+
+
 def test_benchmark_records_every_attention():
-    rows = mf.benchmark(mf.DiTConfig(width=32, depth=1, heads=2), 2, DEVICE,
-                        "float32", image_sizes=(8,), warmup=1, repeats=1)
+    rows = mf.benchmark(BENCH_TINY, 2, DEVICE, "float32", image_sizes=(8,), warmup=1,
+                        repeats=1, profile=False)
     by_attention = {row["attention"]: row for row in rows}
     assert set(by_attention) == set(mf.ATTENTIONS)
     for attention in ("jvp_attention", "jvp_attention_fast", "math"):
@@ -126,7 +132,137 @@ def test_benchmark_records_every_attention():
     if mf.jvp_flash_attention_available() is not None:
         assert flash["skipped"].startswith("not importable")
     table = mf.summary_table(rows)
-    assert "| 16 | jvp_attention |" in table
+    assert "| 16 | eager | jvp_attention |" in table
+
+
+def test_benchmark_attention_share_eager():
+    """Eager, the attention's forward + JVP (profiler ranges) and backward (the autograd nodes
+    created inside them) are both found, on our kernels and on the math path."""
+    rows = mf.benchmark(BENCH_TINY, 2, DEVICE, "float32", image_sizes=(8,), warmup=1,
+                        repeats=1, attentions=("jvp_attention", "math"))
+    for row in rows:
+        assert row["compile"] == "eager" and row["step_ms"] > 0, row
+        assert 0 < row["attention_share"] < 1, row
+        assert row["attention_fwd_ms"] > 0 and row["attention_bwd_ms"] > 0, row
+        assert row["attention_ms"] == pytest.approx(row["attention_fwd_ms"]
+                                                    + row["attention_bwd_ms"])
+    table = mf.summary_table(rows)
+    assert "| 16 | eager | math |" in table and "%" in table
+
+
+def test_attention_backward_is_linked_by_sequence_number():
+    """The backward nodes counted are those the forward created inside the attention ranges:
+    on the math path one of each op's per block (the transpose right after the range shares
+    the range's last sequence number and must not be counted); on ours, the fused op's."""
+    model = tiny_model()  # two blocks
+    for attention, expected in [("math", {"SoftmaxBackward0": 2, "BmmBackward0": 4,
+                                          "TransposeBackward0": 2, "MulBackward0": 2}),
+                                ("jvp_attention", {"_FusedTangentBackward": 2})]:
+        config = mf.TrainConfig(batch_size=2, dtype="float32", attention=attention)
+        optimizer, _ = mf.make_optimizer(model, config)
+        step = functools.partial(mf.training_step, model, optimizer, mf.global_batch(0, 2, 8),
+                                 config, DEVICE, label_attention=True)
+        row = mf.attention_profile(mf.profile_step(step, DEVICE), DEVICE.type == "cuda")
+        assert 0 < row["attention_share"] < 1, row
+        nodes = row["attention_backward_nodes"]
+        assert {name: nodes.get(name) for name in expected} == expected, nodes
+        if attention == "jvp_attention":
+            assert "TransposeBackward0" not in nodes, nodes
+
+
+def test_attention_profile_on_cuda_events():
+    """The CUDA accounting on a made-up profile: a kernel counts for the operator that
+    launched it; the backward node numbered inside the range counts, the one numbered like
+    the op right after it does not; a device-side copy of a range is not a kernel."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def op(number, name, thread, start, end, seq=-1, parent=None, fwd_thread=None):
+        event = FunctionEvent(number, name, thread, start, end, fwd_thread=fwd_thread,
+                              sequence_nr=seq, use_device="cuda")
+        if parent is not None:
+            event.set_cpu_parent(parent)
+            parent.append_cpu_child(event)
+        return event
+
+    def kernel(number, duration, launcher, annotation=False):
+        return FunctionEvent(number, "k", 0, 0, duration, device_type=DeviceType.CUDA,
+                             linked_correlation_id=launcher.id, is_user_annotation=annotation,
+                             use_device="cuda")
+
+    step = op(1, "meanflow step", 1, 0, 1000)
+    attention = op(2, mf.ATTENTION_RANGE, 1, 10, 100, parent=step)
+    mm = op(3, "aten::mm", 1, 20, 50, seq=5, parent=attention)
+    same = op(4, "aten::is_same_size", 1, 60, 61, seq=6, parent=attention)  # makes no node
+    transpose = op(5, "aten::transpose", 1, 110, 120, seq=6, parent=step)
+    mm_bwd = op(6, mf.BACKWARD_NODE + "MmBackward0", 2, 500, 600, seq=5, fwd_thread=1)
+    t_bwd = op(7, mf.BACKWARD_NODE + "TransposeBackward0", 2, 400, 450, seq=6, fwd_thread=1)
+    events = [step, attention, mm, same, transpose, mm_bwd, t_bwd,
+              kernel(10, 30, mm), kernel(11, 40, mm_bwd), kernel(12, 20, t_bwd),
+              kernel(13, 10, transpose), kernel(14, 900, attention, annotation=True)]
+    row = mf.attention_profile(events, on_cuda=True)
+    assert row["attention_backward_nodes"] == {"MmBackward0": 1}
+    assert row["attention_fwd_ms"] == pytest.approx(0.030)
+    assert row["attention_bwd_ms"] == pytest.approx(0.040)
+    assert row["attention_share"] == pytest.approx(70 / 100)
+    assert row["attention_basis"] == "cuda kernel time"
+
+
+@pytest.mark.parametrize("attention", ["jvp_attention", "math"])
+def test_benchmark_compiled(attention: str):
+    """torch.compile over the training forward (inductor; on CPU it builds C++ with gcc). Our
+    kernels are custom operators in the compiled graph, so their share is still found; the
+    math path's attention is fused into inductor's kernels, and the row says so."""
+    [row] = mf.benchmark(BENCH_TINY, 2, DEVICE, "float32", image_sizes=(8,), warmup=1,
+                         repeats=1, attentions=(attention,), compile_modes=("default",))
+    assert row["compile"] == "default" and "error" not in row, row
+    assert row["step_ms"] > 0
+    assert row["graphs"] == 1 and row["graph_breaks"] == 0, row  # one compiled region
+    if attention == "jvp_attention":
+        assert 0 < row["attention_share"] <= 1, row
+    else:
+        assert "attention_share" not in row and row["attention_note"].startswith(
+            "not attributed"), row
+    assert f"| 16 | default | {attention} |" in mf.summary_table([row])
+
+
+def test_dit_b2_preset():
+    assert 125e6 < mf.parameter_count(mf.PRESETS["dit-b2"]) < 135e6
+    args = mf.parse_args(["--bench", "--preset", "dit-b2", "--depth", "2",
+                          "--compile", "eager", "default"])
+    assert mf.model_config(args) == mf.DiTConfig(patch_size=2, width=768, depth=2, heads=12)
+    assert args.compile == ["eager", "default"]
+    assert mf.model_config(mf.parse_args([])) == mf.DiTConfig()
+
+
+def test_bench_json_records_the_command(tmp_path: Path):
+    out = tmp_path / "bench.json"
+    row = {"attention": "math", "compile": "eager", "tokens": 16, "batch": 2, "image_size": 8,
+           "dtype": "float32", "step_ms": 1.0}
+    argv = ["--bench", "--preset", "dit-b2", "--bench-sizes", "8", "--out", str(out)]
+    with mock.patch.object(mf, "benchmark", return_value=[row]) as bench:
+        assert mf.main(argv) == 0
+    assert bench.call_args.kwargs["compile_modes"] == ("eager",)
+    report = json.loads(out.read_text())
+    assert set(report) >= {"model", "environment", "rows", "argv", "command"}
+    assert report["argv"] == argv and report["rows"] == [row]
+    assert report["model"]["width"] == 768 and report["preset"] == "dit-b2"
+
+
+@pytest.mark.gpu
+def test_attention_share_on_gpu():
+    """On CUDA the share is of kernel time; the backward runs on autograd's device thread and
+    is linked to the forward's thread by `fwd_thread`."""
+    rows = mf.benchmark(mf.DiTConfig(width=128, depth=2, heads=2), 4, DEVICE, "bfloat16",
+                        image_sizes=(32,), warmup=1, repeats=2,
+                        attentions=("jvp_attention", "math"), compile_modes=("eager", "default"))
+    for row in rows:
+        assert "error" not in row and row["step_ms"] > 0, row
+        if row["compile"] == "eager" or "attention_share" in row:
+            assert 0 < row["attention_share"] < 1, row
+            assert row["attention_basis"] == "cuda kernel time"
+        else:  # compiled: a share, or a note that says why none
+            assert row["attention_note"].startswith("not attributed"), row
 
 
 @pytest.mark.gpu
