@@ -741,28 +741,38 @@ def benchmark_step(dit: DiTConfig, batch_size: int, attention: str, device: torc
 BENCH_IMAGE_SIZES = (32, 64, 128)  # with patch 2: 256, 1024, 4096 tokens
 
 
-def benchmark(dit: DiTConfig, batch_size: int, device: torch.device, dtype: str = "bfloat16",
-              image_sizes=BENCH_IMAGE_SIZES, warmup: int = 2, repeats: int = 5,
-              attentions=ATTENTIONS, compile_modes=("eager",),
-              profile: bool = True) -> list[dict]:
+def benchmark(dit: DiTConfig, batch_size: int | dict[int, int], device: torch.device,
+              dtype: str = "bfloat16", image_sizes=BENCH_IMAGE_SIZES, warmup: int = 2,
+              repeats: int = 5, attentions=ATTENTIONS, compile_modes=("eager",),
+              profile: bool = True,
+              on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """`benchmark_step` for every image size, compile mode and attention; jvp-flash-attention
-    is skipped with a note when it does not import."""
+    is skipped with a note when it does not import.
+
+    `batch_size` is one batch for every size, or a batch per image size (so that the math
+    path's O(N^2) memory fits at the largest). `on_row(rows)` runs after each row, e.g. to
+    save what is measured so far."""
     rows = []
     for size in image_sizes:
         config = replace(dit, image_size=size)
+        batch = batch_size[size] if isinstance(batch_size, dict) else batch_size
         for compile_mode in compile_modes:
             for attention in attentions:
                 if attention == "jvp_flash_attention":
                     missing = jvp_flash_attention_available()
                     if missing is not None:
                         rows.append({"attention": attention, "compile": compile_mode,
-                                     "tokens": config.tokens, "batch": batch_size,
+                                     "tokens": config.tokens, "batch": batch,
                                      "image_size": size, "dtype": dtype,
                                      "skipped": f"not importable ({missing})"})
+                        if on_row is not None:
+                            on_row(rows)
                         continue
-                rows.append(benchmark_step(config, batch_size, attention, device, dtype, warmup,
+                rows.append(benchmark_step(config, batch, attention, device, dtype, warmup,
                                            repeats, compile_mode, profile))
                 print(format_row(rows[-1]), flush=True)
+                if on_row is not None:
+                    on_row(rows)
     return rows
 
 
@@ -960,6 +970,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="--ddp: largest relative loss difference allowed (default 2e-2 in "
                           "bfloat16/float16, 1e-4 in float32)")
     run.add_argument("--bench-sizes", type=int, nargs="+", default=list(BENCH_IMAGE_SIZES))
+    run.add_argument("--batch-per-size", nargs="+", default=[], metavar="SIZE=BATCH",
+                     help="--bench: another batch at these image sizes, e.g. 128=2 keeps "
+                          "the math path's O(N^2) memory in bounds at 4096 tokens")
     run.add_argument("--repeats", type=int, default=5)
     run.add_argument("--compile", nargs="+", choices=COMPILE_MODES, default=["eager"],
                      help="--bench: run the step eager and/or with the training forward "
@@ -971,6 +984,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(by default it is turned off: NCCL_NVLS_ENABLE=0, "
                              "TORCH_SYMM_MEM_DISABLE_MULTICAST=1, unless already set)")
     return parser.parse_args(argv)
+
+
+def batch_per_size(pairs: list[str]) -> dict[int, int]:
+    """{image size: batch} from SIZE=BATCH words."""
+    batches = {}
+    for pair in pairs:
+        size, _, batch = pair.partition("=")
+        if not (size.isdigit() and batch.isdigit()):
+            raise SystemExit(f"--batch-per-size takes SIZE=BATCH (e.g. 128=2), got {pair!r}")
+        batches[int(size)] = int(batch)
+    return batches
 
 
 def model_config(args: argparse.Namespace) -> DiTConfig:
@@ -1014,14 +1038,21 @@ def main(argv=None) -> int:
           f"{dit.depth}, heads {dit.heads}, patch {dit.patch_size}: {parameters:,} "
           f"parameters ({parameters / 1e6:.1f} M)", flush=True)
     if args.bench:
-        rows = benchmark(dit, args.batch_size, device, dtype, tuple(args.bench_sizes),
-                         repeats=args.repeats, compile_modes=tuple(args.compile))
+        batches = {size: args.batch_size for size in args.bench_sizes}
+        batches |= batch_per_size(args.batch_per_size)
         out = args.out or RESULTS / f"bench_{tag}.json"
         argv = sys.argv[1:] if argv is None else list(argv)
-        write_json(out, {"model": asdict(dit), "preset": args.preset, "parameters": parameters,
-                         "argv": argv,
-                         "command": shlex.join(["python", "examples/meanflow_dit.py", *argv]),
-                         "environment": environment(), "rows": rows})
+        header = {"model": asdict(dit), "preset": args.preset, "parameters": parameters,
+                  "argv": argv,
+                  "command": shlex.join(["python", "examples/meanflow_dit.py", *argv]),
+                  "environment": environment()}
+
+        def save(rows: list[dict], complete: bool = False) -> None:  # after every row
+            write_json(out, {**header, "complete": complete, "rows": rows})
+
+        rows = benchmark(dit, batches, device, dtype, tuple(args.bench_sizes),
+                         repeats=args.repeats, compile_modes=tuple(args.compile), on_row=save)
+        save(rows, complete=True)
         print(summary_table(rows))
         print(f"wrote {out}")
         return 0

@@ -120,8 +120,10 @@ BENCH_TINY = mf.DiTConfig(width=32, depth=1, heads=2)
 
 
 def test_benchmark_records_every_attention():
-    rows = mf.benchmark(BENCH_TINY, 2, DEVICE, "float32", image_sizes=(8,), warmup=1,
-                        repeats=1, profile=False)
+    seen = []
+    rows = mf.benchmark(BENCH_TINY, {8: 2}, DEVICE, "float32", image_sizes=(8,), warmup=1,
+                        repeats=1, profile=False, on_row=lambda rows: seen.append(len(rows)))
+    assert seen == list(range(1, len(rows) + 1)) and {row["batch"] for row in rows} == {2}
     by_attention = {row["attention"]: row for row in rows}
     assert set(by_attention) == set(mf.ATTENTIONS)
     for attention in ("jvp_attention", "jvp_attention_fast", "math"):
@@ -239,13 +241,17 @@ def test_bench_json_records_the_command(tmp_path: Path):
     out = tmp_path / "bench.json"
     row = {"attention": "math", "compile": "eager", "tokens": 16, "batch": 2, "image_size": 8,
            "dtype": "float32", "step_ms": 1.0}
-    argv = ["--bench", "--preset", "dit-b2", "--bench-sizes", "8", "--out", str(out)]
+    argv = ["--bench", "--preset", "dit-b2", "--bench-sizes", "8", "16", "--batch-per-size",
+            "16=1", "--out", str(out)]
     with mock.patch.object(mf, "benchmark", return_value=[row]) as bench:
         assert mf.main(argv) == 0
     assert bench.call_args.kwargs["compile_modes"] == ("eager",)
+    assert bench.call_args.args[1] == {8: 128, 16: 1}  # the default batch, and 16's own
     report = json.loads(out.read_text())
-    assert set(report) >= {"model", "environment", "rows", "argv", "command"}
-    assert report["argv"] == argv and report["rows"] == [row]
+    assert set(report) >= {"model", "environment", "rows", "argv", "command", "complete"}
+    assert report["argv"] == argv and report["rows"] == [row] and report["complete"]
+    with pytest.raises(SystemExit, match="SIZE=BATCH"):
+        mf.main(["--bench", "--batch-per-size", "16:1", "--out", str(out)])
     assert report["model"]["width"] == 768 and report["preset"] == "dit-b2"
 
 
