@@ -745,19 +745,25 @@ def benchmark(dit: DiTConfig, batch_size: int | dict[int, int], device: torch.de
               dtype: str = "bfloat16", image_sizes=BENCH_IMAGE_SIZES, warmup: int = 2,
               repeats: int = 5, attentions=ATTENTIONS, compile_modes=("eager",),
               profile: bool = True,
-              on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+              on_row: Callable[[list[dict]], None] | None = None,
+              compiled_attentions=None) -> list[dict]:
     """`benchmark_step` for every image size, compile mode and attention; jvp-flash-attention
     is skipped with a note when it does not import.
 
     `batch_size` is one batch for every size, or a batch per image size (so that the math
     path's O(N^2) memory fits at the largest). `on_row(rows)` runs after each row, e.g. to
-    save what is measured so far."""
+    save what is measured so far. `compiled_attentions` (default: all of `attentions`) are
+    the attentions that also run in the compiled modes: compiling a large model takes
+    minutes per row."""
     rows = []
     for size in image_sizes:
         config = replace(dit, image_size=size)
         batch = batch_size[size] if isinstance(batch_size, dict) else batch_size
         for compile_mode in compile_modes:
             for attention in attentions:
+                if compile_mode != "eager" and attention not in (compiled_attentions
+                                                                 or attentions):
+                    continue
                 if attention == "jvp_flash_attention":
                     missing = jvp_flash_attention_available()
                     if missing is not None:
@@ -974,6 +980,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="--bench: another batch at these image sizes, e.g. 128=2 keeps "
                           "the math path's O(N^2) memory in bounds at 4096 tokens")
     run.add_argument("--repeats", type=int, default=5)
+    run.add_argument("--compile-attentions", nargs="+", choices=ATTENTIONS, default=None,
+                     help="--bench: only these attentions run compiled (default: all)")
     run.add_argument("--compile", nargs="+", choices=COMPILE_MODES, default=["eager"],
                      help="--bench: run the step eager and/or with the training forward "
                           "(DiT under torch.func.jvp, and the loss) under torch.compile in "
@@ -1051,7 +1059,8 @@ def main(argv=None) -> int:
             write_json(out, {**header, "complete": complete, "rows": rows})
 
         rows = benchmark(dit, batches, device, dtype, tuple(args.bench_sizes),
-                         repeats=args.repeats, compile_modes=tuple(args.compile), on_row=save)
+                         repeats=args.repeats, compile_modes=tuple(args.compile), on_row=save,
+                         compiled_attentions=args.compile_attentions)
         save(rows, complete=True)
         print(summary_table(rows))
         print(f"wrote {out}")

@@ -210,6 +210,20 @@ def test_attention_profile_on_cuda_events():
     assert row["attention_basis"] == "cuda kernel time"
 
 
+def test_compiled_rows_only_for_the_attentions_asked():
+    def step(config, batch, attention, device, dtype, warmup, repeats, compile_mode, profile):
+        return {"attention": attention, "compile": compile_mode, "tokens": config.tokens,
+                "batch": batch, "step_ms": 1.0}
+
+    with mock.patch.object(mf, "benchmark_step", side_effect=step):
+        rows = mf.benchmark(BENCH_TINY, 2, DEVICE, "float32", image_sizes=(8,),
+                            attentions=("jvp_attention", "math"),
+                            compile_modes=("eager", "default"),
+                            compiled_attentions=("jvp_attention",))
+    assert [(r["compile"], r["attention"]) for r in rows] == [
+        ("eager", "jvp_attention"), ("eager", "math"), ("default", "jvp_attention")]
+
+
 @pytest.mark.parametrize("attention", ["jvp_attention", "math"])
 def test_benchmark_compiled(attention: str):
     """torch.compile over the training forward (inductor; on CPU it builds C++ with gcc). Our
@@ -246,6 +260,7 @@ def test_bench_json_records_the_command(tmp_path: Path):
     with mock.patch.object(mf, "benchmark", return_value=[row]) as bench:
         assert mf.main(argv) == 0
     assert bench.call_args.kwargs["compile_modes"] == ("eager",)
+    assert bench.call_args.kwargs["compiled_attentions"] is None
     assert bench.call_args.args[1] == {8: 128, 16: 1}  # the default batch, and 16's own
     report = json.loads(out.read_text())
     assert set(report) >= {"model", "environment", "rows", "argv", "command", "complete"}
