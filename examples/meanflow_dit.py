@@ -746,7 +746,7 @@ def benchmark(dit: DiTConfig, batch_size: int | dict[int, int], device: torch.de
               repeats: int = 5, attentions=ATTENTIONS, compile_modes=("eager",),
               profile: bool = True,
               on_row: Callable[[list[dict]], None] | None = None,
-              compiled_attentions=None) -> list[dict]:
+              compiled_attentions=None, previous: list[dict] = ()) -> list[dict]:
     """`benchmark_step` for every image size, compile mode and attention; jvp-flash-attention
     is skipped with a note when it does not import.
 
@@ -754,8 +754,17 @@ def benchmark(dit: DiTConfig, batch_size: int | dict[int, int], device: torch.de
     path's O(N^2) memory fits at the largest). `on_row(rows)` runs after each row, e.g. to
     save what is measured so far. `compiled_attentions` (default: all of `attentions`) are
     the attentions that also run in the compiled modes: compiling a large model takes
-    minutes per row."""
-    rows = []
+    minutes per row. Rows of `previous` (a run that was cut short) that were measured or
+    failed at the same tokens, batch, compile mode and attention are kept, not run again."""
+    done = {_row_key(row): row for row in previous if "step_ms" in row or "error" in row}
+    rows: list[dict] = []
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        print(format_row(row), flush=True)
+        if on_row is not None:
+            on_row(rows)
+
     for size in image_sizes:
         config = replace(dit, image_size=size)
         batch = batch_size[size] if isinstance(batch_size, dict) else batch_size
@@ -764,22 +773,23 @@ def benchmark(dit: DiTConfig, batch_size: int | dict[int, int], device: torch.de
                 if compile_mode != "eager" and attention not in (compiled_attentions
                                                                  or attentions):
                     continue
-                if attention == "jvp_flash_attention":
-                    missing = jvp_flash_attention_available()
-                    if missing is not None:
-                        rows.append({"attention": attention, "compile": compile_mode,
-                                     "tokens": config.tokens, "batch": batch,
-                                     "image_size": size, "dtype": dtype,
-                                     "skipped": f"not importable ({missing})"})
-                        if on_row is not None:
-                            on_row(rows)
-                        continue
-                rows.append(benchmark_step(config, batch, attention, device, dtype, warmup,
-                                           repeats, compile_mode, profile))
-                print(format_row(rows[-1]), flush=True)
-                if on_row is not None:
-                    on_row(rows)
+                head = {"attention": attention, "compile": compile_mode,
+                        "tokens": config.tokens, "batch": batch}
+                missing = (jvp_flash_attention_available()
+                           if attention == "jvp_flash_attention" else None)
+                if _row_key(head) in done:
+                    add({**done[_row_key(head)], "resumed": True})
+                elif missing is not None:
+                    add({**head, "image_size": size, "dtype": dtype,
+                         "skipped": f"not importable ({missing})"})
+                else:
+                    add(benchmark_step(config, batch, attention, device, dtype, warmup,
+                                       repeats, compile_mode, profile))
     return rows
+
+
+def _row_key(row: dict) -> tuple:
+    return row["tokens"], row["batch"], row.get("compile", "eager"), row["attention"]
 
 
 def format_row(row: dict) -> str:
@@ -980,6 +990,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="--bench: another batch at these image sizes, e.g. 128=2 keeps "
                           "the math path's O(N^2) memory in bounds at 4096 tokens")
     run.add_argument("--repeats", type=int, default=5)
+    run.add_argument("--resume", type=Path, default=None, metavar="JSON",
+                     help="--bench: keep the rows this earlier (cut) run measured or saw "
+                          "fail, and run only the rest")
     run.add_argument("--compile-attentions", nargs="+", choices=ATTENTIONS, default=None,
                      help="--bench: only these attentions run compiled (default: all)")
     run.add_argument("--compile", nargs="+", choices=COMPILE_MODES, default=["eager"],
@@ -1060,7 +1073,9 @@ def main(argv=None) -> int:
 
         rows = benchmark(dit, batches, device, dtype, tuple(args.bench_sizes),
                          repeats=args.repeats, compile_modes=tuple(args.compile), on_row=save,
-                         compiled_attentions=args.compile_attentions)
+                         compiled_attentions=args.compile_attentions,
+                         previous=json.loads(args.resume.read_text())["rows"] if args.resume
+                         else ())
         save(rows, complete=True)
         print(summary_table(rows))
         print(f"wrote {out}")

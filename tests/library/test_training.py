@@ -215,13 +215,18 @@ def test_compiled_rows_only_for_the_attentions_asked():
         return {"attention": attention, "compile": compile_mode, "tokens": config.tokens,
                 "batch": batch, "step_ms": 1.0}
 
-    with mock.patch.object(mf, "benchmark_step", side_effect=step):
+    earlier = [{"attention": "math", "compile": "eager", "tokens": 16, "batch": 2,
+                "step_ms": 9.0},  # measured: kept
+               {"attention": "jvp_attention", "compile": "eager", "tokens": 16, "batch": 2,
+                "skipped": "..."}]  # neither measured nor failed: run again
+    with mock.patch.object(mf, "benchmark_step", side_effect=step) as run:
         rows = mf.benchmark(BENCH_TINY, 2, DEVICE, "float32", image_sizes=(8,),
                             attentions=("jvp_attention", "math"),
                             compile_modes=("eager", "default"),
-                            compiled_attentions=("jvp_attention",))
+                            compiled_attentions=("jvp_attention",), previous=earlier)
     assert [(r["compile"], r["attention"]) for r in rows] == [
         ("eager", "jvp_attention"), ("eager", "math"), ("default", "jvp_attention")]
+    assert run.call_count == 2 and rows[1]["step_ms"] == 9.0 and rows[1]["resumed"]
 
 
 @pytest.mark.parametrize("attention", ["jvp_attention", "math"])
