@@ -57,6 +57,7 @@ import contextlib
 import json
 import math
 import os
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from unittest import mock
@@ -928,3 +929,22 @@ def bias_params(cases=BIAS_CASES, dtypes=(torch.float32, torch.float16)) -> list
     """pytest parameters (spec, bias shape, dtype) with readable ids."""
     return [pytest.param(spec, shape, dtype, id=f"{dtype_name(dtype)}-{spec.id}-bias_{shape}")
             for spec, shape in cases for dtype in dtypes]
+
+
+# --- subprocesses that start several processes (torchrun, gloo, a Jupyter kernel) --------
+# Failures of the machine rather than of the code under test: a port found free and then
+# taken by another process before it was bound (torchrun's rendezvous, a Jupyter kernel's
+# sockets), or gloo aborting in one of its C++ threads. Each was seen in CI on two cores.
+MACHINE_FAILURES = ("Address already in use", "EADDRINUSE",
+                    "terminate called without an active exception")
+
+
+def run_with_one_retry(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)`,
+    started once more if it failed with one of MACHINE_FAILURES; any other outcome, and a
+    second failure, is returned as it is."""
+    result = subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)
+    if result.returncode != 0 and any(word in result.stdout + result.stderr
+                                      for word in MACHINE_FAILURES):
+        result = subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)
+    return result

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_with_one_retry
 
 import jvp_attention.context_parallel as cp
 from jvp_attention import attention, context_parallel_attention, shard_sequence
@@ -365,9 +365,9 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     out = tmp_path / "context_parallel.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                                                                      os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "context_parallel.py"),
-                             "--smoke", "--out", str(out)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300, check=False)
+    result = run_with_one_retry([sys.executable, str(REPO / "benchmarks" / "context_parallel.py"),
+                                 "--smoke", "--out", str(out)], cwd=tmp_path, env=env,
+                                timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["schema"] == "jvp_attention.context_parallel/1" and record["complete"]
