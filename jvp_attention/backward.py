@@ -11,13 +11,12 @@ import triton.language as tl
 from jvp_attention.launch import (
     accurate,
     autotuned,
+    carried_operands,
     carries,
     check_kernel_shapes,
     check_mask_tangent,
-    fp16_operand,
     kernel_meta,
     mask_operand,
-    max_magnitudes,
     on_device,
     prepare_descriptors,
     row_strides,
@@ -39,6 +38,8 @@ from jvp_attention.tiles import (
     shift_exponent,
     store_rows,
     tile_source,
+    vector_entry,
+    with_entry,
 )
 
 
@@ -141,26 +142,27 @@ P_EXPONENT = tl.constexpr(8)  # carried probabilities are P * 2**8: normal fp16 
 
 
 @triton.jit
-def _backward_shifts_kernel(magnitudes_ptr, out_ptr, do_top):
+def backward_shifts(maxima, do_top):
     """From max |q|, |k|, |v|, |dO|: their shifts (2**e_q, 2**e_k, 2**e_v, 2**e_o, with
     max |dO| below 2**do_top), then the kernels' factors: scores 2**-(e_q + e_k), Delta
     2**(e_o + e_v), dQ 2**-(e_ds + e_k), dK 2**-(e_ds + e_q), dV 2**-(8 + e_o) and P's 8,
     where dS is carried times 2**e_ds = 2**(8 + e_o + e_v)."""
-    e_q = shift_exponent(tl.load(magnitudes_ptr), 0)
-    e_k = shift_exponent(tl.load(magnitudes_ptr + 1), 0)
-    e_v = shift_exponent(tl.load(magnitudes_ptr + 2), 0)
-    e_o = shift_exponent(tl.load(magnitudes_ptr + 3), do_top)
+    e_q = shift_exponent(vector_entry(maxima, 0), 0)
+    e_k = shift_exponent(vector_entry(maxima, 1), 0)
+    e_v = shift_exponent(vector_entry(maxima, 2), 0)
+    e_o = shift_exponent(vector_entry(maxima, 3), do_top)
     e_ds = e_o + e_v + P_EXPONENT
-    tl.store(out_ptr, power_of_two(e_q))
-    tl.store(out_ptr + 1, power_of_two(e_k))
-    tl.store(out_ptr + 2, power_of_two(e_v))
-    tl.store(out_ptr + 3, power_of_two(e_o))
-    tl.store(out_ptr + 4, power_of_two(-e_q - e_k))
-    tl.store(out_ptr + 5, power_of_two(e_o + e_v))
-    tl.store(out_ptr + 6, power_of_two(-e_ds - e_k))
-    tl.store(out_ptr + 7, power_of_two(-e_ds - e_q))
-    tl.store(out_ptr + 8, power_of_two(-e_o - P_EXPONENT))
-    tl.store(out_ptr + 9, tl.full([], P_EXPONENT, tl.float32))
+    values = tl.zeros([16], tl.float32)
+    values = with_entry(values, 0, power_of_two(e_q))
+    values = with_entry(values, 1, power_of_two(e_k))
+    values = with_entry(values, 2, power_of_two(e_v))
+    values = with_entry(values, 3, power_of_two(e_o))
+    values = with_entry(values, 4, power_of_two(-e_q - e_k))
+    values = with_entry(values, 5, power_of_two(e_o + e_v))
+    values = with_entry(values, 6, power_of_two(-e_ds - e_k))
+    values = with_entry(values, 7, power_of_two(-e_ds - e_q))
+    values = with_entry(values, 8, power_of_two(-e_o - P_EXPONENT))
+    return with_entry(values, 9, P_EXPONENT)
 
 
 def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -169,11 +171,10 @@ def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     factors that undo their shifts (fp32, on the device): scores, Delta, dQ, dK, dV, and the
     log2 of P's shift, in the order the kernels read them."""
     ceil_log2_dv = triton.next_power_of_2(v.shape[-1]).bit_length() - 1
-    shifts = torch.empty(10, device=q.device, dtype=torch.float32)
     # max |dO| below 2**(5 - ceil(log2 d_v)) bounds |dS| by 2**14
-    _backward_shifts_kernel[(1,)](max_magnitudes(q, k, v, grad_out), shifts, 5 - ceil_log2_dv)
-    operands = (fp16_operand(x, shifts[i]) for i, x in enumerate((q, k, v, grad_out)))
-    return (*operands, shifts[4:])
+    copies, factors = carried_operands((q, k, v, grad_out), (), backward_shifts,
+                                       5 - ceil_log2_dv, 6)
+    return (*copies, factors)
 
 
 @triton.jit

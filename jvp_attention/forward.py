@@ -14,13 +14,12 @@ import triton.language as tl
 from jvp_attention.launch import (
     accurate,
     autotuned,
+    carried_operands,
     carries,
     check_kernel_shapes,
     check_mask_tangent,
-    fp16_operand,
     kernel_meta,
     mask_operand,
-    max_magnitudes,
     on_device,
     prepare_descriptors,
     row_strides,
@@ -44,6 +43,8 @@ from jvp_attention.tiles import (
     shift_exponent,
     store_rounded,
     tile_source,
+    vector_entry,
+    with_entry,
 )
 
 
@@ -90,22 +91,22 @@ def _forward_key_block(
 
 
 @triton.jit
-def _jvp_shifts_kernel(magnitudes_ptr, out_ptr, t_scale):
+def jvp_shifts(maxima, t_scale):
     """From max |v|, |tv|, |q|, |k|, |tq|, |tk|: the shifts 2**e_v of v and 2**(e_w + e_v) of
     tv, then the forward+JVP kernel's factors w = 2**e_w, 2**-e_v, 2**-(e_w + e_v), 2**-e_w."""
-    v_max = tl.load(magnitudes_ptr)
-    tv_max = tl.load(magnitudes_ptr + 1)
     # |tS| <= s d (max|tQ| max|K| + max|Q| max|tK|), and |mu| too
-    t_bound = t_scale * (tl.load(magnitudes_ptr + 4) * tl.load(magnitudes_ptr + 3)
-                         + tl.load(magnitudes_ptr + 2) * tl.load(magnitudes_ptr + 5))
-    e_v = shift_exponent(v_max, 0)
-    e_w = tl.minimum(shift_exponent(2 * t_bound, 14), shift_exponent(tv_max, 14 - e_v))
-    tl.store(out_ptr, power_of_two(e_v))
-    tl.store(out_ptr + 1, power_of_two(e_w + e_v))
-    tl.store(out_ptr + 2, power_of_two(e_w))
-    tl.store(out_ptr + 3, power_of_two(-e_v))
-    tl.store(out_ptr + 4, power_of_two(-e_w - e_v))
-    tl.store(out_ptr + 5, power_of_two(-e_w))
+    t_bound = t_scale * (vector_entry(maxima, 4) * vector_entry(maxima, 3)
+                         + vector_entry(maxima, 2) * vector_entry(maxima, 5))
+    e_v = shift_exponent(vector_entry(maxima, 0), 0)
+    e_w = tl.minimum(shift_exponent(2 * t_bound, 14),
+                     shift_exponent(vector_entry(maxima, 1), 14 - e_v))
+    values = tl.zeros([16], tl.float32)
+    values = with_entry(values, 0, power_of_two(e_v))
+    values = with_entry(values, 1, power_of_two(e_w + e_v))
+    values = with_entry(values, 2, power_of_two(e_w))
+    values = with_entry(values, 3, power_of_two(-e_v))
+    values = with_entry(values, 4, power_of_two(-e_w - e_v))
+    return with_entry(values, 5, power_of_two(-e_w))
 
 
 def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Tensor,
@@ -113,10 +114,9 @@ def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Te
     """Exact fp16 copies of v and tv for the forward+JVP kernel on bf16 inputs, and the
     factors that undo their shifts (fp32, on the device): the tangent scores' w, then the
     factors of O, tO and mu."""
-    shifts = torch.empty(6, device=q.device, dtype=torch.float32)
-    _jvp_shifts_kernel[(1,)](max_magnitudes(v, tv, q, k, tq, tk), shifts,
-                             abs(scale) * q.shape[-1])
-    return fp16_operand(v, shifts[0]), fp16_operand(tv, shifts[1]), shifts[2:]
+    (v_hat, tv_hat), factors = carried_operands((v, tv), (q, k, tq, tk), jvp_shifts,
+                                                abs(scale) * q.shape[-1], 4)
+    return v_hat, tv_hat, factors
 
 
 @triton.jit

@@ -7,7 +7,6 @@ guard, the mask operand, the shape checks and the host side of the bf16 carry.
 """
 
 import functools
-import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -16,20 +15,55 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
-from jvp_attention.tiles import ADDITIVE_MASK, ADDITIVE_WITH_TANGENT, BOOL_MASK, NO_MASK
+from jvp_attention.tiles import (
+    ADDITIVE_MASK,
+    ADDITIVE_WITH_TANGENT,
+    BOOL_MASK,
+    NO_MASK,
+    carried_copies_kernel,
+    range_partials_kernel,
+)
 
 
-def max_magnitudes(*tensors: torch.Tensor) -> torch.Tensor:
-    """max |x| of each tensor (fp32, on their device), in one fused pass over all of them."""
-    return torch.stack([m.float() for m in torch._foreach_norm(list(tensors), ord=math.inf)])
+def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
+                     shifts: triton.JITFunction, bound: float,
+                     n_factors: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Exact fp16 copies of `copied`, each scaled by a power of two, and the factors that
+    undo the shifts, in two launches that never wait for the host.
 
+    Args:
+        copied: The (B, H, N, W) tensors to copy, unit last stride (bf16, or fp16 in tests).
+        others: Tensors whose largest magnitudes the shifts also depend on.
+        shifts: A @triton.jit function of (the largest |x| of `copied` then `others`,
+            `bound`) returning 16 fp32 values: the copies' shifts, then the factors.
+        bound: A number `shifts` needs (a scale, or a power of two's exponent).
+        n_factors: How many factors follow the shifts.
 
-def fp16_operand(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """`x * shift` (a power of two, 0-dim on x's device) written straight to float16: exact
-    for a bfloat16 `x` whose shifted entries lie in float16's range (entries below 2**-24
-    are flushed)."""
-    wide = x if x.dtype == torch.bfloat16 else x.float()  # bf16 holds any shift exactly
-    return torch.mul(wide, shift, out=torch.empty_like(x, dtype=torch.float16))
+    Returns:
+        The contiguous fp16 copies, and the factors (fp32, on the inputs' device).
+    """
+    tensors = (*copied, *others)
+    device = tensors[0].device
+    strides = tuple(s for x in tensors for s in x.stride()[:3])
+    shapes = tuple(n for x in tensors for n in x.shape[1:])
+    width = triton.next_power_of_2(max(x.shape[-1] for x in tensors))
+    # The range pass's programs per tensor: with 8 warps each, enough to stream at full
+    # bandwidth; few enough that every copy program reduces their partial maxima (2 KiB
+    # against its 32 KiB tile) cheaply.
+    programs = 4 if interpreting() else 64
+    meta = {"N_TENSORS": len(tensors), "PROGRAMS": programs,
+            "BLOCK_R": max(1, 8192 // width), "BLOCK_W": width, "num_warps": 8}
+    partials = torch.empty(len(tensors) * programs, device=device, dtype=torch.float32)
+    copies = tuple(torch.empty(x.shape, device=device, dtype=torch.float16) for x in copied)
+    factors = torch.empty(n_factors, device=device, dtype=torch.float32)
+    batch = tensors[0].shape[0]
+    range_partials_kernel[(programs, len(tensors))](tensors, strides, shapes, batch, partials,
+                                                 **meta)
+    rows = max(x.shape[:3].numel() for x in copied)
+    carried_copies_kernel[(triton.cdiv(rows, meta["BLOCK_R"]), len(copied))](
+        tensors, copies, strides, shapes, batch, partials, factors, bound, SHIFTS=shifts,
+        N_COPIES=len(copied), N_FACTORS=n_factors, **meta)
+    return copies, factors
 
 
 # Keys per row from which carrying beats the split (the H200 measurement above).

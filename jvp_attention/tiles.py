@@ -186,3 +186,79 @@ def carry_factor(factors_ptr, index, CARRY: tl.constexpr, identity):
     else:
         factor = identity
     return factor
+
+
+@triton.jit
+def vector_entry(vector, index):
+    """Entry `index` of a small 1-D tensor (Triton indexes tensors only through masks)."""
+    return tl.sum(tl.where(tl.arange(0, vector.shape[0]) == index, vector, 0.0), 0)
+
+
+@triton.jit
+def with_entry(vector, index, value):
+    """`vector` with entry `index` set to `value`."""
+    return tl.where(tl.arange(0, vector.shape[0]) == index, value, vector)
+
+
+@triton.jit
+def _row_block(strides, shapes, index: tl.constexpr, batch, block, BLOCK_R: tl.constexpr,
+               BLOCK_W: tl.constexpr):
+    """Offsets, flat row numbers and mask of row block `block` of tensor `index`, a
+    (B, H, N, W) view with unit last stride whose rows are taken in (b, h, n) order."""
+    heads, n, width = shapes[3 * index], shapes[3 * index + 1], shapes[3 * index + 2]
+    rows = tl.arange(0, BLOCK_R).to(tl.int64) + block * BLOCK_R  # (b, h, n) < 2**31 rows
+    cols = tl.arange(0, BLOCK_W)
+    offsets = ((rows // (heads * n)) * strides[3 * index]
+               + ((rows // n) % heads) * strides[3 * index + 1]
+               + (rows % n) * strides[3 * index + 2])
+    mask = (rows < batch * heads * n)[:, None] & (cols < width)[None, :]
+    return offsets[:, None] + cols[None, :], rows, cols, mask
+
+
+@triton.jit
+def range_partials_kernel(tensors, strides, shapes, batch, partials_ptr,
+                       N_TENSORS: tl.constexpr, PROGRAMS: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """partials[t, p] = max |x| over row blocks p, p + PROGRAMS, ... of tensor t: a
+    (PROGRAMS, N_TENSORS) grid reads every tensor once."""
+    program, which = tl.program_id(0), tl.program_id(1)
+    for t in tl.static_range(N_TENSORS):
+        if which == t:
+            n_blocks = tl.cdiv(batch * shapes[3 * t] * shapes[3 * t + 1], BLOCK_R)
+            largest = tl.zeros([BLOCK_R, BLOCK_W], tl.float32)
+            for block in range(program, n_blocks, PROGRAMS):
+                offsets, _, _, mask = _row_block(strides, shapes, t, batch, block, BLOCK_R,
+                                                 BLOCK_W)
+                x = tl.load(tensors[t] + offsets, mask=mask, other=0.0)
+                largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
+            tl.store(partials_ptr + t * PROGRAMS + program, tl.max(tl.max(largest, 1), 0))
+
+
+@triton.jit
+def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr, factors_ptr,
+                           bound, SHIFTS: tl.constexpr, N_TENSORS: tl.constexpr,
+                           N_COPIES: tl.constexpr, N_FACTORS: tl.constexpr,
+                           PROGRAMS: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_W: tl.constexpr):
+    """Row block program_id(0) of copy program_id(1): tensor c times its power of two,
+    written to float16 (contiguous). Every program reduces the partial maxima itself (a few
+    hundred floats, from L2) and asks SHIFTS(maxima, bound) for the 16 values: the copies'
+    shifts, then the factors, which the first program stores."""
+    block, which = tl.program_id(0), tl.program_id(1)
+    tensor = tl.arange(0, 8)  # at most 8 tensors
+    partial = tl.load(partials_ptr + tensor[:, None] * PROGRAMS + tl.arange(0, PROGRAMS)[None, :],
+                      mask=(tensor < N_TENSORS)[:, None], other=0.0)
+    values = SHIFTS(tl.max(partial, 1), bound)
+    if (block == 0) & (which == 0):
+        entry = tl.arange(0, 16)
+        tl.store(factors_ptr + entry - N_COPIES, values,
+                 mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
+    for c in tl.static_range(N_COPIES):
+        if which == c:
+            offsets, rows, cols, mask = _row_block(strides, shapes, c, batch, block, BLOCK_R,
+                                                   BLOCK_W)
+            x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
+            # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
+            copy = (x * vector_entry(values, c)).to(tl.float16)
+            tl.store(copies[c] + rows[:, None] * shapes[3 * c + 2] + cols[None, :], copy,
+                     mask=mask)

@@ -330,13 +330,12 @@ import triton.language as tl
 from jvp_attention.launch import (
     accurate,
     autotuned,
+    carried_operands,
     carries,
     check_kernel_shapes,
     check_mask_tangent,
-    fp16_operand,
     kernel_meta,
     mask_operand,
-    max_magnitudes,
     on_device,
     prepare_descriptors,
     row_strides,
@@ -360,6 +359,8 @@ from jvp_attention.tiles import (
     shift_exponent,
     store_rounded,
     tile_source,
+    vector_entry,
+    with_entry,
 )
 
 
@@ -433,22 +434,27 @@ def _forward_key_block(
 #   largest value, whatever the data. Whichever limit binds, the other operand's entries are
 #   small next to the binding one's, so what it loses to underflow does not show.
 #
-# Everything is computed on the GPU, so the launch never waits for the host: one fused pass
-# (`torch._foreach_norm` with the max norm) finds every input's largest magnitude, a
-# one-program kernel turns those into exponents (frexp, read off the fp32 bits) and powers of
-# two, and each copy is one multiply written straight to float16. That is a handful of
-# launches: the same arithmetic as a chain of small PyTorch ops cost 0.5 ms per call on the
-# H200, a tenth of the kernel, mostly in launch gaps. The factors that undo the shifts sit in
-# a four-entry device tensor the kernel reads once. The copies are O(N) memory. Exponents are
-# clamped to $\pm 36$: a tensor whose largest entry lies below $2^{-37}$ (about $10^{-11}$)
-# keeps fewer bits for its smallest entries, and one above $2^{52}$ would overflow float16.
-# fp16 inputs have no wider 16-bit type and keep the split; chapter 5 carries the backward
-# the same way.
+# Everything is computed on the GPU, so the launch never waits for the host, in two
+# launches whatever the number of tensors (`carried_operands`). The first, the range pass,
+# streams every input once: 64 programs per tensor each keep the largest magnitude of their
+# share of its rows. In the second, every program reduces those partial maxima (a few hundred
+# floats, from L2), turns them into exponents (frexp, read off the fp32 bits) and powers of
+# two with a small @triton.jit function passed to it as a constexpr (`jvp_shifts` here,
+# `backward_shifts` in chapter 5), and writes one tile of one copy, a multiply straight to
+# float16; its first program also stores the factors that undo the shifts, a four-entry
+# device tensor the attention kernel reads once. The tensors travel to both kernels as
+# tuples, so the host does the same few steps for any of them. The copies are O(N) memory.
+# Exponents are clamped to $\pm 36$: a tensor whose largest entry lies below $2^{-37}$ (about
+# $10^{-11}$) keeps fewer bits for its smallest entries, and one above $2^{52}$ would
+# overflow float16. fp16 inputs have no wider 16-bit type and keep the split; chapter 5
+# carries the backward the same way.
 #
-# The range pass and the copies cost about a dozen small launches and two O(N) passes per
-# call, which the saved products pay back only on long rows. Measured on the H200 (bf16, GPU
-# time per call in ms of the forward+JVP, one run, B·H = 196608 / N rows of N tokens, so the
-# same number of query rows at every N):
+# The first version did the same arithmetic with PyTorch operations (`torch._foreach_norm`,
+# a stack, a one-program shifts kernel, one multiply per copy): about a dozen launches per
+# call, against the two above. The range pass and the copies still cost two O(N) passes,
+# which the saved products pay back only on long rows. Measured on the H200 with that first
+# version (bf16, GPU time per call in ms of the forward+JVP, one run, B·H = 196608 / N rows
+# of N tokens, so the same number of query rows at every N):
 #
 # | d, N | 256 | 512 | 1024 | 2048 | 4096 | 16384 |
 # |---|---|---|---|---|---|---|
@@ -489,6 +495,82 @@ def carry_factor(factors_ptr, index, CARRY: tl.constexpr, identity):
     return factor
 
 
+@triton.jit
+def vector_entry(vector, index):
+    """Entry `index` of a small 1-D tensor (Triton indexes tensors only through masks)."""
+    return tl.sum(tl.where(tl.arange(0, vector.shape[0]) == index, vector, 0.0), 0)
+
+
+@triton.jit
+def with_entry(vector, index, value):
+    """`vector` with entry `index` set to `value`."""
+    return tl.where(tl.arange(0, vector.shape[0]) == index, value, vector)
+
+
+@triton.jit
+def _row_block(strides, shapes, index: tl.constexpr, batch, block, BLOCK_R: tl.constexpr,
+               BLOCK_W: tl.constexpr):
+    """Offsets, flat row numbers and mask of row block `block` of tensor `index`, a
+    (B, H, N, W) view with unit last stride whose rows are taken in (b, h, n) order."""
+    heads, n, width = shapes[3 * index], shapes[3 * index + 1], shapes[3 * index + 2]
+    rows = tl.arange(0, BLOCK_R).to(tl.int64) + block * BLOCK_R  # (b, h, n) < 2**31 rows
+    cols = tl.arange(0, BLOCK_W)
+    offsets = ((rows // (heads * n)) * strides[3 * index]
+               + ((rows // n) % heads) * strides[3 * index + 1]
+               + (rows % n) * strides[3 * index + 2])
+    mask = (rows < batch * heads * n)[:, None] & (cols < width)[None, :]
+    return offsets[:, None] + cols[None, :], rows, cols, mask
+
+
+@triton.jit
+def range_partials_kernel(tensors, strides, shapes, batch, partials_ptr,
+                       N_TENSORS: tl.constexpr, PROGRAMS: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """partials[t, p] = max |x| over row blocks p, p + PROGRAMS, ... of tensor t: a
+    (PROGRAMS, N_TENSORS) grid reads every tensor once."""
+    program, which = tl.program_id(0), tl.program_id(1)
+    for t in tl.static_range(N_TENSORS):
+        if which == t:
+            n_blocks = tl.cdiv(batch * shapes[3 * t] * shapes[3 * t + 1], BLOCK_R)
+            largest = tl.zeros([BLOCK_R, BLOCK_W], tl.float32)
+            for block in range(program, n_blocks, PROGRAMS):
+                offsets, _, _, mask = _row_block(strides, shapes, t, batch, block, BLOCK_R,
+                                                 BLOCK_W)
+                x = tl.load(tensors[t] + offsets, mask=mask, other=0.0)
+                largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
+            tl.store(partials_ptr + t * PROGRAMS + program, tl.max(tl.max(largest, 1), 0))
+
+
+@triton.jit
+def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr, factors_ptr,
+                           bound, SHIFTS: tl.constexpr, N_TENSORS: tl.constexpr,
+                           N_COPIES: tl.constexpr, N_FACTORS: tl.constexpr,
+                           PROGRAMS: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_W: tl.constexpr):
+    """Row block program_id(0) of copy program_id(1): tensor c times its power of two,
+    written to float16 (contiguous). Every program reduces the partial maxima itself (a few
+    hundred floats, from L2) and asks SHIFTS(maxima, bound) for the 16 values: the copies'
+    shifts, then the factors, which the first program stores."""
+    block, which = tl.program_id(0), tl.program_id(1)
+    tensor = tl.arange(0, 8)  # at most 8 tensors
+    partial = tl.load(partials_ptr + tensor[:, None] * PROGRAMS + tl.arange(0, PROGRAMS)[None, :],
+                      mask=(tensor < N_TENSORS)[:, None], other=0.0)
+    values = SHIFTS(tl.max(partial, 1), bound)
+    if (block == 0) & (which == 0):
+        entry = tl.arange(0, 16)
+        tl.store(factors_ptr + entry - N_COPIES, values,
+                 mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
+    for c in tl.static_range(N_COPIES):
+        if which == c:
+            offsets, rows, cols, mask = _row_block(strides, shapes, c, batch, block, BLOCK_R,
+                                                   BLOCK_W)
+            x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
+            # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
+            copy = (x * vector_entry(values, c)).to(tl.float16)
+            tl.store(copies[c] + rows[:, None] * shapes[3 * c + 2] + cols[None, :], copy,
+                     mask=mask)
+
+
 # %% [markdown]
 # The host side of the carry is launch policy, shared with the backward: it opens the
 # module `jvp_attention.launch` (its imports, shown but not run, as above).
@@ -502,7 +584,6 @@ guard, the mask operand, the shape checks and the host side of the bf16 carry.
 """
 
 import functools
-import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -511,21 +592,56 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
-from jvp_attention.tiles import ADDITIVE_MASK, ADDITIVE_WITH_TANGENT, BOOL_MASK, NO_MASK
+from jvp_attention.tiles import (
+    ADDITIVE_MASK,
+    ADDITIVE_WITH_TANGENT,
+    BOOL_MASK,
+    NO_MASK,
+    carried_copies_kernel,
+    range_partials_kernel,
+)
 
 
 # %% tags=["export:launch"]
-def max_magnitudes(*tensors: torch.Tensor) -> torch.Tensor:
-    """max |x| of each tensor (fp32, on their device), in one fused pass over all of them."""
-    return torch.stack([m.float() for m in torch._foreach_norm(list(tensors), ord=math.inf)])
+def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
+                     shifts: triton.JITFunction, bound: float,
+                     n_factors: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Exact fp16 copies of `copied`, each scaled by a power of two, and the factors that
+    undo the shifts, in two launches that never wait for the host.
 
+    Args:
+        copied: The (B, H, N, W) tensors to copy, unit last stride (bf16, or fp16 in tests).
+        others: Tensors whose largest magnitudes the shifts also depend on.
+        shifts: A @triton.jit function of (the largest |x| of `copied` then `others`,
+            `bound`) returning 16 fp32 values: the copies' shifts, then the factors.
+        bound: A number `shifts` needs (a scale, or a power of two's exponent).
+        n_factors: How many factors follow the shifts.
 
-def fp16_operand(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """`x * shift` (a power of two, 0-dim on x's device) written straight to float16: exact
-    for a bfloat16 `x` whose shifted entries lie in float16's range (entries below 2**-24
-    are flushed)."""
-    wide = x if x.dtype == torch.bfloat16 else x.float()  # bf16 holds any shift exactly
-    return torch.mul(wide, shift, out=torch.empty_like(x, dtype=torch.float16))
+    Returns:
+        The contiguous fp16 copies, and the factors (fp32, on the inputs' device).
+    """
+    tensors = (*copied, *others)
+    device = tensors[0].device
+    strides = tuple(s for x in tensors for s in x.stride()[:3])
+    shapes = tuple(n for x in tensors for n in x.shape[1:])
+    width = triton.next_power_of_2(max(x.shape[-1] for x in tensors))
+    # The range pass's programs per tensor: with 8 warps each, enough to stream at full
+    # bandwidth; few enough that every copy program reduces their partial maxima (2 KiB
+    # against its 32 KiB tile) cheaply.
+    programs = 4 if interpreting() else 64
+    meta = {"N_TENSORS": len(tensors), "PROGRAMS": programs,
+            "BLOCK_R": max(1, 8192 // width), "BLOCK_W": width, "num_warps": 8}
+    partials = torch.empty(len(tensors) * programs, device=device, dtype=torch.float32)
+    copies = tuple(torch.empty(x.shape, device=device, dtype=torch.float16) for x in copied)
+    factors = torch.empty(n_factors, device=device, dtype=torch.float32)
+    batch = tensors[0].shape[0]
+    range_partials_kernel[(programs, len(tensors))](tensors, strides, shapes, batch, partials,
+                                                 **meta)
+    rows = max(x.shape[:3].numel() for x in copied)
+    carried_copies_kernel[(triton.cdiv(rows, meta["BLOCK_R"]), len(copied))](
+        tensors, copies, strides, shapes, batch, partials, factors, bound, SHIFTS=shifts,
+        N_COPIES=len(copied), N_FACTORS=n_factors, **meta)
+    return copies, factors
 
 
 # Keys per row from which carrying beats the split (the H200 measurement above).
@@ -542,22 +658,22 @@ def carries(q: torch.Tensor, n_keys: int) -> bool:
 
 # %% tags=["export"]
 @triton.jit
-def _jvp_shifts_kernel(magnitudes_ptr, out_ptr, t_scale):
+def jvp_shifts(maxima, t_scale):
     """From max |v|, |tv|, |q|, |k|, |tq|, |tk|: the shifts 2**e_v of v and 2**(e_w + e_v) of
     tv, then the forward+JVP kernel's factors w = 2**e_w, 2**-e_v, 2**-(e_w + e_v), 2**-e_w."""
-    v_max = tl.load(magnitudes_ptr)
-    tv_max = tl.load(magnitudes_ptr + 1)
     # |tS| <= s d (max|tQ| max|K| + max|Q| max|tK|), and |mu| too
-    t_bound = t_scale * (tl.load(magnitudes_ptr + 4) * tl.load(magnitudes_ptr + 3)
-                         + tl.load(magnitudes_ptr + 2) * tl.load(magnitudes_ptr + 5))
-    e_v = shift_exponent(v_max, 0)
-    e_w = tl.minimum(shift_exponent(2 * t_bound, 14), shift_exponent(tv_max, 14 - e_v))
-    tl.store(out_ptr, power_of_two(e_v))
-    tl.store(out_ptr + 1, power_of_two(e_w + e_v))
-    tl.store(out_ptr + 2, power_of_two(e_w))
-    tl.store(out_ptr + 3, power_of_two(-e_v))
-    tl.store(out_ptr + 4, power_of_two(-e_w - e_v))
-    tl.store(out_ptr + 5, power_of_two(-e_w))
+    t_bound = t_scale * (vector_entry(maxima, 4) * vector_entry(maxima, 3)
+                         + vector_entry(maxima, 2) * vector_entry(maxima, 5))
+    e_v = shift_exponent(vector_entry(maxima, 0), 0)
+    e_w = tl.minimum(shift_exponent(2 * t_bound, 14),
+                     shift_exponent(vector_entry(maxima, 1), 14 - e_v))
+    values = tl.zeros([16], tl.float32)
+    values = with_entry(values, 0, power_of_two(e_v))
+    values = with_entry(values, 1, power_of_two(e_w + e_v))
+    values = with_entry(values, 2, power_of_two(e_w))
+    values = with_entry(values, 3, power_of_two(-e_v))
+    values = with_entry(values, 4, power_of_two(-e_w - e_v))
+    return with_entry(values, 5, power_of_two(-e_w))
 
 
 def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Tensor,
@@ -565,10 +681,9 @@ def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Te
     """Exact fp16 copies of v and tv for the forward+JVP kernel on bf16 inputs, and the
     factors that undo their shifts (fp32, on the device): the tangent scores' w, then the
     factors of O, tO and mu."""
-    shifts = torch.empty(6, device=q.device, dtype=torch.float32)
-    _jvp_shifts_kernel[(1,)](max_magnitudes(v, tv, q, k, tq, tk), shifts,
-                             abs(scale) * q.shape[-1])
-    return fp16_operand(v, shifts[0]), fp16_operand(tv, shifts[1]), shifts[2:]
+    (v_hat, tv_hat), factors = carried_operands((v, tv), (q, k, tq, tk), jvp_shifts,
+                                                abs(scale) * q.shape[-1], 4)
+    return v_hat, tv_hat, factors
 
 
 # %% [markdown]

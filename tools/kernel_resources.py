@@ -113,13 +113,9 @@ def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str) -> 
              (backward, "_backward_dkdv"), (backward, "_backward_dkdv_tangent"),
              (backward, "_backward_dq"), (backward, "_backward_dq_tangent")}
     originals = {(m, n): getattr(m, n) for m, n in saved}
-    shift_kernels = {(forward, "_jvp_shifts_kernel"), (backward, "_backward_shifts_kernel")}
-    originals |= {(m, n): getattr(m, n) for m, n in shift_kernels}
     try:
         for module, name in saved:
             setattr(module, name, Recorder(originals[(module, name)], name, launches))
-        for module, name in shift_kernels:  # one-program scalar kernels: nothing to report
-            setattr(module, name, _NoLaunch())
         shape = (1, 2, 256, head_dim)
         q, k, v, tq, tk, tv, do, dto = (torch.randn(shape, dtype=dtype) for _ in range(8))
         attn_mask = {"none": None, "bool": torch.ones(shape[2], shape[2], dtype=torch.bool),

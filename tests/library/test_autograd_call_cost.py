@@ -4,8 +4,9 @@ PyTorch operations dispatched around the library's operators, for the calls trai
 MeanFlow and sCM, or through both outputs).
 
 Counted on the CPU through Triton's interpreter, which launches exactly what the GPU would for
-float16/float32 inputs. (bfloat16 on the GPU adds the range pass and fp16 copies of accurate
-mode at long sequences, chapter 2.) Besides our launches a call may dispatch only
+float16/float32 inputs. bfloat16 in accurate mode at long sequences carries exact fp16
+copies (chapter 2): two launches more per call, the range pass and the copies, counted here
+by forcing that path on float16 inputs. Besides our launches a call may dispatch only
 allocations, views and forward AD's metadata checks: no PyTorch operation that would be a GPU
 kernel. The budgets are today's counts: lower them when a call gets leaner, never raise them
 without a reason written here.
@@ -27,6 +28,7 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
 FORWARD_JVP_LAUNCHES = 1  # the fused forward+JVP kernel
 PRIMAL_BACKWARD_LAUNCHES = 3  # row statistics, dK/dV, dQ
 SECOND_ORDER_LAUNCHES = 3  # the same three with the tangent switched on
+CARRY_LAUNCHES = 2  # the range pass over the inputs, then the shifted fp16 copies
 # PyTorch operations dispatched per call: our operator (under a dispatch mode, such as the
 # counter here, the library calls its operators, whose launchers the mode does not see; in
 # plain eager mode it calls the launchers directly), views, and forward AD's dual
@@ -107,6 +109,27 @@ def test_jvp_then_primal_backward(dtype, launches) -> None:
     assert sum(launches.values()) == PRIMAL_BACKWARD_LAUNCHES, launches
     assert sum(counter.ops.values()) <= PRIMAL_BACKWARD_OPS, counter.ops
     assert set(counter.ops) - {"aten.ones_like.default"} <= NO_KERNEL, counter.ops
+
+
+def test_carried_operands_add_two_launches(launches, monkeypatch) -> None:
+    """The bf16 carry of accurate mode (forced here on float16 inputs, which the interpreter
+    computes correctly): the range pass and the copies are one launch each, whatever the
+    number of tensors, and no PyTorch operation runs besides allocations and views."""
+    for module in (jvp_attention.forward, jvp_attention.backward):
+        monkeypatch.setattr(module, "carries", lambda q, n_keys: True)
+    inputs, tangents = _inputs(torch.float16)
+    torch.func.jvp(jvp_attention.attention, inputs, tangents)
+    launches.clear()
+    with _CountOps() as counter:
+        out, _ = torch.func.jvp(jvp_attention.attention, inputs, tangents)
+    assert sum(launches.values()) == FORWARD_JVP_LAUNCHES + CARRY_LAUNCHES, launches
+    assert set(counter.ops) <= NO_KERNEL, counter.ops
+    launches.clear()
+    grad = torch.ones_like(out)
+    with _CountOps() as counter:
+        out.backward(grad)
+    assert sum(launches.values()) == PRIMAL_BACKWARD_LAUNCHES + CARRY_LAUNCHES, launches
+    assert set(counter.ops) <= NO_KERNEL, counter.ops
 
 
 def test_backward_through_both_outputs(launches) -> None:
