@@ -1,8 +1,9 @@
 """Tables of measured numbers, built from the saved results so that no page can drift from them.
 
 The site and README.md quote the H200 benchmark (`benchmarks/results/h200_2026-11-30.json`,
-written by `benchmarks/bench.py`) and chapter 9's training steps
-(`examples/results/training_h200.json`). Rather than copying numbers by hand, pages carry
+written by `benchmarks/bench.py`) and chapter 9's DiT-B/2 training steps
+(`examples/results/bench_dit_b2_h200.json`, written by `examples/meanflow_dit.py --bench`).
+Rather than copying numbers by hand, pages carry
 markers and the markdown is generated here:
 
 - on the site, `docs/hooks.py` replaces a marker `<!-- table:NAME -->` at build time;
@@ -34,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARK = REPO / "benchmarks" / "results" / "h200_2026-11-30.json"
-TRAINING = REPO / "examples" / "results" / "training_h200.json"
+TRAINING = REPO / "examples" / "results" / "bench_dit_b2_h200.json"
 README = REPO / "README.md"
 
 HEADLINE = (4, 16, 4096, 128)  # B, H, N, d: chapter 8's first headline shape
@@ -61,7 +62,8 @@ def _load(path: Path) -> dict:
 
 
 def _rel(path: Path) -> str:
-    return path.relative_to(REPO).as_posix()
+    """The path as the pages name it: from the repository's root (absolute outside it)."""
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
 
 
 class Benchmark:
@@ -249,43 +251,58 @@ def precision_table(bench: Benchmark | None = None) -> str:
     )
 
 
-def training_rows(path: Path = TRAINING) -> dict[tuple[int, str], dict]:
-    data = _load(path)
-    return {(r["tokens"], r["attention"]): r for r in data["benchmark"]["rows"] if "step_ms" in r}
+def training_rows(path: Path = TRAINING) -> dict[tuple[int, str, str], dict]:
+    """The measured rows of the DiT-B/2 step benchmark by (tokens, attention, compile mode);
+    empty when it has not run."""
+    if not path.is_file():
+        return {}
+    return {(r["tokens"], r["attention"], r.get("compile", "eager")): r
+            for r in _load(path)["rows"] if "step_ms" in r}
+
+
+NOT_MEASURED = ("The DiT-B/2 training step (chapter 9) has not been measured yet: "
+                "`examples/README.md` has the command.")
 
 
 def training_table(path: Path = TRAINING) -> str:
-    """Chapter 9's end-to-end training step: time and peak memory, and the speed-up over math."""
-    data = _load(path)
+    """Chapter 9's DiT-B/2 step, eager: time and peak memory, and the speed-up over math;
+    our compiled step beside it."""
     rows = training_rows(path)
-    bench = data["benchmark"]
-    model = bench["model"]
-    tokens = sorted({t for t, _ in rows})
-    lines = ["| tokens (image) | " + " | ".join(TRAINING_LABELS.values()) + " |",
-             "|---|" + "---|" * len(TRAINING_LABELS)]
+    if not rows:
+        return NOT_MEASURED
+    data = _load(path)
+    compiled = sorted({mode for _, _, mode in rows} - {"eager"})
+    columns = [(name, "eager", label) for name, label in TRAINING_LABELS.items()]
+    columns += [("jvp_attention", mode, f'jvp_attention "accurate", compiled ({mode})')
+                for mode in compiled]
+    tokens = sorted({t for t, _, _ in rows})
+    lines = ["| tokens (image), batch | " + " | ".join(label for *_, label in columns) + " |",
+             "|---|" + "---|" * len(columns)]
     for n in tokens:
-        math = rows.get((n, "math"))
+        math = rows.get((n, "math", "eager"))
         cells = []
-        for name in TRAINING_LABELS:
-            row = rows.get((n, name))
+        for name, mode, _ in columns:
+            row = rows.get((n, name, mode))
             if row is None:
                 cells.append("-")
                 continue
             text = f"{row['step_ms']:.0f} ms"
             if math is not None and name != "math":
                 text += f" (**{math['step_ms'] / row['step_ms']:.2f}x**)"
-            cells.append(f"{text}, {row['peak_memory_gb']:.1f} GB")
-        size = next(r["image_size"] for (t, _), r in rows.items() if t == n)
-        lines.append(f"| {n} ({size}²) | " + " | ".join(cells) + " |")
-    env = data.get("environment", {})
+            memory = row.get("peak_memory_gb")
+            cells.append(text + ("" if memory is None else f", {memory:.1f} GB"))
+        first = next(r for (t, _, _), r in rows.items() if t == n)
+        lines.append(f"| {n} ({first['image_size']}²), {first['batch']} | " + " | ".join(cells)
+                     + " |")
+    env, model = data.get("environment", {}), data["model"]
     return "\n".join(lines) + (
         f"\n\nOne MeanFlow training step (forward with `torch.func.jvp` through the whole "
-        f"DiT, backward, Adam) of a DiT of width {model['width']}, depth {model['depth']}, "
-        f"{model['heads']} heads, batch {bench['batch']}, {rows[(tokens[0], 'math')]['dtype']} "
-        f"autocast, median of {bench['repeats']} steps: time, in brackets the speed-up over "
-        "the math path (below 1x: slower than it), and the step's peak allocated memory, "
-        f"parameters and Adam state included, in GB of 2³⁰ bytes (`{_rel(path)}`: "
-        f"{env.get('gpu', 'GPU')}, torch {env.get('torch', '?')}; chapter 9)."
+        f"DiT, backward, Adam) of DiT-B/2 ({data['parameters'] / 1e6:.0f} M parameters: width "
+        f"{model['width']}, depth {model['depth']}, {model['heads']} heads, patch "
+        f"{model['patch_size']}), {first['dtype']} autocast, median of a few steps: time, in "
+        "brackets the speed-up over the eager math path (below 1x: slower than it), and the "
+        "step's peak allocated memory, parameters and Adam state included, in GB of 2³⁰ bytes "
+        f"(`{_rel(path)}`: {env.get('gpu', 'GPU')}, torch {env.get('torch', '?')}; chapter 9)."
     )
 
 
@@ -293,23 +310,28 @@ def training_summary(path: Path = TRAINING) -> str:
     """Chapter 9's step in words: jvp_attention's speed and memory against the math path."""
     rows = training_rows(path)
     parts = []
-    for n in sorted({t for t, _ in rows}):
-        ours, math = rows.get((n, "jvp_attention")), rows.get((n, "math"))
+    for n in sorted({t for t, _, _ in rows}):
+        ours, math = rows.get((n, "jvp_attention", "eager")), rows.get((n, "math", "eager"))
         if ours is None or math is None:
             continue
         speed = math["step_ms"] / ours["step_ms"]
-        memory = math["peak_memory_gb"] / ours["peak_memory_gb"]
         verdict = "faster" if speed >= 1.05 else "slower" if speed <= 0.95 else "about as fast"
-        parts.append(f"at {n} tokens {speed:.2f}x the math path's speed ({verdict}) in "
-                     f"{memory:.1f}x less memory")
-    return ("Measured step by step (chapter 9, default precision), jvp_attention ran "
-            + "; ".join(parts) + ".")
+        text = f"at {n} tokens {speed:.2f}x the math path's speed ({verdict})"
+        if ours.get("peak_memory_gb") and math.get("peak_memory_gb"):
+            text += f" in {math['peak_memory_gb'] / ours['peak_memory_gb']:.1f}x less memory"
+        parts.append(text)
+    if not parts:
+        return NOT_MEASURED
+    return ("Measured step by step on DiT-B/2 (chapter 9, default precision, eager), "
+            "jvp_attention ran " + "; ".join(parts) + ".")
 
 
-def training_speedup(tokens: int, attention: str = "jvp_attention", path: Path = TRAINING):
-    """The math path's step time over `attention`'s at `tokens` (chapter 9)."""
+def training_speedup(tokens: int, attention: str = "jvp_attention", path: Path = TRAINING,
+                     compile_mode: str = "eager") -> float:
+    """The eager math path's step time over `attention`'s at `tokens` (chapter 9)."""
     rows = training_rows(path)
-    return rows[(tokens, "math")]["step_ms"] / rows[(tokens, attention)]["step_ms"]
+    return (rows[(tokens, "math", "eager")]["step_ms"]
+            / rows[(tokens, attention, compile_mode)]["step_ms"])
 
 
 TABLES: dict[str, Callable[[], str]] = {
