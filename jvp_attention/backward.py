@@ -13,10 +13,12 @@ from jvp_attention.launch import (
     autotuned,
     carried_operands,
     carries,
+    cdiv,
     check_kernel_shapes,
     check_mask_tangent,
     kernel_meta,
     mask_operand,
+    next_power_of_2,
     on_device,
     prepare_descriptors,
     row_strides,
@@ -170,7 +172,7 @@ def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Exact fp16 copies of q, k, v, dO for the first-order backward of bf16 inputs, and the
     factors that undo their shifts (fp32, on the device): scores, Delta, dQ, dK, dV, and the
     log2 of P's shift, in the order the kernels read them."""
-    ceil_log2_dv = triton.next_power_of_2(v.shape[-1]).bit_length() - 1
+    ceil_log2_dv = next_power_of_2(v.shape[-1]).bit_length() - 1
     # max |dO| below 2**(5 - ceil(log2 d_v)) bounds |dS| by 2**14
     copies, factors = carried_operands((q, k, v, grad_out), (), backward_shifts,
                                        5 - ceil_log2_dv, 6)
@@ -513,7 +515,7 @@ def flash_attention_backward(
                *(mask.stride() if mask is not None else (0, 0, 0, 0)),
                *row_strides(grad_operand, dto))
     sizes = (n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads, scale * LOG2E.value, scale,
-             triton.next_power_of_2(n_q), triton.next_power_of_2(n_k))
+             next_power_of_2(n_q), next_power_of_2(n_k))
     # Descriptors (chapter 4) for the first-order kernels only: compiled for sm_90, the
     # second-order kernels spill hundreds of bytes per thread with them (tools/kernel_resources.py).
     use_tma = not has_tangent and tma_eligible(q, k, v, grad_operand)
@@ -522,17 +524,17 @@ def flash_attention_backward(
     mask_arg = q if mask is None else mask
     with on_device(q):
         prepare_descriptors(use_tma)
-        _row_statistics_kernel[(triton.cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
+        _row_statistics_kernel[(cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
             out, grad_out, t_out, dto, mu, delta, c, residual, t_residual,
             *row_strides(grad_out, dto), n_heads, n_q, value_dim,
             HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
             BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"])
         dkdv = _backward_dkdv_tangent if has_tangent else _backward_dkdv
-        dkdv[lambda m: (triton.cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
+        dkdv[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
             dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches, **meta)
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
-        dq_kernel[lambda m: (triton.cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
+        dq_kernel[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
             dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes, **switches, **meta,
             MASK_GRAD=mask_grad)

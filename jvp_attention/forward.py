@@ -16,10 +16,12 @@ from jvp_attention.launch import (
     autotuned,
     carried_operands,
     carries,
+    cdiv,
     check_kernel_shapes,
     check_mask_tangent,
     kernel_meta,
     mask_operand,
+    next_power_of_2,
     on_device,
     prepare_descriptors,
     row_strides,
@@ -283,7 +285,7 @@ def flash_attention_forward(
     use_tma = tma_eligible(q, k, v, tq, tk, tv)
 
     def grid(meta):
-        return triton.cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
+        return cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
 
     with on_device(q):
         prepare_descriptors(use_tma)
@@ -291,7 +293,7 @@ def flash_attention_forward(
             q, k, v, tq, tk, tv, q if mask is None else mask, out, t_out, lse, mu,
             out_res, t_out_res, factors, *row_strides(q, k, v, tq, tk, tv), *mask_strides,
             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
-            scale * LOG2E.value, scale, triton.next_power_of_2(n_q), triton.next_power_of_2(n_k),
+            scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
             **kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry),

@@ -25,6 +25,18 @@ from jvp_attention.tiles import (
 )
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n, for n >= 1. `triton.next_power_of_2` and `triton.cdiv`
+    are constexpr functions: called from the host, each passes through a wrapper that costs
+    a few microseconds, and a call of the library makes about a dozen such calls."""
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers."""
+    return -(-a // b)
+
+
 def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
                      shifts: triton.JITFunction, bound: float,
                      n_factors: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -46,7 +58,7 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     device = tensors[0].device
     strides = tuple(s for x in tensors for s in x.stride()[:3])
     shapes = tuple(n for x in tensors for n in x.shape[1:])
-    width = triton.next_power_of_2(max(x.shape[-1] for x in tensors))
+    width = next_power_of_2(max(x.shape[-1] for x in tensors))
     # The range pass's programs per tensor: with 8 warps each, enough to stream at full
     # bandwidth; few enough that every copy program reduces their partial maxima (2 KiB
     # against its 32 KiB tile) cheaply.
@@ -60,7 +72,7 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     range_partials_kernel[(programs, len(tensors))](tensors, strides, shapes, batch, partials,
                                                  **meta)
     rows = max(x.shape[:3].numel() for x in copied)
-    carried_copies_kernel[(triton.cdiv(rows, meta["BLOCK_R"]), len(copied))](
+    carried_copies_kernel[(cdiv(rows, meta["BLOCK_R"]), len(copied))](
         tensors, copies, strides, shapes, batch, partials, factors, bound, SHIFTS=shifts,
         N_COPIES=len(copied), N_FACTORS=n_factors, **meta)
     return copies, factors
@@ -264,8 +276,8 @@ def kernel_meta(q: torch.Tensor, head_dim: int, value_dim: int, split: bool = Fa
     `split` asks for hi + lo rounding of the fp32 operands of 16-bit products (see
     `dot_rounded`); it is meaningless, and off, for fp32 inputs."""
     return {
-        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
-        "BLOCK_DV": max(16, triton.next_power_of_2(value_dim)),
+        "BLOCK_D": max(16, next_power_of_2(head_dim)),
+        "BLOCK_DV": max(16, next_power_of_2(value_dim)),
         # Match PyTorch's fp32 matmuls (no TF32); 16-bit inputs ignore this.
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         "SPLIT": split and q.dtype != torch.float32,

@@ -677,19 +677,18 @@ def attention(
     q, k, v, mask = _as_4d(query, key, value, attn_mask)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     precision = get_precision()
-    tangents = _tangents_of(q, k, v, mask)
+    traced = _traced()
+    primals, tangents = _primals_and_tangents(q, k, v, mask, traced)
     if tangents is None:
         out = _apply(_Attention, q, k, v, mask, is_causal, scale, _wants_residual(q, k, v),
                      precision)[0]
     else:
         # Unpack the duals, run the fused op on primals and tangents as plain inputs, and
         # hand forward-mode AD tO as the tangent of O: no copy, and Dynamo can trace it.
-        primals = [None if x is None else forward_ad.unpack_dual(x).primal
-                   for x in (q, k, v, mask)]
         out, tangent_out = _apply(
             _FusedTangent, *primals[:3], *tangents[:3], primals[3], tangents[3], is_causal,
             scale, _wants_residual(*primals[:3], *tangents[:3]), precision)[:2]
-        out = forward_ad.make_dual(out, tangent_out)
+        out = _make_dual(out, tangent_out, traced)
     return out if query.dim() == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
 
 
@@ -833,18 +832,47 @@ _functorch_top = torch._C._functorch.peek_interpreter_stack
 _unwrap_for_grad, _wrap_for_grad = torch._C._functorch._unwrap_for_grad, torch._C._functorch._wrap_for_grad
 
 
-def _tangents_of(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
-    """The forward-mode tangents of q, k, v (zeros where one has none) and of a float mask
-    (None if it has none), or None if no input has one."""
-    tangents = [forward_ad.unpack_dual(x).tangent for x in (q, k, v)]
-    mask_tangent = None
+def _primals_and_tangents(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, traced: bool,
+                          ) -> tuple[list, tuple[Tensor, Tensor, Tensor, Tensor | None] | None]:
+    """The primals of q, k, v and the mask, and the forward-mode tangents of q, k, v (zeros
+    where one has none) and of a float mask (None if it has none), or None for the tangents
+    if no input has one."""
+    unpacked = [_unpack_dual(x, traced) for x in (q, k, v)]
+    mask_primal, mask_tangent = mask, None
     if mask is not None and mask.is_floating_point():
-        mask_tangent = forward_ad.unpack_dual(mask).tangent
-    if all(t is None for t in tangents) and mask_tangent is None:
-        return None
-    return (*(_zeros_like(x) if t is None else t for x, t in zip((q, k, v), tangents,
-                                                                 strict=True)), mask_tangent)
+        mask_primal, mask_tangent = _unpack_dual(mask, traced)
+    primals = [primal for primal, _ in unpacked] + [mask_primal]
+    if all(t is None for _, t in unpacked) and mask_tangent is None:
+        return primals, None
+    return primals, (*(_zeros_like(x) if t is None else t
+                       for x, (_, t) in zip((q, k, v), unpacked, strict=True)), mask_tangent)
+
+
+def _traced() -> bool:
+    """Whether a tracer may be watching (torch.compile, or a torch function mode such as
+    torch.export's): forward AD's public functions are then called as they are."""
+    return torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+
+
+def _unpack_dual(x: Tensor, traced: bool) -> tuple[Tensor, Tensor | None]:
+    """(primal, tangent) of `x` at forward AD's current level: `forward_ad.unpack_dual`
+    without its Python wrappers (a named tuple and a tracer's check, together dearer than the
+    unpacking itself) unless a tracer may be watching (`traced`)."""
+    level = forward_ad._current_level
+    if level < 0:
+        return x, None
+    if traced:
+        primal, tangent = forward_ad.unpack_dual(x, level=level)
+        return primal, tangent
+    return torch._unpack_dual(x, level)
+
+
+def _make_dual(primal: Tensor, tangent: Tensor, traced: bool) -> Tensor:
+    """`forward_ad.make_dual(primal, tangent)` at the current level, without its wrappers
+    unless a tracer may be watching (`primal` and `tangent` are our outputs: floating point)."""
+    if traced:
+        return forward_ad.make_dual(primal, tangent)
+    return torch._make_dual(primal, tangent, level=forward_ad._current_level)
 
 
 # %% [markdown]
@@ -1252,14 +1280,20 @@ for name, fn, args in [("forward+backward", block, (x, w)),
 # arguments again. This is safe because `attention` has already unpacked the duals. No
 # input of the Function carries a tangent at the transform's level, so the lifted Function's
 # `jvp` could never run. All that lifting does there is the unwrapping and wrapping.
-# Anything else (`vmap`, `grad`, nested transforms, `torch.compile`) takes `Function.apply`
+# `attention` itself unpacks each dual once and makes the output's dual with
+# `torch._unpack_dual` and `torch._make_dual`, the operations `forward_ad`'s public
+# functions wrap (in a named tuple, and a check for torch.export's tracer that is dearer
+# than the unpacking); while a tracer may be watching it calls the public functions. The
+# launchers compute tile sizes with host versions of `triton.next_power_of_2` and
+# `triton.cdiv`, which are constexpr functions and pass through a wrapper when called from
+# the host. Anything else (`vmap`, `grad`, nested transforms, `torch.compile`) takes `Function.apply`
 # as before. The cell below times both paths on the same inputs, and times
 # `torch.func.jvp` of a one-multiplication function as a floor. It also checks that both
 # paths give the same bits.
 #
 # `tests/library/test_autograd_call_cost.py` counts the Python calls of a call in CI, so
-# that this cannot creep back: 1195 with the lifting, 185 without (torch 2.13, outside the
-# Triton launch). `benchmarks/training_shapes.py` measures the whole step (chapter 8).
+# that this cannot creep back: 1195 with the lifting, 185 without, 138 with the unpacking
+# and the tile sizes above (torch 2.13, outside the Triton launch). `benchmarks/training_shapes.py` measures the whole step (chapter 8).
 
 # %%
 import sys
