@@ -348,7 +348,8 @@ del b2_model
 # jvp-flash-attention 0.14's `JVPAttn.fwd_dual`. Each runs eager, and with the training
 # forward (the DiT under `torch.func.jvp`, and the loss) under `torch.compile`. The image
 # grows from 32² to 128² pixels, 256 to 4096 tokens, with a batch of 32 images, and of 2 at
-# 4096 tokens, where the math path's N² scores for 32 images would not fit in memory.
+# 4096 tokens, where the math path's N² scores for 32 images would not fit in memory
+# ("fast" precision runs eager only).
 #
 # Every row also has the attention's share of the step: one more step runs under
 # `torch.profiler`, and the CUDA kernel time of the attention's forward, JVP and backward is
@@ -362,6 +363,7 @@ del b2_model
 # ```bash
 # python examples/meanflow_dit.py --bench --preset dit-b2 --batch-size 32 \
 #     --batch-per-size 128=2 --compile eager default \
+#     --compile-attentions jvp_attention math jvp_flash_attention \
 #     --out examples/results/bench_dit_b2_h200.json
 # ```
 #
