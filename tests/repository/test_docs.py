@@ -248,9 +248,12 @@ def test_landing_page_in_browser(server: str, browser_context: object) -> None:
     headers = page.evaluate(TABLE_HEADERS)
     assert any("forward + JVP, TFLOP/s" in row for row in headers), (
         f"the home page has no generated benchmark table: {headers}")
-    assert any(any(h.startswith("PyTorch math") for h in row) for row in headers), (
-        f"the home page has no generated training-step table: {headers}")
     content = page.locator("article").inner_text()
+    if (REPO / "examples" / "results" / "bench_dit_b2_h200.json").is_file():
+        assert any(any(h.startswith("PyTorch math") for h in row) for row in headers), (
+            f"the home page has no generated training-step table: {headers}")
+    else:  # chapter 9's DiT-B/2 run is not saved yet: the page says so
+        assert "has not been measured yet" in content
     assert "table:" not in content, "a table marker was left unfilled"
     assert "x less memory" in content
     link = page.locator('article a[href="limitations/"]')
