@@ -19,6 +19,7 @@ from jvp_attention.launch import (
     cdiv,
     check_kernel_shapes,
     check_mask_tangent,
+    column_tiles,
     kernel_meta,
     mask_operand,
     next_power_of_2,
@@ -38,12 +39,16 @@ from jvp_attention.tiles import (
     head_base,
     key_block_ranges,
     load_head_rows,
+    load_head_tail_rows,
     load_rows,
+    load_tail_rows,
     masked_scores,
     online_softmax_step,
     power_of_two,
     shift_exponent,
     store_rounded,
+    tail_accumulator,
+    tail_source,
     tile_source,
     vector_entry,
     with_entry,
@@ -52,32 +57,47 @@ from jvp_attention.tiles import (
 
 @triton.jit
 def _forward_key_block(
-    acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-    k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
-    mask_ptr, stride_mask_m, stride_mask_n,
+    acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, q, q2, tq, tq2, rows, start_n,
+    k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src, stride_tkn,
+    tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n,
     n_q, n_k, head_dim, value_dim, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TAIL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Fold the key block starting at `start_n` into the softmax state (and the tangent state)."""
+    """Fold the key block starting at `start_n` into the softmax state (and the tangent state).
+    A name ending in 2 is the second tile of a head dim cut in two (D_TAIL, DV_TAIL > 0)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     k = load_rows(k_src, start_n, stride_kn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
     v = load_rows(v_src, start_n, stride_vn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
-                       IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
+    k2 = load_tail_rows(k2_src, start_n, stride_kn, n_k, head_dim, BLOCK_N, BLOCK_D, D_TAIL,
+                        USE_TMA)
+    v2 = load_tail_rows(v2_src, start_n, stride_vn, n_k, value_dim, BLOCK_N, BLOCK_DV,
+                        DV_TAIL, USE_TMA)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if D_TAIL > 0:
+        s = tl.dot(q2, tl.trans(k2), acc=s, input_precision=DOT_PRECISION)
+    s = masked_scores(s * qk_scale, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
+                       n_k, IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
     m_new, alpha, p = online_softmax_step(s, m_i, MASK_KIND != 0)
     l_new = l_i * alpha + tl.sum(p, 1)
     acc_o = acc_o * alpha[:, None]
+    if DV_TAIL > 0:
+        acc_o2 = acc_o2 * alpha[:, None]
     if HAS_TANGENT:
         tk = load_rows(tk_src, start_n, stride_tkn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
         tv = load_rows(tv_src, start_n, stride_tvn, n_k, value_dim, BLOCK_N, BLOCK_DV,
                         USE_TMA)
         # Natural units: masked entries have p~ = 0, so their tS never matters.
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
-        ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
+        ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION)
+        if D_TAIL > 0:
+            tk2 = load_tail_rows(tk2_src, start_n, stride_tkn, n_k, head_dim, BLOCK_N, BLOCK_D,
+                                 D_TAIL, USE_TMA)
+            ts = tl.dot(tq2, tl.trans(k2), acc=ts, input_precision=DOT_PRECISION)
+            ts = tl.dot(q2, tl.trans(tk2), acc=ts, input_precision=DOT_PRECISION)
+        ts = ts * scale
         # + tB, in natural units (never with CARRY, whose tS is in units of w: see the launcher)
         ts = add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
                                n_k, MASK_KIND)
@@ -87,9 +107,17 @@ def _forward_key_block(
         p_centred = p * (ts - mu_new[:, None])
         acc_t = dot_rounded(p_centred, v, acc_t, DOT_PRECISION, SPLIT)
         acc_t = dot_rounded(p, tv, acc_t, DOT_PRECISION, SPLIT)
+        if DV_TAIL > 0:
+            tv2 = load_tail_rows(tv2_src, start_n, stride_tvn, n_k, value_dim, BLOCK_N,
+                                 BLOCK_DV, DV_TAIL, USE_TMA)
+            acc_t2 = acc_t2 * alpha[:, None] - (mu_new - mu_i)[:, None] * acc_o2
+            acc_t2 = dot_rounded(p_centred, v2, acc_t2, DOT_PRECISION, SPLIT)
+            acc_t2 = dot_rounded(p, tv2, acc_t2, DOT_PRECISION, SPLIT)
         mu_i = mu_new
     acc_o = dot_rounded(p, v, acc_o, DOT_PRECISION, SPLIT)
-    return acc_o, acc_t, l_new, mu_i, m_new
+    if DV_TAIL > 0:
+        acc_o2 = dot_rounded(p, v2, acc_o2, DOT_PRECISION, SPLIT)
+    return acc_o, acc_o2, acc_t, acc_t2, l_new, mu_i, m_new
 
 
 @triton.jit
@@ -135,69 +163,93 @@ def _attention_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr, USE_TMA: tl.constexpr, CARRY: tl.constexpr,
+    D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr,
 ):
     """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head).
-    With CARRY, v and tv are `jvp_operands`' fp16 copies and `factors_ptr` their factors."""
+    With CARRY, v and tv are `jvp_operands`' fp16 copies and `factors_ptr` their factors.
+    With D_TAIL (DV_TAIL), the head dim of q and k (of v) is cut into tiles of BLOCK_D and
+    D_TAIL columns (`column_tiles`)."""
     start_m = tl.program_id(0) * BLOCK_M
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
-    q = load_head_rows(head_base(q_ptr, batch, head, stride_qb, stride_qh), start_m, stride_qm,
-                        n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
-    k_src = tile_source(head_base(k_ptr, batch, kv_head, stride_kb, stride_kh), n_k, head_dim,
-                         stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = tile_source(head_base(v_ptr, batch, kv_head, stride_vb, stride_vh), n_k, value_dim,
-                         stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
+    q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh)
+    q = load_head_rows(q_base, start_m, stride_qm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+    q2 = load_head_tail_rows(q_base, start_m, stride_qm, n_q, head_dim, BLOCK_M, BLOCK_D,
+                             D_TAIL, USE_TMA)
+    k_base = head_base(k_ptr, batch, kv_head, stride_kb, stride_kh)
+    k_src = tile_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+    k2_src = tail_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, D_TAIL, USE_TMA)
+    v_base = head_base(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    v_src = tile_source(v_base, n_k, value_dim, stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
+    v2_src = tail_source(v_base, n_k, value_dim, stride_vn, BLOCK_N, BLOCK_DV, DV_TAIL,
+                         USE_TMA)
     mask_ptr = head_base(mask_ptr, batch, head, stride_mask_b, stride_mask_h)
     if HAS_TANGENT:
-        tq = load_head_rows(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh), start_m,
-                             stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
-        tk_src = tile_source(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh), n_k,
-                              head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
-        tv_src = tile_source(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh), n_k,
-                              value_dim, stride_tvn, BLOCK_N, BLOCK_DV, USE_TMA)
+        tq_base = head_base(tq_ptr, batch, head, stride_tqb, stride_tqh)
+        tq = load_head_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D,
+                            USE_TMA)
+        tq2 = load_head_tail_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M,
+                                  BLOCK_D, D_TAIL, USE_TMA)
+        tk_base = head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh)
+        tk_src = tile_source(tk_base, n_k, head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
+        tk2_src = tail_source(tk_base, n_k, head_dim, stride_tkn, BLOCK_N, BLOCK_D, D_TAIL,
+                              USE_TMA)
+        tv_base = head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh)
+        tv_src = tile_source(tv_base, n_k, value_dim, stride_tvn, BLOCK_N, BLOCK_DV, USE_TMA)
+        tv2_src = tail_source(tv_base, n_k, value_dim, stride_tvn, BLOCK_N, BLOCK_DV, DV_TAIL,
+                              USE_TMA)
         acc_t = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        acc_t2 = tail_accumulator(BLOCK_M, DV_TAIL)
         scale *= carry_factor(factors_ptr, 0, CARRY, 1.0)  # tS, and so mu, in units of w
     else:
-        tq, tk_src, tv_src = q, k_src, v_src
+        tq, tq2, tk_src, tk2_src, tv_src, tv2_src = q, q2, k_src, k2_src, v_src, v2_src
         acc_t = tl.zeros([1, 1], dtype=tl.float32)
+        acc_t2 = tl.zeros([1, 1], dtype=tl.float32)
     acc_o = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc_o2 = tail_accumulator(BLOCK_M, DV_TAIL)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     mu_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
     full_end, end = key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
-        acc_o, acc_t, l_i, mu_i, m_i = _forward_key_block(
-            acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-            k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
-            mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
-            qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
+        acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i = _forward_key_block(
+            acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, q, q2, tq, tq2, rows, start_n,
+            k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src, stride_tkn,
+            tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
+            head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
+            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA)
     for start_n in range(full_end, end, BLOCK_N):
-        acc_o, acc_t, l_i, mu_i, m_i = _forward_key_block(
-            acc_o, acc_t, l_i, mu_i, m_i, q, tq, rows, start_n,
-            k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
-            mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, head_dim, value_dim,
-            qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA)
+        acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i = _forward_key_block(
+            acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, q, q2, tq, tq2, rows, start_n,
+            k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src, stride_tkn,
+            tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
+            head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
+            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    o = acc_o * (inv_l * carry_factor(factors_ptr, 1, CARRY, 1.0))[:, None]
+    o_factor = inv_l * carry_factor(factors_ptr, 1, CARRY, 1.0)
     flat_rows = tl.program_id(1).to(tl.int64) * n_q + rows
     dims_v = tl.arange(0, BLOCK_DV)
-    store_rounded(o_ptr, o_residual_ptr, o, flat_rows, rows, dims_v, n_q, value_dim,
-                   STORE_RESIDUAL)
+    store_rounded(o_ptr, o_residual_ptr, acc_o * o_factor[:, None], flat_rows, rows, dims_v,
+                   n_q, value_dim, STORE_RESIDUAL)
+    if DV_TAIL > 0:
+        store_rounded(o_ptr, o_residual_ptr, acc_o2 * o_factor[:, None], flat_rows, rows,
+                      BLOCK_DV + tl.arange(0, DV_TAIL), n_q, value_dim, STORE_RESIDUAL)
     log2_l = tl.log2(tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
     tl.store(lse_ptr + flat_rows, lse, mask=rows < n_q)
     if HAS_TANGENT:
         # acc_t is centred on the final mu: tO = acc_t / l, no cancellation left to do.
-        t_o = acc_t * (inv_l * carry_factor(factors_ptr, 2, CARRY, 1.0))[:, None]
-        store_rounded(to_ptr, to_residual_ptr, t_o, flat_rows, rows, dims_v, n_q, value_dim,
-                       STORE_RESIDUAL)
+        t_factor = inv_l * carry_factor(factors_ptr, 2, CARRY, 1.0)
+        store_rounded(to_ptr, to_residual_ptr, acc_t * t_factor[:, None], flat_rows, rows,
+                       dims_v, n_q, value_dim, STORE_RESIDUAL)
+        if DV_TAIL > 0:
+            store_rounded(to_ptr, to_residual_ptr, acc_t2 * t_factor[:, None], flat_rows, rows,
+                          BLOCK_DV + tl.arange(0, DV_TAIL), n_q, value_dim, STORE_RESIDUAL)
         tl.store(mu_ptr + flat_rows, mu_i * carry_factor(factors_ptr, 3, CARRY, 1.0),
                  mask=rows < n_q)
 
@@ -296,7 +348,8 @@ def flash_attention_forward(
             scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
-            **kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry),
+            **{**kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry),
+               **column_tiles(head_dim, value_dim)},
         )
     outputs = AttentionOutputs(out, lse, t_out if has_tangent else None,
                                mu if has_tangent else None)

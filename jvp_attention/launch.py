@@ -284,6 +284,24 @@ def kernel_meta(q: torch.Tensor, head_dim: int, value_dim: int, split: bool = Fa
     }
 
 
+def column_tiles(head_dim: int, value_dim: int) -> dict:
+    """The forward's tiles across the head dims: BLOCK_D columns of q and k, then D_TAIL more
+    (0: none), and the same for v. A width that a power of two would pad by more than the
+    second tile's extra product costs is cut in two: 72 = 64 + 16 (80 columns multiplied,
+    not 128), 96 = 64 + 32, 48 = 32 + 16."""
+    (block_d, d_tail), (block_dv, dv_tail) = (_two_tiles(n) for n in (head_dim, value_dim))
+    return {"BLOCK_D": block_d, "D_TAIL": d_tail, "BLOCK_DV": block_dv, "DV_TAIL": dv_tail}
+
+
+def _two_tiles(width: int) -> tuple[int, int]:
+    whole = max(16, next_power_of_2(width))
+    first = 1 << (width.bit_length() - 1)  # the largest power of two <= width
+    if first < 16 or first == width:
+        return whole, 0
+    tail = max(16, next_power_of_2(width - first))
+    return (first, tail) if first + tail < whole else (whole, 0)
+
+
 def tma_eligible(*tensors: torch.Tensor) -> bool:
     """True when the tiles of these (B, H, N, D) CUDA tensors can come through tensor
     descriptors (chapter 4): a Hopper or newer GPU, contiguous rows, 16-byte aligned base

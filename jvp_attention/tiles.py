@@ -70,6 +70,50 @@ def load_head_rows(ptr, start, stride_row, n_rows, n_cols, BLOCK_R: tl.constexpr
 
 
 @triton.jit
+def tail_source(ptr, n_rows, n_cols, stride_row, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                TAIL: tl.constexpr, USE_TMA: tl.constexpr):
+    """The columns past the first BLOCK_C of a matrix as a `tile_source` of width TAIL, for a
+    head dim cut into two tiles (72 = 64 + 16 columns, not 128); `ptr` itself with no tail."""
+    if TAIL > 0:
+        src = tile_source(ptr + BLOCK_C, n_rows, n_cols - BLOCK_C, stride_row, BLOCK_R, TAIL,
+                          USE_TMA)
+    else:
+        src = ptr
+    return src
+
+
+@triton.jit
+def load_tail_rows(src, start, stride_row, n_rows, n_cols, BLOCK_R: tl.constexpr,
+                   BLOCK_C: tl.constexpr, TAIL: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows start.. of a `tail_source` (columns BLOCK_C up to n_cols); a 1 x 1 placeholder,
+    never read, with no tail."""
+    if TAIL > 0:
+        x = load_rows(src, start, stride_row, n_rows, n_cols - BLOCK_C, BLOCK_R, TAIL, USE_TMA)
+    else:
+        x = tl.zeros([1, 1], tl.float32)
+    return x
+
+
+@triton.jit
+def load_head_tail_rows(ptr, start, stride_row, n_rows, n_cols, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr, TAIL: tl.constexpr, USE_TMA: tl.constexpr):
+    """`load_head_rows` for the tail columns: a tile read once."""
+    src = tail_source(ptr, n_rows, n_cols, stride_row, BLOCK_R, BLOCK_C, TAIL, USE_TMA)
+    return load_tail_rows(src, start, stride_row, n_rows, n_cols, BLOCK_R, BLOCK_C, TAIL,
+                          USE_TMA)
+
+
+@triton.jit
+def tail_accumulator(BLOCK_R: tl.constexpr, TAIL: tl.constexpr):
+    """fp32 zeros for the tail columns' results; a 1 x 1 placeholder with no tail."""
+    if TAIL > 0:
+        acc = tl.zeros([BLOCK_R, TAIL], dtype=tl.float32)
+    else:
+        acc = tl.zeros([1, 1], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
 def store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims):
     """Store a tile into a contiguous (rows, n_dims) tensor; `flat_rows` index the whole tensor."""
     mask = (rows[:, None] < n_rows) & (dims[None, :] < n_dims)

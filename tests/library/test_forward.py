@@ -87,6 +87,20 @@ def test_grid_covers_every_feature() -> None:
     assert {"bnhd"} <= {s.layout for s in CPU_CASES}
     assert {"expanded", "bnhd", "tangent_only"} <= {s.cotangent for s in CPU_CASES}
     assert any(s.scale is not None for s in CPU_CASES)
+    # head dims cut into two tiles (72 = 64 + 16), for q/k and for v
+    tiles = [jvp_attention.launch.column_tiles(s.d, s.dv or s.d) for s in CPU_CASES]
+    assert any(t["D_TAIL"] for t in tiles) and any(t["DV_TAIL"] for t in tiles)
+
+
+def test_column_tiles_skip_most_of_the_padding() -> None:
+    column_tiles = jvp_attention.launch.column_tiles
+    cuts = {d: (column_tiles(d, d)["BLOCK_D"], column_tiles(d, d)["D_TAIL"])
+            for d in (13, 16, 24, 40, 64, 72, 96, 100, 128, 160, 256)}
+    assert cuts == {13: (16, 0), 16: (16, 0), 24: (32, 0), 40: (32, 16), 64: (64, 0),
+                    72: (64, 16), 96: (64, 32), 100: (128, 0), 128: (128, 0), 160: (128, 32),
+                    256: (256, 0)}
+    assert column_tiles(128, 72) == {"BLOCK_D": 128, "D_TAIL": 0, "BLOCK_DV": 64,
+                                     "DV_TAIL": 16}
 
 
 # --- properties of the kernel beyond accuracy ---------------------------------------------
