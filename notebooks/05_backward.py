@@ -90,6 +90,7 @@ from jvp_attention.launch import (
     cdiv,
     check_kernel_shapes,
     check_mask_tangent,
+    column_tiles,
     kernel_meta,
     mask_operand,
     next_power_of_2,
@@ -107,12 +108,16 @@ from jvp_attention.tiles import (
     head_base,
     key_block_ranges,
     load_head_rows,
+    load_head_tail_rows,
     load_rows,
+    load_tail_rows,
     load_tile,
     masked_scores,
     power_of_two,
     shift_exponent,
     store_rows,
+    tail_accumulator,
+    tail_source,
     tile_source,
     vector_entry,
     with_entry,
@@ -218,14 +223,21 @@ def _backward_tile(
     mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     CHECK_BOUNDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q2, k2, v2, do2, D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr,
 ):
     """P and dS of one (query block x key block) tile, recomputed from LSE; with the tangent
-    also tP and dtS (chapter 6)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
-                       IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
+    also tP and dtS (chapter 6). q2, k2 (v2, do2) are the second column tiles of a head dim
+    cut in two (chapter 2's `column_tiles`), which only the first-order backward uses."""
+    tl.static_assert(not (HAS_TANGENT and (D_TAIL > 0 or DV_TAIL > 0)))
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if D_TAIL > 0:
+        s = tl.dot(q2, tl.trans(k2), acc=s, input_precision=DOT_PRECISION)
+    s = masked_scores(s * qk_scale, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
+                       n_k, IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    if DV_TAIL > 0:
+        dp = tl.dot(do2, tl.trans(v2), acc=dp, input_precision=DOT_PRECISION)
     if HAS_TANGENT:
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
@@ -427,7 +439,7 @@ def _attention_backward_dkdv_kernel(
             p, ds, tp, dts = _backward_tile(
                 q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
                 head_mask, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
-                IS_CAUSAL, MASK_KIND, HAS_TANGENT, True, DOT_PRECISION)
+                IS_CAUSAL, MASK_KIND, HAS_TANGENT, True, DOT_PRECISION, q, k, v, do, 0, 0)
             acc_dv = dot_rounded(tl.trans(p), do, acc_dv, DOT_PRECISION, SPLIT)
             acc_dk = dot_rounded(tl.trans(ds), q, acc_dk, DOT_PRECISION, SPLIT)
             if HAS_TANGENT:
@@ -450,24 +462,37 @@ def _attention_backward_dkdv_kernel(
 #
 # A program owns one query block and walks the key blocks it sees, with the same split into
 # whole blocks and masked tail as the forward (`key_block_ranges`).
+#
+# Like the forward, the first-order dQ kernel multiplies a heavily padded head dim in two
+# column tiles (chapter 2's `column_tiles`: 72 = 64 + 16): the scores and $dP$ take a second
+# product each, and dQ a second accumulator. Compiled for Hopper at $d = 72$ in bf16 its
+# tiles need 82 to 157 registers instead of 174 to 206. The dK/dV kernel keeps one padded
+# tile: with two, every one of its 8-warp tiles spills (580 to 1796 bytes per thread), and
+# the second-order kernels are at the register ceiling already
+# (`tools/kernel_resources.py --head-dim 72`).
 
 # %% tags=["export"]
 @triton.jit
 def _dq_key_block(
-    acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
-    k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
-    mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
+    acc_dq, acc_dq2, acc_dtq, q, q2, tq, do, do2, dto, lse2, delta, mu, c, rows, start_n,
+    k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, stride_tkn, tv_src,
+    stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
     n_q, n_k, head_dim, value_dim, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    USE_TMA: tl.constexpr, MASK_GRAD: tl.constexpr,
+    USE_TMA: tl.constexpr, MASK_GRAD: tl.constexpr, D_TAIL: tl.constexpr,
+    DV_TAIL: tl.constexpr,
 ):
     """Fold the key block starting at `start_n` into dQ (and dtQ); with MASK_GRAD, store
     its tile of dS (and dtS) as the gradient of the additive mask (and of its tangent)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     k = load_rows(k_src, start_n, stride_kn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
     v = load_rows(v_src, start_n, stride_vn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
+    k2 = load_tail_rows(k2_src, start_n, stride_kn, n_k, head_dim, BLOCK_N, BLOCK_D, D_TAIL,
+                        USE_TMA)
+    v2 = load_tail_rows(v2_src, start_n, stride_vn, n_k, value_dim, BLOCK_N, BLOCK_DV,
+                        DV_TAIL, USE_TMA)
     if HAS_TANGENT:
         tk = load_rows(tk_src, start_n, stride_tkn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
         tv = load_rows(tv_src, start_n, stride_tvn, n_k, value_dim, BLOCK_N, BLOCK_DV,
@@ -477,17 +502,20 @@ def _dq_key_block(
     p, ds, tp, dts = _backward_tile(
         q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
         mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
-        IS_CAUSAL, MASK_KIND, HAS_TANGENT, CHECK_BOUNDS, DOT_PRECISION)
+        IS_CAUSAL, MASK_KIND, HAS_TANGENT, CHECK_BOUNDS, DOT_PRECISION, q2, k2, v2, do2,
+        D_TAIL, DV_TAIL)
     if MASK_GRAD:  # dS, dtS in natural units: the launcher does not carry with MASK_GRAD
         wide_rows = rows.to(tl.int64)  # a head's Nq x Nk entries can pass 2**31
         store_rows(dmask_ptr, ds, wide_rows, rows, cols, n_q, n_k)
         if HAS_TANGENT:
             store_rows(dtmask_ptr, dts, wide_rows, rows, cols, n_q, n_k)
     acc_dq = dot_rounded(ds, k, acc_dq, DOT_PRECISION, SPLIT)
+    if D_TAIL > 0:
+        acc_dq2 = dot_rounded(ds, k2, acc_dq2, DOT_PRECISION, SPLIT)
     if HAS_TANGENT:
         acc_dq = dot_rounded(dts, tk, acc_dq, DOT_PRECISION, SPLIT)
         acc_dtq = dot_rounded(dts, k, acc_dtq, DOT_PRECISION, SPLIT)
-    return acc_dq, acc_dtq
+    return acc_dq, acc_dq2, acc_dtq
 
 
 @triton.jit
@@ -505,6 +533,7 @@ def _attention_backward_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     USE_TMA: tl.constexpr, CARRY: tl.constexpr, MASK_GRAD: tl.constexpr,
+    D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr,
 ):
     """dQ (and dtQ) of one query block of one (batch, head); with MASK_GRAD also its rows of
     the mask's gradient dS (and dtS), contiguous (B, H, Nq, Nk) fp32."""
@@ -515,10 +544,15 @@ def _attention_backward_dq_kernel(
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q = load_head_rows(head_base(q_ptr, batch, head, stride_qb, stride_qh), start_m, stride_qm,
-                        n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
-    do = load_head_rows(head_base(do_ptr, batch, head, stride_dob, stride_doh), start_m, stride_dom,
-                         n_q, value_dim, BLOCK_M, BLOCK_DV, USE_TMA)
+    q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh)
+    do_base = head_base(do_ptr, batch, head, stride_dob, stride_doh)
+    q = load_head_rows(q_base, start_m, stride_qm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+    do = load_head_rows(do_base, start_m, stride_dom, n_q, value_dim, BLOCK_M, BLOCK_DV,
+                         USE_TMA)
+    q2 = load_head_tail_rows(q_base, start_m, stride_qm, n_q, head_dim, BLOCK_M, BLOCK_D,
+                             D_TAIL, USE_TMA)
+    do2 = load_head_tail_rows(do_base, start_m, stride_dom, n_q, value_dim, BLOCK_M, BLOCK_DV,
+                              DV_TAIL, USE_TMA)
     if HAS_TANGENT:
         tq = load_head_rows(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh), start_m,
                              stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
@@ -532,10 +566,13 @@ def _attention_backward_dq_kernel(
     lse2, delta, mu, c = _load_row_statistics(lse_ptr + stats, delta_ptr + stats,
                                               mu_ptr + stats, c_ptr + stats, rows, n_q,
                                               delta_factor, p_exponent, HAS_TANGENT)
-    k_src = tile_source(head_base(k_ptr, batch, kv_head, stride_kb, stride_kh), n_k, head_dim,
-                         stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = tile_source(head_base(v_ptr, batch, kv_head, stride_vb, stride_vh), n_k, value_dim,
-                         stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
+    k_base = head_base(k_ptr, batch, kv_head, stride_kb, stride_kh)
+    v_base = head_base(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    k_src = tile_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = tile_source(v_base, n_k, value_dim, stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
+    k2_src = tail_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, D_TAIL, USE_TMA)
+    v2_src = tail_source(v_base, n_k, value_dim, stride_vn, BLOCK_N, BLOCK_DV, DV_TAIL,
+                         USE_TMA)
     if HAS_TANGENT:
         tk_src = tile_source(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh), n_k,
                               head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
@@ -547,24 +584,30 @@ def _attention_backward_dq_kernel(
     dmask_ptr += stats * n_k  # this program's (batch, head); it alone writes its rows
     dtmask_ptr += stats * n_k
     acc_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc_dq2 = tail_accumulator(BLOCK_M, D_TAIL)
     full_end, end = key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
-        acc_dq, acc_dtq = _dq_key_block(
-            acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
-            k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
-            mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr, n_q, n_k,
-            head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD)
+        acc_dq, acc_dq2, acc_dtq = _dq_key_block(
+            acc_dq, acc_dq2, acc_dtq, q, q2, tq, do, do2, dto, lse2, delta, mu, c, rows,
+            start_n, k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, stride_tkn,
+            tv_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
+            n_q, n_k, head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT,
+            False, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD, D_TAIL,
+            DV_TAIL)
     for start_n in range(full_end, end, BLOCK_N):
-        acc_dq, acc_dtq = _dq_key_block(
-            acc_dq, acc_dtq, q, tq, do, dto, lse2, delta, mu, c, rows, start_n,
-            k_src, stride_kn, v_src, stride_vn, tk_src, stride_tkn, tv_src, stride_tvn,
-            mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr, n_q, n_k,
-            head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
-            BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD)
+        acc_dq, acc_dq2, acc_dtq = _dq_key_block(
+            acc_dq, acc_dq2, acc_dtq, q, q2, tq, do, do2, dto, lse2, delta, mu, c, rows,
+            start_n, k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, stride_tkn,
+            tv_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
+            n_q, n_k, head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT,
+            True, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD, D_TAIL,
+            DV_TAIL)
     flat_rows = stats + rows
     dq_factor = scale * carry_factor(factors_ptr, 2, CARRY, 1.0)
     store_rows(dq_ptr, acc_dq * dq_factor, flat_rows, rows, dims, n_q, head_dim)
+    if D_TAIL > 0:
+        store_rows(dq_ptr, acc_dq2 * dq_factor, flat_rows, rows, BLOCK_D + tl.arange(0, D_TAIL),
+                   n_q, head_dim)
     if HAS_TANGENT:
         store_rows(dtq_ptr, acc_dtq * scale, flat_rows, rows, dims, n_q, head_dim)
 
@@ -689,6 +732,12 @@ def flash_attention_backward(
             q, k, v, grad_operand, factors = backward_operands(q, k, v, grad_out)
         tq, tk, tv, dto = q, k, v, grad_operand
     meta = kernel_meta(q, head_dim, value_dim, split=exact and not carry)
+    # The first-order dQ kernel cuts a padded head dim into two column tiles, as the forward
+    # does. The dK/dV kernel keeps one: with two it spills on every 8-warp tile for sm_90
+    # (tools/kernel_resources.py), and so would the second-order kernels, whose registers
+    # are full already.
+    dq_meta = {**meta, **({"D_TAIL": 0, "DV_TAIL": 0} if has_tangent
+                          else column_tiles(head_dim, value_dim))}
     strides = (*row_strides(q, k, v, tq, tk, tv),
                *(mask.stride() if mask is not None else (0, 0, 0, 0)),
                *row_strides(grad_operand, dto))
@@ -714,7 +763,7 @@ def flash_attention_backward(
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
         dq_kernel[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
-            dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes, **switches, **meta,
+            dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes, **switches, **dq_meta,
             MASK_GRAD=mask_grad)
     grads = (dq, dk, dv, dtq, dtk, dtv) if has_tangent else (dq, dk, dv)
     if mask_grad:
