@@ -606,23 +606,18 @@ def attention_profile(events, on_cuda: bool) -> dict:
                 "fuses the attention's operations into its own kernels)"}
     spent = {id(e): 0.0 for e in roots}  # microseconds per counted root
     if on_cuda:
-        # Each kernel belongs to the operator that launched it (`linked_correlation_id` is
-        # that operator's id), as in PyTorch's own tables; "gpu_user_annotation" events,
-        # device-side copies of the record_function ranges, are not kernels.
-        root_ids = set(spent)
-        by_id = {e.id: e for e in cpu if not e.linked_correlation_id}  # operators
-        kernels = [e for e in events
-                   if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+        # Each operator lists the kernels it launched (`FunctionEvent.kernels`, which the
+        # profiler fills from the correlation ids in every torch this runs on), as PyTorch's
+        # own tables count them. A record_function range lists its device-side copy there
+        # ("gpu_user_annotation") under its own name: that is no kernel.
         total = 0.0
-        for kernel in kernels:
-            duration = kernel.time_range.elapsed_us()
-            total += duration
-            launcher = by_id.get(kernel.linked_correlation_id)
-            if launcher is not None:
-                for a in (launcher, *_ancestors(launcher)):
-                    if id(a) in root_ids:
-                        spent[id(a)] += duration
-                        break
+        for event in cpu:
+            launched = sum(k.duration for k in event.kernels if k.name != event.name)
+            total += launched
+            for a in (event, *_ancestors(event)):
+                if launched and id(a) in spent:
+                    spent[id(a)] += launched
+                    break
     else:
         total = sum(e.self_cpu_time_total for e in cpu)
         spent = {id(e): e.cpu_time_total for e in roots}
@@ -755,12 +750,14 @@ def benchmark(dit: DiTConfig, batch_size: int | dict[int, int], device: torch.de
     save what is measured so far. `compiled_attentions` (default: all of `attentions`) are
     the attentions that also run in the compiled modes: compiling a large model takes
     minutes per row. Rows of `previous` (a run that was cut short) that were measured or
-    failed at the same tokens, batch, compile mode and attention are kept, not run again."""
+    failed at the same tokens, batch, compile mode and attention are kept, not run again;
+    so are its rows outside this run's plan (other sizes, say), in their place in the table."""
     done = {_row_key(row): row for row in previous if "step_ms" in row or "error" in row}
     rows: list[dict] = []
 
     def add(row: dict) -> None:
         rows.append(row)
+        rows.sort(key=_row_order)
         print(format_row(row), flush=True)
         if on_row is not None:
             on_row(rows)
@@ -785,11 +782,23 @@ def benchmark(dit: DiTConfig, batch_size: int | dict[int, int], device: torch.de
                 else:
                     add(benchmark_step(config, batch, attention, device, dtype, warmup,
                                        repeats, compile_mode, profile))
+    planned = {_row_key(row) for row in rows}
+    for key, row in done.items():
+        if key not in planned:
+            add({**row, "resumed": True})
     return rows
 
 
 def _row_key(row: dict) -> tuple:
     return row["tokens"], row["batch"], row.get("compile", "eager"), row["attention"]
+
+
+def _row_order(row: dict) -> tuple:
+    """Tokens, then compile mode, then attention, each in the order the benchmark runs them."""
+    compile_mode, attention = row.get("compile", "eager"), row["attention"]
+    return (row["tokens"], row["batch"],
+            COMPILE_MODES.index(compile_mode) if compile_mode in COMPILE_MODES else 99,
+            ATTENTIONS.index(attention) if attention in ATTENTIONS else 99)
 
 
 def format_row(row: dict) -> str:
@@ -1068,14 +1077,18 @@ def main(argv=None) -> int:
                   "command": shlex.join(["python", "examples/meanflow_dit.py", *argv]),
                   "environment": environment()}
 
+        previous = json.loads(args.resume.read_text()) if args.resume else {"rows": ()}
+        if args.resume:  # the rows kept from it were measured by these
+            header["earlier_commands"] = [*previous.get("earlier_commands", ()),
+                                          previous["command"]]
+
         def save(rows: list[dict], complete: bool = False) -> None:  # after every row
             write_json(out, {**header, "complete": complete, "rows": rows})
 
         rows = benchmark(dit, batches, device, dtype, tuple(args.bench_sizes),
                          repeats=args.repeats, compile_modes=tuple(args.compile), on_row=save,
                          compiled_attentions=args.compile_attentions,
-                         previous=json.loads(args.resume.read_text())["rows"] if args.resume
-                         else ())
+                         previous=previous["rows"])
         save(rows, complete=True)
         print(summary_table(rows))
         print(f"wrote {out}")

@@ -1264,7 +1264,7 @@ for name, fn, args in [("forward+backward", block, (x, w)),
 # %% [markdown]
 # ## What a call costs the host
 #
-# At DiT's shapes the fused kernel is short: 0.18 ms of GPU time for DiT-B/2 at 256 px
+# At DiT's shapes the fused kernel is short: 0.23 ms of GPU time for DiT-B/2 at 256 px
 # (B64 H12 N256 d64, bf16) on the H200. Unless the host issues the next call within that
 # time, the GPU waits, and the step is only as fast as the Python around the kernels.
 # Inside `torch.func.jvp` most of that Python was not ours. `torch.func.jvp` pushes a

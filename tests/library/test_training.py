@@ -175,7 +175,6 @@ def test_attention_profile_on_cuda_events():
     """The CUDA accounting on a made-up profile: a kernel counts for the operator that
     launched it; the backward node numbered inside the range counts, the one numbered like
     the op right after it does not; a device-side copy of a range is not a kernel."""
-    from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
     def op(number, name, thread, start, end, seq=-1, parent=None, fwd_thread=None):
@@ -186,10 +185,10 @@ def test_attention_profile_on_cuda_events():
             parent.append_cpu_child(event)
         return event
 
-    def kernel(number, duration, launcher, annotation=False):
-        return FunctionEvent(number, "k", 0, 0, duration, device_type=DeviceType.CUDA,
-                             linked_correlation_id=launcher.id, is_user_annotation=annotation,
-                             use_device="cuda")
+    def kernel(duration, launcher, annotation=False):
+        # What the profiler does with a device event: it appends it to the kernels of the
+        # CPU event it is linked to (a range's device-side copy keeps the range's name).
+        launcher.append_kernel(launcher.name if annotation else "k", 0, duration)
 
     step = op(1, "meanflow step", 1, 0, 1000)
     attention = op(2, mf.ATTENTION_RANGE, 1, 10, 100, parent=step)
@@ -198,9 +197,10 @@ def test_attention_profile_on_cuda_events():
     transpose = op(5, "aten::transpose", 1, 110, 120, seq=6, parent=step)
     mm_bwd = op(6, mf.BACKWARD_NODE + "MmBackward0", 2, 500, 600, seq=5, fwd_thread=1)
     t_bwd = op(7, mf.BACKWARD_NODE + "TransposeBackward0", 2, 400, 450, seq=6, fwd_thread=1)
-    events = [step, attention, mm, same, transpose, mm_bwd, t_bwd,
-              kernel(10, 30, mm), kernel(11, 40, mm_bwd), kernel(12, 20, t_bwd),
-              kernel(13, 10, transpose), kernel(14, 900, attention, annotation=True)]
+    events = [step, attention, mm, same, transpose, mm_bwd, t_bwd]
+    for duration, launcher in ((30, mm), (40, mm_bwd), (20, t_bwd), (10, transpose)):
+        kernel(duration, launcher)
+    kernel(900, attention, annotation=True)
     row = mf.attention_profile(events, on_cuda=True)
     assert row["attention_backward_nodes"] == {"MmBackward0": 1}
     assert row["attention_fwd_ms"] == pytest.approx(0.030)
@@ -226,6 +226,36 @@ def test_compiled_rows_only_for_the_attentions_asked():
     assert [(r["compile"], r["attention"]) for r in rows] == [
         ("eager", "jvp_attention"), ("eager", "math"), ("default", "jvp_attention")]
     assert run.call_count == 2 and rows[1]["step_ms"] == 9.0 and rows[1]["resumed"]
+
+
+def test_resume_keeps_rows_outside_the_new_plan():
+    """A resumed run at one size keeps the earlier run's other sizes, in table order."""
+    def step(config, batch, attention, device, dtype, warmup, repeats, compile_mode, profile):
+        return {"attention": attention, "compile": compile_mode, "tokens": config.tokens,
+                "batch": batch, "step_ms": 1.0}
+
+    earlier = [{"attention": "math", "compile": "eager", "tokens": tokens, "batch": 2,
+                "step_ms": 9.0} for tokens in (16, 64)]
+    with mock.patch.object(mf, "benchmark_step", side_effect=step) as run:
+        rows = mf.benchmark(BENCH_TINY, 2, DEVICE, "float32", image_sizes=(8,),
+                            attentions=("jvp_attention", "math"),
+                            compile_modes=("eager", "default"), previous=earlier)
+    assert run.call_count == 3
+    assert [(r["tokens"], r["compile"], r["attention"], r["step_ms"]) for r in rows] == [
+        (16, "eager", "jvp_attention", 1.0), (16, "eager", "math", 9.0),
+        (16, "default", "jvp_attention", 1.0), (16, "default", "math", 1.0),
+        (64, "eager", "math", 9.0)]
+
+
+def test_resumed_file_names_the_commands_behind_its_rows(tmp_path):
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"command": "python first", "rows": []}))
+    out = tmp_path / "out.json"
+    with mock.patch.object(mf, "benchmark", return_value=[]):
+        mf.main(["--bench", "--resume", str(earlier), "--out", str(out), "--steps", "1"])
+    saved = json.loads(out.read_text())
+    assert saved["earlier_commands"] == ["python first"]
+    assert saved["command"].endswith(f"--out {out} --steps 1")
 
 
 @pytest.mark.parametrize("attention", ["jvp_attention", "math"])

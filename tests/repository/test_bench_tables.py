@@ -59,20 +59,27 @@ def test_training_table_is_the_saved_dit_b2_run(tmp_path: Path) -> None:
     if not rows:  # no GPU run saved yet: the pages say so rather than show old numbers
         assert table == bench_tables.NOT_MEASURED == bench_tables.training_summary()
     for tokens, attention, mode in rows:
-        shown = mode == "eager" or attention == "jvp_attention"
-        if shown and attention != "math" and (tokens, "math", "eager") in rows:
+        if attention != "math" and (tokens, "math", mode) in rows:
             speedup = bench_tables.training_speedup(tokens, attention, compile_mode=mode)
             assert f"(**{speedup:.2f}x**)" in table
-    # The table from a made-up run: eager columns, our compiled step beside them.
+    # The table from a made-up run: eager columns, then the compiled ones, each against the
+    # math path run the same way; a failed row says why.
     run = {"model": {"width": 768, "depth": 12, "heads": 12, "patch_size": 2},
            "parameters": 130e6, "environment": {"gpu": "GPU", "torch": "2"},
            "rows": [{"tokens": 256, "attention": a, "compile": c, "step_ms": ms,
                      "image_size": 32, "batch": 32, "dtype": "bfloat16", "peak_memory_gb": 1.0}
                     for a, c, ms in (("math", "eager", 30.0), ("jvp_attention", "eager", 20.0),
-                                     ("jvp_attention", "default", 15.0))]}
+                                     ("jvp_attention", "default", 15.0),
+                                     ("math", "default", 12.0))]
+           + [{"tokens": 1024, "attention": "math", "compile": "eager", "image_size": 64,
+               "batch": 32, "dtype": "bfloat16", "error": "OutOfMemoryError: CUDA out of"}]}
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(run))
     made = bench_tables.training_table(path)
     assert "| 256 (32²), 32 | 30 ms, 1.0 GB | 20 ms (**1.50x**), 1.0 GB | - | - | " \
-           "15 ms (**2.00x**), 1.0 GB |" in made
+           "12 ms, 1.0 GB | 15 ms (**0.80x**), 1.0 GB |" in made
+    assert "| 1024 (64²), 32 | out of memory | - | - | - | - | - |" in made
+    assert "compiled (default)" in made.splitlines()[0]
+    assert ("at 256 tokens, compiled (default), 0.80x the math path's speed (slower)"
+            in bench_tables.training_summary(path))
     assert "1.50x the math path's speed (faster)" in bench_tables.training_summary(path)
