@@ -503,6 +503,68 @@ fig.tight_layout()
 fig.savefig(FIGURES / "ratio.png", dpi=110)
 
 # %% [markdown]
+# ## Accurate against fast: where carrying pays
+#
+# For bf16 inputs the accurate precision either carries exact fp16 copies of the inputs
+# (two launches more per call: a range pass, then the shifted copies; chapter 2) or splits
+# each 16-bit operand of the tangent's and the backward's products into hi + lo (more
+# products in the kernel). The library carries from 2048 keys per row and splits below.
+# Two saved runs time the time of "accurate" over "fast": one at that default, one carrying
+# at every length (`bench.py --carry-min-keys 0`; a separate process on the same kind of
+# GPU, so its ratios use the default run's fast times). The goal is at most 1.1 (10% over
+# fast) at every shape.
+
+# %% tags=["hide_input"]
+CARRY_RUNS = {"default (split below 2048 keys)": RESULTS / "accurate_vs_fast_h200.json",
+              "carried at every length": RESULTS / "accurate_carried_h200.json"}
+
+
+def accurate_over_fast(cases, fast_cases, mode, d):
+    """N and the time of accurate over fast at (mode, d), where both ran."""
+    fast = {c["N"]: c["median_ms"] for c in fast_cases
+            if (c["impl"], c["mode"], c["d"]) == ("ours_fast", mode, d) and c.get("median_ms")}
+    pairs = sorted((c["N"], c["median_ms"] / fast[c["N"]]) for c in cases
+                   if (c["impl"], c["mode"], c["d"]) == ("ours", mode, d)
+                   and c.get("median_ms") and c["N"] in fast)
+    return [n for n, _ in pairs], [r for _, r in pairs]
+
+
+carry_data = {label: json.loads(path.read_text()) for label, path in CARRY_RUNS.items()
+              if path.is_file()}
+if len(carry_data) < len(CARRY_RUNS):
+    print("not measured yet: run bench.py --impl ours ours_fast --mode fwd_jvp bwd with and "
+          "without --carry-min-keys 0 on a GPU (benchmarks/README.md)")
+else:
+    fast_cases = carry_data["default (split below 2048 keys)"]["cases"]
+    first = next(iter(carry_data.values()))
+    print(f"{first['gpu']}, bf16, non-causal; time of accurate / time of fast (fast from the "
+          "default run)")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, mode in zip(axes, ("fwd_jvp", "bwd"), strict=True):
+        for style, (label, data) in zip(("o-", "s--"), carry_data.items(), strict=True):
+            for color, d in (("C0", 64), ("C3", 128)):
+                ns, ratios = accurate_over_fast(data["cases"], fast_cases, mode, d)
+                if ns:
+                    ax.plot(ns, ratios, style, color=color, label=f"d={d}, {label}")
+                    print(f"  {MODE_NAMES[mode]:14} d={d:3} {label:32} "
+                          + "  ".join(f"N{n}: {r:.2f}" for n, r in zip(ns, ratios, strict=True)))
+        ax.axhline(1.1, color="gray", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (keys per row)")
+        ax.set_title(MODE_NAMES[mode])
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("accurate time / fast time")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+
+# %% [markdown]
+# At 2048 keys and more the accurate precision costs 1–13% over fast and the gap closes
+# with N (at 16384 keys, 0–3%). At 1024 keys splitting costs 24–34% in the forward with the
+# tangent and 37–67% in the backward; carrying there too costs 17–22% in both, so carrying
+# from 1024 keys would be the better default, and the carry's own two launches are what is
+# left to remove below that (the saved runs have no shorter sequence).
+
+# %% [markdown]
 # ## The headline picture
 #
 # Forward+JVP throughput at the headline shapes (ours in both precision modes, when the run

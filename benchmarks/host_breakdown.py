@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Where a call's host time goes: the training-shapes steps of `training_shapes.py` with a
+timer around each layer of the call path. Saved as JSON.
+
+    python benchmarks/host_breakdown.py --out benchmarks/results/host_breakdown_h200.json
+    python benchmarks/host_breakdown.py --smoke   # CPU: the tiny shape, Triton's interpreter
+
+At DiT's shapes a call is bound by the host (chapter 8: about 0.36 ms per forward+JVP and
+1.7 ms per MeanFlow step at (64, 12, 256, 64) on the H200, against 0.23 and 0.55 ms of GPU
+work), and a profile of the CPU alone cannot say which layer costs what: with the kernels
+mocked out the same MeanFlow step takes about 0.4 ms of Python. So the real step runs here
+with each layer wrapped in a `time.perf_counter` timer, on whichever thread it runs (the
+autograd engine runs the backward on a thread of its own on CUDA):
+
+- `attention`: the public call (argument checks, dual unpacking, the autograd Function);
+- the forward and backward launchers (`flash_attention_forward`, `flash_attention_backward`:
+  our Python around the Triton launches, the launches included);
+- `KeyedAutotuner.run`: our autotuner's dispatch of a tuned launch;
+- `JITFunction.run`: Triton's launch (argument binding and specialisation, the cache lookup,
+  launch metadata), and inside it the C launcher (`CudaLauncher.__call__`: scratch
+  allocation, tensor-descriptor encoding, `cuLaunchKernelEx`);
+- under the interpreter, `InterpretedFunction.run` in their place (it runs the kernel).
+
+Each layer's time is inclusive (the layers nest in this order) and is divided by the number
+of steps: microseconds per call. Timers cost about a microsecond per wrapped call. The step
+itself is timed by the same clock over the same steps; the `floor` implementation (`v * 1`)
+gives PyTorch's own cost of the step. The GPU is kept ahead of nothing here: choose shapes
+where the host is the bound (the default, DiT-B/2 at 256 px), else calls wait for the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import training_shapes as ts  # noqa: E402  (sets TRITON_INTERPRET on CPU before triton)
+
+bench = ts.bench
+torch = ts.torch
+SCHEMA = "jvp_attention.host_breakdown/1"
+IMPLS = ("ours", "floor")
+
+
+class LayerTimers:
+    """Inclusive wall time and call counts of wrapped callables, on every thread."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, label: str, owner: object, name: str) -> None:
+        """Time `owner.name` as `label`; a module function is replaced wherever a module of
+        the package imported it by name."""
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                with self._lock:
+                    self.seconds[label] = self.seconds.get(label, 0.0) + spent
+                    self.calls[label] = self.calls.get(label, 0) + 1
+
+        holders = [owner]
+        if not isinstance(owner, type):  # a module: also where the function was imported
+            holders += [module for module_name, module in list(sys.modules.items())
+                        if module_name.split(".")[0] == "jvp_attention" and module is not owner
+                        and getattr(module, name, None) is original]
+        for holder in holders:
+            setattr(holder, name, timed)
+            self._undo.append(functools.partial(setattr, holder, name, original))
+        self.seconds.setdefault(label, 0.0)
+        self.calls.setdefault(label, 0)
+
+    def reset(self) -> None:
+        for label in self.seconds:
+            self.seconds[label], self.calls[label] = 0.0, 0
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def call_layers() -> list[tuple[str, object, str]]:
+    """(label, owner, attribute) of each layer of a call, outermost first; those that this
+    Triton or device does not have are left out."""
+    import jvp_attention.autograd as autograd
+    import jvp_attention.backward as backward
+    import jvp_attention.forward as forward
+    import jvp_attention.launch as launch
+
+    layers = [("attention", autograd, "attention"),
+              ("forward launcher", forward, "flash_attention_forward"),
+              ("backward launcher", backward, "flash_attention_backward"),
+              ("KeyedAutotuner.run", launch.KeyedAutotuner, "run")]
+    if ts.HAS_CUDA:
+        from triton.runtime.jit import JITFunction
+        layers.append(("Triton JITFunction.run", JITFunction, "run"))
+        try:
+            from triton.backends.nvidia.driver import CudaLauncher
+            layers.append(("Triton C launcher", CudaLauncher, "__call__"))
+        except ImportError:
+            pass
+    else:
+        from triton.runtime.interpreter import InterpretedFunction
+        layers.append(("Triton interpreter (runs the kernel)", InterpretedFunction, "run"))
+    return layers
+
+
+def breakdown(case: ts.Case, args: argparse.Namespace, timers: LayerTimers) -> dict:
+    """Warm the case's step up, then time `args.steps` steps: per call, the step and each
+    layer."""
+    step = ts.make_step(case, "cuda" if ts.HAS_CUDA else "cpu", args)
+    for _ in range(args.warmup_steps):
+        step()
+    ts.synchronize()
+    timers.reset()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    step_s = time.perf_counter() - start
+    ts.synchronize()
+    ts.clear_grads(step)
+    per_call = {label: {"us": round(seconds / args.steps * 1e6, 2),
+                        "calls": round(timers.calls[label] / args.steps, 3)}
+                for label, seconds in timers.seconds.items() if timers.calls[label]}
+    return {"shape": case.shape, "impl": case.impl, "mode": case.mode,
+            "B": case.B, "H": case.H, "N": case.N, "d": case.d, "dtype": case.dtype,
+            "steps": args.steps, "step_us": round(step_s / args.steps * 1e6, 2),
+            "layers": per_call}
+
+
+def print_row(row: dict) -> None:
+    print(f"{row['shape']:11} {row['impl']:6} {row['mode']:12} step {row['step_us']:9.1f} µs")
+    for label, part in row["layers"].items():
+        print(f"    {label:38} {part['us']:9.1f} µs  {part['calls']:6.2f} calls")
+
+
+def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true",
+                        help="the tiny shape on CPU through Triton's interpreter (plumbing)")
+    parser.add_argument("--shape", nargs="+", choices=list(ts.SHAPES), default=["dit-b2-256"])
+    parser.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--mode", nargs="+", choices=ts.MODES, default=list(ts.MODES))
+    parser.add_argument("--dtype", choices=list(ts.DTYPES), default=None,
+                        help="default bf16 on CUDA, fp16 on CPU")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per case (default 200 on CUDA, 2 on CPU)")
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="untimed steps first (default 5 on CUDA, 1 on CPU)")
+    parser.add_argument("--out", type=Path, help="the JSON file to write")
+    args = parser.parse_args(None if argv is None else list(argv))
+    if args.dtype is None:
+        args.dtype = "bf16" if ts.HAS_CUDA else "fp16"
+    if args.steps is None:
+        args.steps = 200 if ts.HAS_CUDA else 2
+    if args.warmup_steps is None:
+        args.warmup_steps = 5 if ts.HAS_CUDA else 1
+    # What training_shapes.make_step reads besides these.
+    args.math_limit_gb, args.cpu_compile = 100.0, False
+    return args
+
+
+def main(argv: Iterable[str] | None = None) -> dict:
+    args = parse_args(argv)
+    shapes = ts.SMOKE_SHAPES if args.smoke else {name: ts.SHAPES[name] for name in args.shape}
+    timers = LayerTimers()
+    for label, owner, name in call_layers():
+        timers.wrap(label, owner, name)
+    rows = []
+    try:
+        for shape, (b, h, n, d) in shapes.items():
+            for impl in args.impl:
+                for mode in args.mode:
+                    row = breakdown(ts.Case(shape, impl, mode, b, h, n, d, args.dtype), args,
+                                    timers)
+                    print_row(row)
+                    rows.append(row)
+    finally:
+        timers.restore()
+    result = {**bench.run_record(SCHEMA, args.smoke),
+              "settings": {"dtype": args.dtype, "steps": args.steps,
+                           "warmup_steps": args.warmup_steps,
+                           "precision": bench.precision_mode()},
+              "rows": rows}
+    if args.out is not None:
+        bench.write_json(args.out, result)
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

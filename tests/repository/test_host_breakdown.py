@@ -1,0 +1,63 @@
+"""benchmarks/host_breakdown.py: the layer timers and a smoke run through the interpreter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "host_breakdown.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import host_breakdown as hb  # noqa: E402
+
+
+def test_timers_count_every_thread_and_restore():
+    module = types.ModuleType("jvp_attention._timed_for_test")
+    module.work = lambda x: x + 1
+    sys.modules[module.__name__] = module
+    alias = types.ModuleType("jvp_attention._imports_it_by_name")
+    alias.work = module.work  # `from module import work`
+    sys.modules[alias.__name__] = alias
+    original = module.work
+    try:
+        timers = hb.LayerTimers()
+        timers.wrap("work", module, "work")
+        assert alias.work is module.work is not original
+        module.work(1)
+        thread = threading.Thread(target=alias.work, args=(2,))
+        thread.start()
+        thread.join()
+        assert timers.calls["work"] == 2 and timers.seconds["work"] > 0
+        timers.reset()
+        assert timers.calls["work"] == 0 and timers.seconds["work"] == 0
+        timers.restore()
+        assert module.work is original and alias.work is original
+    finally:
+        del sys.modules[module.__name__], sys.modules[alias.__name__]
+
+
+@pytest.mark.skipif(hb.ts.HAS_CUDA, reason="the smoke run is the CPU path")
+def test_smoke_run_times_each_layer(tmp_path: Path):
+    out = tmp_path / "breakdown.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--mode", "fwd_jvp",
+                           "meanflow", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["schema"] == hb.SCHEMA and data["smoke"]
+    rows = {(row["impl"], row["mode"]): row for row in data["rows"]}
+    assert set(rows) == {(impl, mode) for impl in hb.IMPLS for mode in ("fwd_jvp", "meanflow")}
+    ours = rows["ours", "meanflow"]["layers"]
+    # One call of each launcher per step; the layers nest, so none exceeds the step.
+    assert ours["attention"]["calls"] == ours["forward launcher"]["calls"] == 1
+    assert ours["backward launcher"]["calls"] == 1
+    assert ours["Triton interpreter (runs the kernel)"]["calls"] == 4  # fwd+JVP, then 3
+    for row in data["rows"]:
+        assert all(0 < part["us"] <= row["step_us"] for part in row["layers"].values()), row
+    assert rows["floor", "meanflow"]["layers"] == {}  # none of our layers runs
