@@ -860,7 +860,7 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--carry-min-keys", type=int, metavar="N",
                         help="bf16 in the accurate precision: carry exact fp16 copies from N "
                              "keys per row and split below (the library's CARRY_MIN_KEYS, "
-                             "default 2048); 0 carries at every length, a huge N never: two "
+                             "default 1024); 0 carries at every length, a huge N never: two "
                              "runs locate the crossover")
     parser.add_argument("--resume", type=Path, nargs="+",
                         help="copy cases already measured in these earlier results files (a "

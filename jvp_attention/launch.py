@@ -21,6 +21,7 @@ from jvp_attention.tiles import (
     BOOL_MASK,
     NO_MASK,
     carried_copies_kernel,
+    no_epilogue,
     range_partials_kernel,
 )
 
@@ -38,8 +39,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
-                     shifts: triton.JITFunction, bound: float,
-                     n_factors: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+                     shifts: triton.JITFunction, bound: float, n_factors: int,
+                     epilogue: triton.JITFunction = no_epilogue, epilogue_args: tuple = (0,),
+                     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Exact fp16 copies of `copied`, each scaled by a power of two, and the factors that
     undo the shifts, in two launches that never wait for the host.
 
@@ -50,6 +52,10 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
             `bound`) returning 16 fp32 values: the copies' shifts, then the factors.
         bound: A number `shifts` needs (a scale, or a power of two's exponent).
         n_factors: How many factors follow the shifts.
+        epilogue: A @triton.jit function of (copy index, a block of that tensor's rows in
+            fp32, their flat (b, h, n) row numbers, the columns, `epilogue_args`) that the
+            copy kernel calls after writing each block (`no_epilogue`: nothing).
+        epilogue_args: A tuple of tensors and numbers that `epilogue` reads.
 
     Returns:
         The contiguous fp16 copies, and the factors (fp32, on the inputs' device).
@@ -73,13 +79,13 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
                                                  **meta)
     rows = max(x.shape[:3].numel() for x in copied)
     carried_copies_kernel[(cdiv(rows, meta["BLOCK_R"]), len(copied))](
-        tensors, copies, strides, shapes, batch, partials, factors, bound, SHIFTS=shifts,
-        N_COPIES=len(copied), N_FACTORS=n_factors, **meta)
+        tensors, copies, strides, shapes, batch, partials, factors, bound, epilogue_args,
+        SHIFTS=shifts, EPILOGUE=epilogue, N_COPIES=len(copied), N_FACTORS=n_factors, **meta)
     return copies, factors
 
 
-# Keys per row from which carrying beats the split (the H200 measurement above).
-CARRY_MIN_KEYS = 2048
+# Keys per row from which carrying beats the split (the H200 measurements above).
+CARRY_MIN_KEYS = 1024
 
 
 def carries(q: torch.Tensor, n_keys: int) -> bool:

@@ -279,15 +279,23 @@ def range_partials_kernel(tensors, strides, shapes, batch, partials_ptr,
 
 
 @triton.jit
+def no_epilogue(copy_index: tl.constexpr, x, rows, cols, args):
+    """The copies alone: nothing more is made of the rows the copy kernel holds."""
+    return
+
+
+@triton.jit
 def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr, factors_ptr,
-                           bound, SHIFTS: tl.constexpr, N_TENSORS: tl.constexpr,
-                           N_COPIES: tl.constexpr, N_FACTORS: tl.constexpr,
-                           PROGRAMS: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_W: tl.constexpr):
+                           bound, epilogue_args, SHIFTS: tl.constexpr, EPILOGUE: tl.constexpr,
+                           N_TENSORS: tl.constexpr, N_COPIES: tl.constexpr,
+                           N_FACTORS: tl.constexpr, PROGRAMS: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """Row block program_id(0) of copy program_id(1): tensor c times its power of two,
     written to float16 (contiguous). Every program reduces the partial maxima itself (a few
     hundred floats, from L2) and asks SHIFTS(maxima, bound) for the 16 values: the copies'
-    shifts, then the factors, which the first program stores."""
+    shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
+    in fp32, their flat row numbers, columns, epilogue_args) then may use the rows in
+    registers for more (the backward's row statistics, chapter 5)."""
     block, which = tl.program_id(0), tl.program_id(1)
     tensor = tl.arange(0, 8)  # at most 8 tensors
     partial = tl.load(partials_ptr + tensor[:, None] * PROGRAMS + tl.arange(0, PROGRAMS)[None, :],
@@ -306,3 +314,4 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
             copy = (x * vector_entry(values, c)).to(tl.float16)
             tl.store(copies[c] + rows[:, None] * shapes[3 * c + 2] + cols[None, :], copy,
                      mask=mask)
+            EPILOGUE(c, x, rows, cols, epilogue_args)

@@ -547,10 +547,16 @@ def _forward_key_block(
 # | 64: carry / split / fast | 0.33 / 0.18 / 0.15 | 0.41 / 0.29 / 0.24 | 0.58 / 0.52 / 0.40 | 0.94 / 0.98 / 0.73 | 1.57 / 1.93 / 1.38 | 5.19 / 7.48 / 4.98 |
 # | 128: carry / split / fast | 0.63 / 0.36 / 0.31 | 0.80 / 0.57 / 0.48 | 1.15 / 1.01 / 0.83 | 1.83 / 1.87 / 1.51 | 3.20 / 3.60 / 2.88 | |
 #
-# So "accurate" carries from 2048 keys per row and splits below (`CARRY_MIN_KEYS`); the
-# backward's crossover (chapter 5) lies at 1024 to 2048 keys, and it uses the same rule.
-# At short rows accurate mode therefore costs the split's extra products: 15 to 30% more
-# GPU time than "fast" for the forward+JVP, where the call is bound by host work anyway.
+# With that first version "accurate" carried from 2048 keys per row. The two-launch carry
+# moved the crossover: on the H200 (bf16, 16384 tokens in B sequences of N, 16 heads of 128
+# or 32 of 64, `bench.py` with and without `--carry-min-keys 0`, chapter 8) carrying at 1024 keys brings the forward+JVP from
+# 1.34x (d = 64) and 1.24x (d = 128) the time of "fast" down to 1.21x and 1.17x, and the
+# primal backward (chapter 5) from 1.67x and 1.37x down to 1.19x and 1.22x. So "accurate"
+# carries from 1024 keys per row and splits below (`CARRY_MIN_KEYS`), forward and backward
+# alike. Below 1024 keys the two O(N) passes of the carry cost more than the split's extra
+# products saves (0.33 against 0.18 ms at 256 keys with the first version; not measured
+# again), and accurate mode costs the split: 15 to 30% more GPU time than "fast" for the
+# forward+JVP, where the call is bound by host work anyway.
 
 # %% tags=["export:tiles"]
 # |exponent| of any carrying shift: sums of three exponents stay inside fp32's range.
@@ -628,15 +634,23 @@ def range_partials_kernel(tensors, strides, shapes, batch, partials_ptr,
 
 
 @triton.jit
+def no_epilogue(copy_index: tl.constexpr, x, rows, cols, args):
+    """The copies alone: nothing more is made of the rows the copy kernel holds."""
+    return
+
+
+@triton.jit
 def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr, factors_ptr,
-                           bound, SHIFTS: tl.constexpr, N_TENSORS: tl.constexpr,
-                           N_COPIES: tl.constexpr, N_FACTORS: tl.constexpr,
-                           PROGRAMS: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_W: tl.constexpr):
+                           bound, epilogue_args, SHIFTS: tl.constexpr, EPILOGUE: tl.constexpr,
+                           N_TENSORS: tl.constexpr, N_COPIES: tl.constexpr,
+                           N_FACTORS: tl.constexpr, PROGRAMS: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """Row block program_id(0) of copy program_id(1): tensor c times its power of two,
     written to float16 (contiguous). Every program reduces the partial maxima itself (a few
     hundred floats, from L2) and asks SHIFTS(maxima, bound) for the 16 values: the copies'
-    shifts, then the factors, which the first program stores."""
+    shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
+    in fp32, their flat row numbers, columns, epilogue_args) then may use the rows in
+    registers for more (the backward's row statistics, chapter 5)."""
     block, which = tl.program_id(0), tl.program_id(1)
     tensor = tl.arange(0, 8)  # at most 8 tensors
     partial = tl.load(partials_ptr + tensor[:, None] * PROGRAMS + tl.arange(0, PROGRAMS)[None, :],
@@ -655,6 +669,7 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
             copy = (x * vector_entry(values, c)).to(tl.float16)
             tl.store(copies[c] + rows[:, None] * shapes[3 * c + 2] + cols[None, :], copy,
                      mask=mask)
+            EPILOGUE(c, x, rows, cols, epilogue_args)
 
 
 # %% [markdown]
@@ -684,6 +699,7 @@ from jvp_attention.tiles import (
     BOOL_MASK,
     NO_MASK,
     carried_copies_kernel,
+    no_epilogue,
     range_partials_kernel,
 )
 
@@ -702,8 +718,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
-                     shifts: triton.JITFunction, bound: float,
-                     n_factors: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+                     shifts: triton.JITFunction, bound: float, n_factors: int,
+                     epilogue: triton.JITFunction = no_epilogue, epilogue_args: tuple = (0,),
+                     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Exact fp16 copies of `copied`, each scaled by a power of two, and the factors that
     undo the shifts, in two launches that never wait for the host.
 
@@ -714,6 +731,10 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
             `bound`) returning 16 fp32 values: the copies' shifts, then the factors.
         bound: A number `shifts` needs (a scale, or a power of two's exponent).
         n_factors: How many factors follow the shifts.
+        epilogue: A @triton.jit function of (copy index, a block of that tensor's rows in
+            fp32, their flat (b, h, n) row numbers, the columns, `epilogue_args`) that the
+            copy kernel calls after writing each block (`no_epilogue`: nothing).
+        epilogue_args: A tuple of tensors and numbers that `epilogue` reads.
 
     Returns:
         The contiguous fp16 copies, and the factors (fp32, on the inputs' device).
@@ -737,13 +758,13 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
                                                  **meta)
     rows = max(x.shape[:3].numel() for x in copied)
     carried_copies_kernel[(cdiv(rows, meta["BLOCK_R"]), len(copied))](
-        tensors, copies, strides, shapes, batch, partials, factors, bound, SHIFTS=shifts,
-        N_COPIES=len(copied), N_FACTORS=n_factors, **meta)
+        tensors, copies, strides, shapes, batch, partials, factors, bound, epilogue_args,
+        SHIFTS=shifts, EPILOGUE=epilogue, N_COPIES=len(copied), N_FACTORS=n_factors, **meta)
     return copies, factors
 
 
-# Keys per row from which carrying beats the split (the H200 measurement above).
-CARRY_MIN_KEYS = 2048
+# Keys per row from which carrying beats the split (the H200 measurements above).
+CARRY_MIN_KEYS = 1024
 
 
 def carries(q: torch.Tensor, n_keys: int) -> bool:

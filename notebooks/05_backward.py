@@ -296,13 +296,22 @@ def _backward_tile(
 # inputs have no wider 16-bit type to go to and keep the split; so does the backward through
 # the tangent (chapter 6), whose extra operands would need ranges of their own.
 #
-# As in the forward, the range pass pays back only on long rows, and the launcher carries
-# from chapter 2's `CARRY_MIN_KEYS` (2048) keys per row. Measured on the H200 (bf16, GPU time
-# in ms of the primal backward after a forward+JVP, B·H = 196608 / N; carry / split / fast;
-# with the first, PyTorch-operation version of the carry):
+# The copy kernel holds every row of dO in registers for a moment, so it also computes
+# $\Delta = \mathrm{rowsum}(dO \circ O)$ there, from the original dO and O with its
+# rounding residual (an *epilogue*, a small @triton.jit function the copy kernel calls after
+# each block: `delta_epilogue`): the carried backward then needs no row-statistics launch,
+# and takes four launches in all (range pass, copies, dK/dV, dQ) against three when it
+# splits. $\Delta$ is an fp32 sum of the unshifted products, as the row-statistics kernel
+# computes it; the kernels scale it into the carried units with the factor of $\Delta$.
+#
+# As in the forward, the range pass pays back only on long enough rows, and the launcher
+# carries from chapter 2's `CARRY_MIN_KEYS` (1024) keys per row. Measured on the H200 with
+# the first, PyTorch-operation version of the carry (bf16, GPU time in ms of the primal
+# backward after a forward+JVP, B·H = 196608 / N; carry / split / fast):
 # at d = 64, N = 256: 0.45 / 0.32 / 0.22, N = 1024: 0.72 / 0.83 / 0.48, N = 2048:
 # 1.09 / 1.51 / 0.84; at d = 128, N = 1024: 1.23 / 1.10 / 0.81, N = 2048: 1.81 / 1.96 / 1.39.
-# (At d = 64 carrying would already win at 1024 keys, by 13%; one rule keeps it simple.)
+# With the two-launch carry, at 1024 keys, carrying takes 1.19x (d = 64) and 1.22x
+# (d = 128) the time of "fast" where the split takes 1.67x and 1.37x (chapter 8).
 
 # %% tags=["export"]
 P_EXPONENT = tl.constexpr(8)  # carried probabilities are P * 2**8: normal fp16 for P >= 2**-22
@@ -332,15 +341,48 @@ def backward_shifts(maxima, do_top):
     return with_entry(values, 9, P_EXPONENT)
 
 
+GRAD_OUT_COPY = tl.constexpr(3)  # dO is the fourth tensor `backward_operands` copies
+
+
+@triton.jit
+def _delta_of_grad_out(copy_index: tl.constexpr, d_out, rows, cols, args,
+                       HAS_RESIDUAL: tl.constexpr):
+    """Delta = rowsum(dO * O) for a block of dO's rows that the copy kernel holds in fp32,
+    as `_row_statistics_kernel` computes it (O with its rounding residual added back)."""
+    if copy_index == GRAD_OUT_COPY:
+        out_ptr, residual_ptr, delta_ptr, n_rows, value_dim = args
+        o = _load_fp32_rows(out_ptr, residual_ptr, 0, rows, cols, n_rows, value_dim,
+                            HAS_RESIDUAL)
+        tl.store(delta_ptr + rows, tl.sum(d_out * o, 1), mask=rows < n_rows)
+
+
+@triton.jit
+def delta_epilogue(copy_index: tl.constexpr, x, rows, cols, args):
+    """The copy kernel's epilogue for the backward: Delta from the stored O."""
+    _delta_of_grad_out(copy_index, x, rows, cols, args, False)
+
+
+@triton.jit
+def delta_epilogue_with_residual(copy_index: tl.constexpr, x, rows, cols, args):
+    """The copy kernel's epilogue for the backward: Delta from O and its residual."""
+    _delta_of_grad_out(copy_index, x, rows, cols, args, True)
+
+
 def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                      grad_out: torch.Tensor, out: torch.Tensor, out_residual: torch.Tensor | None,
+                      delta: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Exact fp16 copies of q, k, v, dO for the first-order backward of bf16 inputs, and the
     factors that undo their shifts (fp32, on the device): scores, Delta, dQ, dK, dV, and the
-    log2 of P's shift, in the order the kernels read them."""
+    log2 of P's shift, in the order the kernels read them. The copy kernel also writes
+    `delta`, rowsum(dO * O), from the contiguous forward output `out` (plus its rounding
+    residual `out_residual`, if any), in place of the row-statistics launch."""
     ceil_log2_dv = next_power_of_2(v.shape[-1]).bit_length() - 1
+    epilogue = delta_epilogue if out_residual is None else delta_epilogue_with_residual
+    n_rows, value_dim = out.shape[:3].numel(), out.shape[3]
     # max |dO| below 2**(5 - ceil(log2 d_v)) bounds |dS| by 2**14
-    copies, factors = carried_operands((q, k, v, grad_out), (), backward_shifts,
-                                       5 - ceil_log2_dv, 6)
+    copies, factors = carried_operands(
+        (q, k, v, grad_out), (), backward_shifts, 5 - ceil_log2_dv, 6, epilogue,
+        (out, out if out_residual is None else out_residual, delta, n_rows, value_dim))
     return (*copies, factors)
 
 
@@ -727,9 +769,10 @@ def flash_attention_backward(
     carry = (exact and not has_tangent and not mask_grad and carries(q, n_k)
              and min(q.numel(), k.numel(), grad_out.numel()) > 0)
     grad_operand, factors = grad_out, lse  # `factors` is not read without CARRY
-    if carry:
+    if carry:  # the copy kernel writes delta too
         with on_device(q):
-            q, k, v, grad_operand, factors = backward_operands(q, k, v, grad_out)
+            q, k, v, grad_operand, factors = backward_operands(q, k, v, grad_out, out,
+                                                               out_residual, delta)
         tq, tk, tv, dto = q, k, v, grad_operand
     meta = kernel_meta(q, head_dim, value_dim, split=exact and not carry)
     # The first-order dQ kernel cuts a padded head dim into two column tiles, as the forward
@@ -751,11 +794,12 @@ def flash_attention_backward(
     mask_arg = q if mask is None else mask
     with on_device(q):
         prepare_descriptors(use_tma)
-        _row_statistics_kernel[(cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
-            out, grad_out, t_out, dto, mu, delta, c, residual, t_residual,
-            *row_strides(grad_out, dto), n_heads, n_q, value_dim,
-            HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
-            BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"])
+        if not carry:
+            _row_statistics_kernel[(cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
+                out, grad_out, t_out, dto, mu, delta, c, residual, t_residual,
+                *row_strides(grad_out, dto), n_heads, n_q, value_dim,
+                HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
+                BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"])
         dkdv = _backward_dkdv_tangent if has_tangent else _backward_dkdv
         dkdv[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,

@@ -508,7 +508,8 @@ fig.savefig(FIGURES / "ratio.png", dpi=110)
 # For bf16 inputs the accurate precision either carries exact fp16 copies of the inputs
 # (two launches more per call: a range pass, then the shifted copies; chapter 2) or splits
 # each 16-bit operand of the tangent's and the backward's products into hi + lo (more
-# products in the kernel). The library carries from 2048 keys per row and splits below.
+# products in the kernel). When these runs were made the library carried from 2048 keys per
+# row and split below; it now carries from 1024 (chapter 2).
 # Two saved runs time the time of "accurate" over "fast": one at that default, one carrying
 # at every length (`bench.py --carry-min-keys 0`; a separate process on the same kind of
 # GPU, so its ratios use the default run's fast times). The goal is at most 1.1 (10% over
@@ -560,9 +561,9 @@ else:
 # %% [markdown]
 # At 2048 keys and more the accurate precision costs 1–13% over fast and the gap closes
 # with N (at 16384 keys, 0–3%). At 1024 keys splitting costs 24–34% in the forward with the
-# tangent and 37–67% in the backward; carrying there too costs 17–22% in both, so carrying
-# from 1024 keys would be the better default, and the carry's own two launches are what is
-# left to remove below that (the saved runs have no shorter sequence).
+# tangent and 37–67% in the backward; carrying there too costs 17–22% in both, so the
+# library now carries from 1024 keys, and the carry's own two launches are what is left to
+# remove below that (the saved runs have no shorter sequence).
 
 # %% [markdown]
 # ## The headline picture

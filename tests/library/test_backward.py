@@ -202,6 +202,30 @@ def test_bf16_gradients_through_fp16_operands_on_cpu(spec: Spec, scales: str,
         assert error <= 1.25 * floor + tiny, f"{p.label} {name}: {error:.2e} vs {floor:.2e}"
 
 
+@pytest.mark.parametrize("with_residual", [False, True], ids=["stored-O", "residual"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided-dO", "gqa-d40"])
+def test_carried_copies_write_delta(layout: str, with_residual: bool) -> None:
+    """The carried backward's copy kernel also writes Delta = rowsum(dO * O), with O's
+    rounding residual added back when there is one: the row-statistics launch it replaces
+    computes the same fp32 sums."""
+    torch.manual_seed(3)
+    batch, heads, kv_heads, n, d = (2, 4, 2, 37, 40) if layout == "gqa-d40" else (2, 3, 3, 45, 32)
+    q = torch.randn(batch, heads, n, d, dtype=torch.float16)
+    k, v = (torch.randn(batch, kv_heads, n, d, dtype=torch.float16) for _ in range(2))
+    out = torch.randn(batch, heads, n, d, dtype=torch.float16)
+    residual = (1e-3 * torch.randn_like(out)) if with_residual else None
+    grad_out = torch.randn(batch, heads, n, d, dtype=torch.float16)
+    if layout == "strided-dO":  # (B, N, H, D) memory seen as (B, H, N, D)
+        grad_out = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
+    delta = torch.full((batch, heads, n), float("nan"))
+    jvp_attention.backward.backward_operands(q, k, v, grad_out, out, residual, delta)
+    o = out.double() + (residual.float().double() if with_residual else 0.0)
+    terms = grad_out.double() * o.float().double()  # O + residual is summed in fp32 first
+    # an fp32 sum of d products: within d unit roundoffs of their absolute sum, any order
+    bound = d * 2.0**-24 * terms.abs().sum(-1)
+    assert ((delta.double() - terms.sum(-1)).abs() <= bound).all()
+
+
 # --- the gradient of an additive mask (learnable biases: dL/dB = dS; notebook 05) ----------
 # The launcher returns dS as fp32 (B, Hq, Nq, Nk); the tests sum it over the dimensions the
 # bias was broadcast along (as autograd of `expand` will) and compare with float64 autograd.
