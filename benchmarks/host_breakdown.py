@@ -21,6 +21,11 @@ autograd engine runs the backward on a thread of its own on CUDA):
   allocation, tensor-descriptor encoding, `cuLaunchKernelEx`);
 - under the interpreter, `InterpretedFunction.run` in their place (it runs the kernel).
 
+The compiled columns (`ours_compiled`, `ours_cudagraphs`, CUDA only) run after the eager
+ones, without the `attention` timer, which torch.compile would trace as a graph break; the
+compiled graph calls our operators, whose launchers are timed as in eager mode (under CUDA
+graphs a replay calls none of them).
+
 Each layer's time is inclusive (the layers nest in this order) and is divided by the number
 of steps: microseconds per call. Timers cost about a microsecond per wrapped call. The step
 itself is timed by the same clock over the same steps; the `floor` implementation (`v * 1`)
@@ -47,7 +52,11 @@ import training_shapes as ts  # noqa: E402  (sets TRITON_INTERPRET on CPU before
 bench = ts.bench
 torch = ts.torch
 SCHEMA = "jvp_attention.host_breakdown/1"
-IMPLS = ("ours", "floor")
+IMPLS = ("ours", "ours_compiled", "ours_cudagraphs", "floor")
+# Layers that torch.compile would trace through (a timer there is a graph break): timed in
+# eager columns only. Below them the compiled graph calls our operators, whose launchers run
+# as in eager mode.
+TRACED_LAYERS = ("attention",)
 
 
 class LayerTimers:
@@ -57,7 +66,7 @@ class LayerTimers:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._undo: list[Callable[[], None]] = []
+        self._undo: dict[str, list[Callable[[], None]]] = {}
 
     def wrap(self, label: str, owner: object, name: str) -> None:
         """Time `owner.name` as `label`; a module function is replaced wherever a module of
@@ -82,7 +91,8 @@ class LayerTimers:
                         and getattr(module, name, None) is original]
         for holder in holders:
             setattr(holder, name, timed)
-            self._undo.append(functools.partial(setattr, holder, name, original))
+            self._undo.setdefault(label, []).append(
+                functools.partial(setattr, holder, name, original))
         self.seconds.setdefault(label, 0.0)
         self.calls.setdefault(label, 0)
 
@@ -90,9 +100,14 @@ class LayerTimers:
         for label in self.seconds:
             self.seconds[label], self.calls[label] = 0.0, 0
 
+    def unwrap(self, label: str) -> None:
+        """Put the original of `label` back (it is no longer timed)."""
+        for undo in reversed(self._undo.pop(label, [])):
+            undo()
+
     def restore(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+        for label in list(self._undo):
+            self.unwrap(label)
 
 
 def call_layers() -> list[tuple[str, object, str]]:
@@ -125,7 +140,9 @@ def breakdown(case: ts.Case, args: argparse.Namespace, timers: LayerTimers) -> d
     """Warm the case's step up, then time `args.steps` steps: per call, the step and each
     layer."""
     step = ts.make_step(case, "cuda" if ts.HAS_CUDA else "cpu", args)
-    for _ in range(args.warmup_steps):
+    if step.eager is not None:  # compiled: Triton compiles and tunes the kernels eagerly first
+        step.eager()
+    for _ in range(args.warmup_steps):  # compilation, CUDA-graph recording
         step()
     ts.synchronize()
     timers.reset()
@@ -135,6 +152,8 @@ def breakdown(case: ts.Case, args: argparse.Namespace, timers: LayerTimers) -> d
     step_s = time.perf_counter() - start
     ts.synchronize()
     ts.clear_grads(step)
+    if case.impl in ts.COMPILE_MODES:
+        torch._dynamo.reset()  # drops the compiled code and the CUDA graphs' memory pools
     per_call = {label: {"us": round(seconds / args.steps * 1e6, 2),
                         "calls": round(timers.calls[label] / args.steps, 3)}
                 for label, seconds in timers.seconds.items() if timers.calls[label]}
@@ -145,7 +164,7 @@ def breakdown(case: ts.Case, args: argparse.Namespace, timers: LayerTimers) -> d
 
 
 def print_row(row: dict) -> None:
-    print(f"{row['shape']:11} {row['impl']:6} {row['mode']:12} step {row['step_us']:9.1f} µs")
+    print(f"{row['shape']:11} {row['impl']:15} {row['mode']:12} step {row['step_us']:9.1f} µs")
     for label, part in row["layers"].items():
         print(f"    {label:38} {part['us']:9.1f} µs  {part['calls']:6.2f} calls")
 
@@ -156,7 +175,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help="the tiny shape on CPU through Triton's interpreter (plumbing)")
     parser.add_argument("--shape", nargs="+", choices=list(ts.SHAPES), default=["dit-b2-256"])
-    parser.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS),
+                        help="columns (default: all; the compiled ones need CUDA)")
     parser.add_argument("--mode", nargs="+", choices=ts.MODES, default=list(ts.MODES))
     parser.add_argument("--dtype", choices=list(ts.DTYPES), default=None,
                         help="default bf16 on CUDA, fp16 on CPU")
@@ -164,6 +184,9 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                         help="timed steps per case (default 200 on CUDA, 2 on CPU)")
     parser.add_argument("--warmup-steps", type=int, default=None,
                         help="untimed steps first (default 5 on CUDA, 1 on CPU)")
+    parser.add_argument("--cpu-compile", action="store_true",
+                        help="on CPU, run ours_compiled through the aot_eager backend "
+                             "(plumbing)")
     parser.add_argument("--out", type=Path, help="the JSON file to write")
     args = parser.parse_args(None if argv is None else list(argv))
     if args.dtype is None:
@@ -173,7 +196,7 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     if args.warmup_steps is None:
         args.warmup_steps = 5 if ts.HAS_CUDA else 1
     # What training_shapes.make_step reads besides these.
-    args.math_limit_gb, args.cpu_compile = 100.0, False
+    args.math_limit_gb = 100.0
     return args
 
 
@@ -183,10 +206,18 @@ def main(argv: Iterable[str] | None = None) -> dict:
     timers = LayerTimers()
     for label, owner, name in call_layers():
         timers.wrap(label, owner, name)
-    rows = []
+    rows, skipped = [], {}
     try:
         for shape, (b, h, n, d) in shapes.items():
-            for impl in args.impl:
+            for impl in sorted(args.impl, key=lambda i: i in ts.COMPILE_MODES):  # eager first
+                if impl in ts.COMPILE_MODES:
+                    if not ts.HAS_CUDA and not (impl == "ours_compiled" and args.cpu_compile):
+                        skipped[impl] = ("CUDA only" if impl == "ours_cudagraphs" else
+                                         "on CPU only with --cpu-compile (aot_eager)")
+                        print(f"{impl}: skipped ({skipped[impl]})")
+                        continue
+                    for label in TRACED_LAYERS:
+                        timers.unwrap(label)
                 for mode in args.mode:
                     row = breakdown(ts.Case(shape, impl, mode, b, h, n, d, args.dtype), args,
                                     timers)
@@ -198,7 +229,7 @@ def main(argv: Iterable[str] | None = None) -> dict:
               "settings": {"dtype": args.dtype, "steps": args.steps,
                            "warmup_steps": args.warmup_steps,
                            "precision": bench.precision_mode()},
-              "rows": rows}
+              "rows": rows, "skipped": skipped}
     if args.out is not None:
         bench.write_json(args.out, result)
         print(f"wrote {args.out}")

@@ -45,14 +45,21 @@ def test_timers_count_every_thread_and_restore():
 @pytest.mark.skipif(hb.ts.HAS_CUDA, reason="the smoke run is the CPU path")
 def test_smoke_run_times_each_layer(tmp_path: Path):
     out = tmp_path / "breakdown.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--mode", "fwd_jvp",
-                           "meanflow", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--cpu-compile", "--mode",
+                           "fwd_jvp", "meanflow", "--out", str(out)], capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["schema"] == hb.SCHEMA and data["smoke"]
     rows = {(row["impl"], row["mode"]): row for row in data["rows"]}
-    assert set(rows) == {(impl, mode) for impl in hb.IMPLS for mode in ("fwd_jvp", "meanflow")}
+    ran = [impl for impl in hb.IMPLS if impl != "ours_cudagraphs"]
+    assert set(rows) == {(impl, mode) for impl in ran for mode in ("fwd_jvp", "meanflow")}
+    assert set(data["skipped"]) == {"ours_cudagraphs"}  # said, not silently left out
+    # Compiled (aot_eager here): the graph calls our operators, whose launchers are timed;
+    # `attention` itself is not (a timer there would be a graph break).
+    compiled = rows["ours_compiled", "meanflow"]["layers"]
+    assert "attention" not in compiled
+    assert compiled["forward launcher"]["calls"] == compiled["backward launcher"]["calls"] == 1
     ours = rows["ours", "meanflow"]["layers"]
     # One call of each launcher per step; the layers nest, so none exceeds the step.
     assert ours["attention"]["calls"] == ours["forward launcher"]["calls"] == 1
