@@ -954,6 +954,71 @@ if TS_CASES:
           f"{TS_FIGURES.relative_to(REPO) if TS_FIGURES == ASSETS else TS_FIGURES}")
 
 # %% [markdown]
+# ### Inside the host time
+#
+# The host bars above are whole calls. `benchmarks/host_breakdown.py` runs the same steps at
+# DiT-B/2 256 px with a timer around each layer of our call, on whichever thread it runs:
+# `attention` (argument checks, the duals, the autograd Function), the forward and backward
+# launchers, our autotuner's dispatch, Triton's `JITFunction.run` (argument binding,
+# specialisation, cache lookup) and its C launcher (scratch for the device-side tensor
+# descriptors, the driver's launch). Each bar is inclusive: it contains the layers listed
+# below it that it calls, and "×n" is how often a layer runs per call. The dotted line is
+# the floor's step, `v * 1` under the same transform: PyTorch's own cost.
+
+# %% tags=["hide_input"]
+HOST_BREAKDOWN = RESULTS / "host_breakdown_h200.json"
+HB_LAYERS = ("attention", "forward launcher", "backward launcher", "KeyedAutotuner.run",
+             "Triton JITFunction.run", "Triton C launcher",
+             "Triton interpreter (runs the kernel)")
+
+
+def host_breakdown_bars(rows, mode):
+    """(label, µs, color) of each measured column's step and layers at `mode`."""
+    bars = []
+    for impl in ("ours", "ours_compiled", "ours_cudagraphs"):
+        row = rows.get((impl, mode))
+        if row is None:
+            continue
+        bars.append((f"{TS_IMPLS[impl]}: whole call", row["step_us"], TS_COLORS[impl]))
+        bars += [(f"  {layer} ×{row['layers'][layer]['calls']:g}",
+                  row["layers"][layer]["us"], "0.6")
+                 for layer in HB_LAYERS if layer in row["layers"]]
+    return bars
+
+
+if not HOST_BREAKDOWN.is_file():
+    print("not measured yet: run `python benchmarks/host_breakdown.py --out "
+          "benchmarks/results/host_breakdown_h200.json` on a GPU (benchmarks/README.md)")
+else:
+    HB = json.loads(HOST_BREAKDOWN.read_text())
+    hb_rows = {(row["impl"], row["mode"]): row for row in HB["rows"]}
+    hb_modes = list(dict.fromkeys(row["mode"] for row in HB["rows"]))
+    first = HB["rows"][0]
+    print(f"{HB['gpu']}, {first['shape']} (B{first['B']} H{first['H']} N{first['N']} "
+          f"d{first['d']}, {first['dtype']}), {HB['settings']['steps']} steps per column")
+    fig, axes = plt.subplots(1, len(hb_modes), figsize=(5.2 * len(hb_modes), 4.4),
+                             squeeze=False)
+    for ax, mode in zip(axes[0], hb_modes, strict=True):
+        bars = host_breakdown_bars(hb_rows, mode)
+        ax.barh(range(len(bars)), [us for _, us, _ in bars], color=[c for *_, c in bars])
+        ax.set_yticks(range(len(bars)))
+        ax.set_yticklabels([label for label, *_ in bars], fontsize=7)
+        ax.invert_yaxis()
+        floor = hb_rows.get(("floor", mode))
+        if floor is not None:
+            ax.axvline(floor["step_us"], color="black", linestyle=":",
+                       label=f"floor (v * 1): {floor['step_us']:.0f} µs")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_xlabel("µs per call (inclusive)")
+        ax.set_title(TS_MODES.get(mode, mode), fontsize=8)
+        ax.grid(alpha=0.3, axis="x")
+        for label, us, _ in bars:
+            print(f"  {mode:12} {label:48} {us:8.1f} µs")
+    fig.suptitle("Host time per call, layer by layer" if HB["device"].get("cuda")
+                 else "NOT A GPU RUN: interpreter plumbing, not speed")
+    fig.tight_layout()
+
+# %% [markdown]
 # ### Speed-ups and kernels per call
 #
 # The first table gives each column's wall time per call and, in brackets, its speed-up
