@@ -40,6 +40,7 @@ from jvp_attention.tiles import (
     load_tile,
     masked_scores,
     power_of_two,
+    query_block_start,
     shift_exponent,
     store_rows,
     tail_accumulator,
@@ -393,7 +394,7 @@ def _attention_backward_dq_kernel(
     """dQ (and dtQ) of one query block of one (batch, head); with MASK_GRAD also its rows of
     the mask's gradient dS (and dtS), contiguous (B, H, Nq, Nk) fp32."""
     qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = query_block_start(BLOCK_M, IS_CAUSAL)  # causal: longest tiles first
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads
     kv_head = head // group_size

@@ -45,6 +45,7 @@ from jvp_attention.tiles import (
     masked_scores,
     online_softmax_step,
     power_of_two,
+    query_block_start,
     shift_exponent,
     store_rounded,
     tail_accumulator,
@@ -169,7 +170,7 @@ def _attention_forward_kernel(
     With CARRY, v and tv are `jvp_operands`' fp16 copies and `factors_ptr` their factors.
     With D_TAIL (DV_TAIL), the head dim of q and k (of v) is cut into tiles of BLOCK_D and
     D_TAIL columns (`column_tiles`)."""
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = query_block_start(BLOCK_M, IS_CAUSAL)
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads
     kv_head = head // group_size

@@ -177,6 +177,18 @@ def key_block_ranges(start_m, n_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def query_block_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """The first query row of this program's tile. Under a causal mask the last tiles see
+    the most keys, so the grid's first programs take them: the GPU starts the longest work
+    first, and the short tiles fill the last wave instead of a few long ones running on
+    alone at the end."""
+    block = tl.program_id(0)
+    if IS_CAUSAL:
+        block = tl.num_programs(0) - 1 - block
+    return block * BLOCK_M
+
+
+@triton.jit
 def dot_rounded(a, b, acc, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     """acc + a @ b for an fp32 tile `a` (probabilities, or products with them) and an input
     tile `b`. The tensor cores need `a` in b's 16-bit dtype; with SPLIT, `a` is rounded as

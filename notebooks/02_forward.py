@@ -291,6 +291,18 @@ def key_block_ranges(start_m, n_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexp
     return full_end, end
 
 
+@triton.jit
+def query_block_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """The first query row of this program's tile. Under a causal mask the last tiles see
+    the most keys, so the grid's first programs take them: the GPU starts the longest work
+    first, and the short tiles fill the last wave instead of a few long ones running on
+    alone at the end."""
+    block = tl.program_id(0)
+    if IS_CAUSAL:
+        block = tl.num_programs(0) - 1 - block
+    return block * BLOCK_M
+
+
 # %% [markdown]
 # ## One block of keys
 #
@@ -417,6 +429,7 @@ from jvp_attention.tiles import (
     masked_scores,
     online_softmax_step,
     power_of_two,
+    query_block_start,
     shift_exponent,
     store_rounded,
     tail_accumulator,
@@ -808,7 +821,8 @@ def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Te
 # %% [markdown]
 # ## The kernel
 #
-# The grid is (query tiles, batch × query heads). A program finds its key/value head by
+# The grid is (query tiles, batch × query heads); under a causal mask the tiles run last
+# first (`query_block_start`), longest work first. A program finds its key/value head by
 # integer division, which is all GQA needs: `group_size` query heads share one key head, and
 # nothing is repeated in memory. Pointers are offset in 64-bit arithmetic so that tensors
 # above $2^{31}$ elements are safe. The epilogue normalises, and a row that saw no key at all
@@ -836,7 +850,7 @@ def _attention_forward_kernel(
     With CARRY, v and tv are `jvp_operands`' fp16 copies and `factors_ptr` their factors.
     With D_TAIL (DV_TAIL), the head dim of q and k (of v) is cut into tiles of BLOCK_D and
     D_TAIL columns (`column_tiles`)."""
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = query_block_start(BLOCK_M, IS_CAUSAL)
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads
     kv_head = head // group_size

@@ -114,6 +114,7 @@ from jvp_attention.tiles import (
     load_tile,
     masked_scores,
     power_of_two,
+    query_block_start,
     shift_exponent,
     store_rows,
     tail_accumulator,
@@ -503,7 +504,10 @@ def _attention_backward_dkdv_kernel(
 # ## The dQ kernel
 #
 # A program owns one query block and walks the key blocks it sees, with the same split into
-# whole blocks and masked tail as the forward (`key_block_ranges`).
+# whole blocks and masked tail as the forward (`key_block_ranges`), and under a causal mask
+# the grid takes the last query blocks first, as the forward does (`query_block_start`).
+# (The dK/dV grid needs no such order: its first key blocks are the ones most query blocks
+# see.)
 #
 # Like the forward, the first-order dQ kernel multiplies a heavily padded head dim in two
 # column tiles (chapter 2's `column_tiles`: 72 = 64 + 16): the scores and $dP$ take a second
@@ -580,7 +584,7 @@ def _attention_backward_dq_kernel(
     """dQ (and dtQ) of one query block of one (batch, head); with MASK_GRAD also its rows of
     the mask's gradient dS (and dtS), contiguous (B, H, Nq, Nk) fp32."""
     qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = query_block_start(BLOCK_M, IS_CAUSAL)  # causal: longest tiles first
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads
     kv_head = head // group_size
