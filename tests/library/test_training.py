@@ -209,16 +209,19 @@ def test_attention_profile_on_cuda_events():
     assert row["attention_basis"] == "cuda kernel time"
 
 
-def test_compiled_rows_only_for_the_attentions_asked():
-    def step(config, batch, attention, device, dtype, warmup, repeats, compile_mode, profile):
-        return {"attention": attention, "compile": compile_mode, "tokens": config.tokens,
-                "batch": batch, "step_ms": 1.0}
+def _measured_step(config, batch, attention, device, dtype, warmup, repeats, compile_mode,
+                   profile):
+    """Stands in for `mf.benchmark_step`: a row measured at 1 ms."""
+    return {"attention": attention, "compile": compile_mode, "tokens": config.tokens,
+            "batch": batch, "step_ms": 1.0}
 
+
+def test_compiled_rows_only_for_the_attentions_asked():
     earlier = [{"attention": "math", "compile": "eager", "tokens": 16, "batch": 2,
                 "step_ms": 9.0},  # measured: kept
                {"attention": "jvp_attention", "compile": "eager", "tokens": 16, "batch": 2,
                 "skipped": "..."}]  # neither measured nor failed: run again
-    with mock.patch.object(mf, "benchmark_step", side_effect=step) as run:
+    with mock.patch.object(mf, "benchmark_step", side_effect=_measured_step) as run:
         rows = mf.benchmark(BENCH_TINY, 2, DEVICE, "float32", image_sizes=(8,),
                             attentions=("jvp_attention", "math"),
                             compile_modes=("eager", "default"),
@@ -230,13 +233,9 @@ def test_compiled_rows_only_for_the_attentions_asked():
 
 def test_resume_keeps_rows_outside_the_new_plan():
     """A resumed run at one size keeps the earlier run's other sizes, in table order."""
-    def step(config, batch, attention, device, dtype, warmup, repeats, compile_mode, profile):
-        return {"attention": attention, "compile": compile_mode, "tokens": config.tokens,
-                "batch": batch, "step_ms": 1.0}
-
     earlier = [{"attention": "math", "compile": "eager", "tokens": tokens, "batch": 2,
                 "step_ms": 9.0} for tokens in (16, 64)]
-    with mock.patch.object(mf, "benchmark_step", side_effect=step) as run:
+    with mock.patch.object(mf, "benchmark_step", side_effect=_measured_step) as run:
         rows = mf.benchmark(BENCH_TINY, 2, DEVICE, "float32", image_sizes=(8,),
                             attentions=("jvp_attention", "math"),
                             compile_modes=("eager", "default"), previous=earlier)
