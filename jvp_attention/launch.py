@@ -88,12 +88,19 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
 CARRY_MIN_KEYS = 1024
 
 
+def carry_min_keys(head_dim: int) -> int:
+    """Keys per row from which bf16 "accurate" carries at this head dim: CARRY_MIN_KEYS, and
+    twice that for a head dim cut into two column tiles (72 = 64 + 16, `column_tiles` below),
+    where the carried kernels were slower than the split at 1024 keys."""
+    return CARRY_MIN_KEYS if _two_tiles(head_dim)[1] == 0 else 2 * CARRY_MIN_KEYS
+
+
 def carries(q: torch.Tensor, n_keys: int) -> bool:
     """Whether "accurate" mode carries the rounded products as exact fp16 copies rather
-    than splitting them: bf16 inputs with at least CARRY_MIN_KEYS keys per row. Shorter rows
-    split, which is as accurate and cheaper there; fp16 always splits (it has no wider 16-bit
-    type) and fp32 has nothing to round."""
-    return q.dtype == torch.bfloat16 and n_keys >= CARRY_MIN_KEYS
+    than splitting them: bf16 inputs with at least `carry_min_keys` keys per row. Shorter
+    rows split, which is as accurate and cheaper there; fp16 always splits (it has no wider
+    16-bit type) and fp32 has nothing to round."""
+    return q.dtype == torch.bfloat16 and n_keys >= carry_min_keys(q.shape[-1])
 
 
 def interpreting() -> bool:

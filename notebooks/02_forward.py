@@ -566,7 +566,10 @@ def _forward_key_block(
 # 1.34x (d = 64) and 1.24x (d = 128) the time of "fast" down to 1.21x and 1.17x, and the
 # primal backward (chapter 5) from 1.67x and 1.37x down to 1.19x and 1.22x. So "accurate"
 # carries from 1024 keys per row and splits below (`CARRY_MIN_KEYS`), forward and backward
-# alike. Below 1024 keys the two O(N) passes of the carry cost more than the split's extra
+# alike, except at head dims cut into two column tiles (72 = 64 + 16, `column_tiles` in
+# "Tiles, autotuning and the launch" below): at DiT-XL/2's (16, 16, 1024, 72) the carried
+# forward+JVP took 1.62 ms against the split's 1.25 ms, and the MeanFlow step 3.75 against
+# 2.71 ms, so those carry from 2048 keys, the earlier threshold. Below 1024 keys the two O(N) passes of the carry cost more than the split's extra
 # products saves (0.33 against 0.18 ms at 256 keys with the first version; not measured
 # again), and accurate mode costs the split: 15 to 30% more GPU time than "fast" for the
 # forward+JVP, where the call is bound by host work anyway.
@@ -780,12 +783,19 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
 CARRY_MIN_KEYS = 1024
 
 
+def carry_min_keys(head_dim: int) -> int:
+    """Keys per row from which bf16 "accurate" carries at this head dim: CARRY_MIN_KEYS, and
+    twice that for a head dim cut into two column tiles (72 = 64 + 16, `column_tiles` below),
+    where the carried kernels were slower than the split at 1024 keys."""
+    return CARRY_MIN_KEYS if _two_tiles(head_dim)[1] == 0 else 2 * CARRY_MIN_KEYS
+
+
 def carries(q: torch.Tensor, n_keys: int) -> bool:
     """Whether "accurate" mode carries the rounded products as exact fp16 copies rather
-    than splitting them: bf16 inputs with at least CARRY_MIN_KEYS keys per row. Shorter rows
-    split, which is as accurate and cheaper there; fp16 always splits (it has no wider 16-bit
-    type) and fp32 has nothing to round."""
-    return q.dtype == torch.bfloat16 and n_keys >= CARRY_MIN_KEYS
+    than splitting them: bf16 inputs with at least `carry_min_keys` keys per row. Shorter
+    rows split, which is as accurate and cheaper there; fp16 always splits (it has no wider
+    16-bit type) and fp32 has nothing to round."""
+    return q.dtype == torch.bfloat16 and n_keys >= carry_min_keys(q.shape[-1])
 
 
 # %% tags=["export"]

@@ -508,15 +508,16 @@ fig.savefig(FIGURES / "ratio.png", dpi=110)
 # For bf16 inputs the accurate precision either carries exact fp16 copies of the inputs
 # (two launches more per call: a range pass, then the shifted copies; chapter 2) or splits
 # each 16-bit operand of the tangent's and the backward's products into hi + lo (more
-# products in the kernel). When these runs were made the library carried from 2048 keys per
-# row and split below; it now carries from 1024 (chapter 2).
-# Two saved runs time the time of "accurate" over "fast": one at that default, one carrying
-# at every length (`bench.py --carry-min-keys 0`; a separate process on the same kind of
-# GPU, so its ratios use the default run's fast times). The goal is at most 1.1 (10% over
-# fast) at every shape.
+# products in the kernel). The library carries from 1024 keys per row and splits below
+# (chapter 2). Two saved runs time the time of "accurate" over "fast": one at the default,
+# one carrying at every length (`bench.py --carry-min-keys 0`; a separate process on the
+# same kind of GPU, so its ratios use the default run's fast times). The default run's rows
+# at 1024 keys were measured at today's threshold; its longer rows, carried either way, come
+# from an earlier run of the same command (marked `resumed_from` in the file). The goal is
+# at most 1.1 (10% over fast) at every shape.
 
 # %% tags=["hide_input"]
-CARRY_RUNS = {"default (split below 2048 keys)": RESULTS / "accurate_vs_fast_h200.json",
+CARRY_RUNS = {"default (carries from 1024 keys)": RESULTS / "accurate_vs_fast_h200.json",
               "carried at every length": RESULTS / "accurate_carried_h200.json"}
 
 
@@ -559,11 +560,13 @@ else:
     fig.tight_layout()
 
 # %% [markdown]
-# At 2048 keys and more the accurate precision costs 1–13% over fast and the gap closes
-# with N (at 16384 keys, 0–3%). At 1024 keys splitting costs 24–34% in the forward with the
-# tangent and 37–67% in the backward; carrying there too costs 17–22% in both, so the
-# library now carries from 1024 keys, and the carry's own two launches are what is left to
-# remove below that (the saved runs have no shorter sequence).
+# At 2048 keys and more the accurate precision costs 0–13% over fast and the gap closes
+# with N (at 16384 keys, 0–3%). At 1024 keys the library now carries: 18% over fast in the
+# forward with the tangent (split, it was 34% at d = 64 and 24% at d = 128) and 20–24% in
+# the backward (split: 67% and 37%). The 10% goal is met from 4096 keys, missed by up to
+# 3 points at 2048 and by 8–14 points at 1024, where what is left is the carry's own two
+# launches (a range pass and the shifted copies, each O(N)). The saved runs have no
+# shorter sequence; below 1024 keys accurate mode splits.
 
 # %% [markdown]
 # ## The headline picture
@@ -1017,6 +1020,29 @@ else:
     fig.suptitle("Host time per call, layer by layer" if HB["device"].get("cuda")
                  else "NOT A GPU RUN: interpreter plumbing, not speed")
     fig.tight_layout()
+
+# %% [markdown]
+# What the saved run says, per call at DiT-B/2 256 px on the H200's host:
+#
+# - **Forward with the tangent: at PyTorch's floor.** The step takes 484 µs against the
+#   floor's 463 µs. Our whole call (`attention`) is 349 µs: the forward launcher 207 µs, of
+#   which the launch itself (our autotuner's dispatch, then Triton) 108 µs, Triton's
+#   `JITFunction.run` 90 µs and its C launcher 34 µs.
+# - **MeanFlow call: twice the floor.** 1569 µs against 787 µs; the two launchers make
+#   753 µs of the 783 µs difference. Their four Triton launches cost about 100 µs each in
+#   `JITFunction.run` (binding and specialising some 60 arguments, the kernel-cache lookup;
+#   37 µs of it in the C launcher), our autotuner's dispatch about 30 µs each over that, and
+#   the launchers' own Python (output allocation, layout and mask checks, the descriptor
+#   allocator) about 260 µs.
+# - **torch.compile** (default mode) drops the `attention` layer and the transform around
+#   it (302 µs per forward with the tangent) but calls the same launchers: the MeanFlow call
+#   stays at 1516 µs. **CUDA graphs** replay none of these layers: 130 µs and 454 µs.
+#
+# So a MeanFlow call at these shapes is bound by launches: four kernels issued from Python
+# through Triton's generic launch path, on a host where the floor alone, `v * 1` under
+# the same transform and backward, costs 0.79 ms. Removing all of Triton's Python per
+# launch would save about 250 µs of the 783; the rest is our launchers' Python and four C
+# launches. The call stays host-bound (0.50 ms of GPU work) unless CUDA graphs replay it.
 
 # %% [markdown]
 # ### Speed-ups and kernels per call

@@ -442,25 +442,31 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 # %% [markdown]
 # What the saved run (one H200, bf16 autocast) shows:
 #
-# - **Eager, the targets are not met.** At 256 tokens our step takes 137.9 ms against the
-#   math path's 156.1 ms (1.13x, target 1.5x) and jvp-flash-attention's 169.2 ms. At 4096
-#   tokens (batch 2) it is 1.74x the math path (target 4x) and 8% slower than
-#   jvp-flash-attention (143.8 ms); "fast" precision (125.6 ms) is ahead of both. The
-#   attention is not what makes an eager step long: compiled, the same step is 3.9x shorter
-#   with our kernels and 5.3x with the math path, so most of the eager step is the rest of
-#   the DiT running operation by operation under `torch.func.jvp`.
-# - **Compiled, at 256 tokens, the math path wins**, 29.6 ms against 35.5 ms (one graph, no
-#   graph break in either). Inductor fuses the math path's short attention into its own
-#   kernels. Our operators are opaque to it, and chapter 8's training-shapes benchmark
-#   measures about 1.7 ms of host time per MeanFlow call (forward with the tangent, then the
-#   primal backward) against 0.55 ms of GPU work at (64, 12, 256, 64), eager or compiled:
-#   twelve layers make about 20 ms of host work per step, the likely bound. The profile
-#   that would attribute the step did not run here (its kernel accounting read a profiler
-#   field that torch 2.11 does not have; fixed since), so the share column is empty.
-# - Memory: 10.2 GB for our step at 256 tokens against 16.7 GB for the math path; at 4096
-#   tokens and 2 images, 10.2 GB against 120.4 GB.
-# - The "fast" row at 256 tokens (209 ms, slower than "accurate") is an outlier to measure
-#   again; at 1024 and 4096 tokens "fast" is 10% and 20% faster than "accurate".
+# - **Eager, the step is the host's, not the GPU's.** The profile adds up the step's GPU
+#   kernels: 47.7 ms with our attention at 256 tokens against a 175.0 ms step, 63.0 ms
+#   with the math path against 130.2 ms. The rest of the step is Python running the DiT
+#   operation by operation under `torch.func.jvp`, and it varies from run to run on this
+#   host (the previous run of the same command measured 137.9 ms for ours, 156.1 ms for
+#   math), so eager steps at 256 tokens do not rank the attentions. At 1024 tokens (batch
+#   16) ours is 1.23x the math path (169.8 against 209.6 ms) with 18.7 GB against 72.5 GB;
+#   jvp-flash-attention's step is shorter (148.7 ms). At 4096 tokens (batch 2, from the
+#   earlier run) ours is 1.74x the math path, and 10.2 GB against 120.4 GB.
+# - **The targets ask more than attention can give.** The math path spends 17.7 of its
+#   63.0 ms of GPU work in attention at 256 tokens, and 112.0 of 193.1 ms at 1024. With an
+#   attention that took no time at all the step's GPU work would be 1.39x and 2.38x shorter
+#   than the math path's: below the 1.5x and 2.5x targets. Ours reaches 1.32x and 2.09x in
+#   GPU work (attention 3.1 ms = 6.6% and 12.9 ms = 14% of the step's kernels); the rest
+#   of the DiT bounds the step.
+# - **Compiled with CUDA graphs** (`mode="reduce-overhead"`), which takes the host out,
+#   ours is 26.8 ms against the math path's 28.5 ms at 256 tokens (1.06x, 2.0 GB each).
+#   The run was cut by its time budget before the 1024-token CUDA-graph rows.
+# - **Compiled without CUDA graphs** (`default`), the step is bound by host work again:
+#   at 256 tokens ours takes 63.3 ms for 16.7 ms of kernels, the math path 39.1 ms
+#   (Inductor fuses the math path's attention into its own kernels; our operators are
+#   opaque launches, about 1.5 ms of host time per MeanFlow call at these shapes, chapter
+#   8). At 1024 tokens ours wins, 55.3 against 72.5 ms (1.31x), with 36.4 ms of kernels.
+# - Memory: 10.2 GB for our eager step at 256 tokens against 16.7 GB for the math path;
+#   at 4096 tokens and 2 images, 10.2 GB against 120.4 GB.
 
 # %% [markdown]
 # Step time and the attention's share against the number of tokens (eager). On logarithmic

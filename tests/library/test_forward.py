@@ -310,15 +310,20 @@ def test_carried_tangents_on_cpu(scales, monkeypatch) -> None:
 @pytest.mark.parametrize("scales", TANGENT_SCALES.values(), ids=TANGENT_SCALES)
 def test_carried_tangents_gpu(scales, carried: bool) -> None:
     """bf16 tangents in accurate mode: split below CARRY_MIN_KEYS keys, carried above."""
-    limit = jvp_attention.launch.CARRY_MIN_KEYS
+    limit = jvp_attention.launch.carry_min_keys(128)
     n = limit + 50 if carried else limit - 100  # the problem has n + 3 keys
-    assert jvp_attention.launch.carries(torch.empty(0, dtype=torch.bfloat16), n + 3) == carried
+    q = torch.empty(0, 128, dtype=torch.bfloat16)
+    assert jvp_attention.launch.carries(q, n + 3) == carried
     check_carried_tangents(scales, torch.bfloat16, "cuda", n, 128)
 
 
-def test_carrying_starts_at_long_rows() -> None:
-    bf16, fp16 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float16)
-    limit = jvp_attention.launch.CARRY_MIN_KEYS
+@pytest.mark.parametrize("head_dim", [64, 128, 72])
+def test_carrying_starts_at_long_rows(head_dim: int) -> None:
+    """From CARRY_MIN_KEYS keys at one column tile, from twice that at two (72 = 64 + 16)."""
+    bf16 = torch.empty(0, head_dim, dtype=torch.bfloat16)
+    fp16 = torch.empty(0, head_dim, dtype=torch.float16)
+    limit = jvp_attention.launch.CARRY_MIN_KEYS * (2 if head_dim == 72 else 1)
+    assert jvp_attention.launch.carry_min_keys(head_dim) == limit
     assert jvp_attention.launch.carries(bf16, limit)
     assert not jvp_attention.launch.carries(bf16, limit - 1)
     assert not jvp_attention.launch.carries(fp16, 10 * limit)

@@ -205,7 +205,7 @@ def test_carry_min_keys_moves_the_crossover(tmp_path: Path, monkeypatch) -> None
     data = bench.main(["--smoke", "--max-seconds", "1e-6", "--autotune-rep-ms", "0",
                        "--carry-min-keys", "0", "--out", str(out)])
     assert data["settings"]["carry_min_keys"] == 0
-    assert jvp_attention.launch.carries(torch.empty(0, dtype=torch.bfloat16), 1)
+    assert jvp_attention.launch.carries(torch.empty(0, 64, dtype=torch.bfloat16), 1)
 
 
 def test_wall_budget_records_what_it_skipped(tmp_path: Path) -> None:
