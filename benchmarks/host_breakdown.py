@@ -16,6 +16,8 @@ autograd engine runs the backward on a thread of its own on CUDA):
 - the forward and backward launchers (`flash_attention_forward`, `flash_attention_backward`:
   our Python around the Triton launches, the launches included);
 - `KeyedAutotuner.run`: our autotuner's dispatch of a tuned launch;
+- `CachedLauncher.run`: our launch of a compiled kernel, which skips `JITFunction.run` for
+  a launch that matches an earlier one (chapter 2);
 - `JITFunction.run`: Triton's launch (argument binding and specialisation, the cache lookup,
   launch metadata), and inside it the C launcher (`CudaLauncher.__call__`: scratch
   allocation, tensor-descriptor encoding, `cuLaunchKernelEx`);
@@ -121,7 +123,8 @@ def call_layers() -> list[tuple[str, object, str]]:
     layers = [("attention", autograd, "attention"),
               ("forward launcher", forward, "flash_attention_forward"),
               ("backward launcher", backward, "flash_attention_backward"),
-              ("KeyedAutotuner.run", launch.KeyedAutotuner, "run")]
+              ("KeyedAutotuner.run", launch.KeyedAutotuner, "run"),
+              ("CachedLauncher.run", launch.CachedLauncher, "run")]
     if ts.HAS_CUDA:
         from triton.runtime.jit import JITFunction
         layers.append(("Triton JITFunction.run", JITFunction, "run"))

@@ -11,6 +11,7 @@ import triton.language as tl
 from jvp_attention.launch import (
     accurate,
     autotuned,
+    cached,
     carried_operands,
     carries,
     cdiv,
@@ -601,7 +602,7 @@ def flash_attention_backward(
     with on_device(q):
         prepare_descriptors(use_tma)
         if not carry:
-            _row_statistics_kernel[(cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
+            cached(_row_statistics_kernel)[(cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
                 out, grad_out, t_out, dto, mu, delta, c, residual, t_residual,
                 *row_strides(grad_out, dto), n_heads, n_q, value_dim,
                 HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,

@@ -14,6 +14,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import triton
 from triton.runtime.autotuner import Autotuner
+from triton.runtime.driver import driver
 
 from jvp_attention.tiles import (
     ADDITIVE_MASK,
@@ -75,10 +76,10 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     copies = tuple(torch.empty(x.shape, device=device, dtype=torch.float16) for x in copied)
     factors = torch.empty(n_factors, device=device, dtype=torch.float32)
     batch = tensors[0].shape[0]
-    range_partials_kernel[(programs, len(tensors))](tensors, strides, shapes, batch, partials,
-                                                 **meta)
+    cached(range_partials_kernel)[(programs, len(tensors))](
+        tensors, strides, shapes, batch, partials, **meta)
     rows = max(x.shape[:3].numel() for x in copied)
-    carried_copies_kernel[(cdiv(rows, meta["BLOCK_R"]), len(copied))](
+    cached(carried_copies_kernel)[(cdiv(rows, meta["BLOCK_R"]), len(copied))](
         tensors, copies, strides, shapes, batch, partials, factors, bound, epilogue_args,
         SHIFTS=shifts, EPILOGUE=epilogue, N_COPIES=len(copied), N_FACTORS=n_factors, **meta)
     return copies, factors
@@ -137,6 +138,85 @@ AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
                  "IS_CAUSAL", "MASK_KIND", "HAS_TANGENT", "SPLIT", "USE_TMA"]
 
 
+# Distinct launches (shapes, strides, dtypes, alignments) remembered per kernel; past this
+# the memory starts afresh, so that ragged lengths cannot grow it without bound.
+CACHED_LAUNCHES = 256
+
+
+class CachedLauncher:
+    """Launches a `@triton.jit` kernel, skipping Triton's per-launch Python once it has seen
+    a launch with the same arguments.
+
+    Triton's `JITFunction.run` binds and specialises every argument on each launch (the
+    alignment of each pointer, the size and divisibility of each integer), formats the
+    options into its cache key, looks the compiled kernel up and builds launch metadata for
+    its hooks. Here a launch that matches an earlier one calls that launch's compiled kernel
+    directly, the way `JITFunction.run` calls it. The match is stricter than Triton's
+    specialisation, so the compiled kernel is the one Triton would pick: each tensor by
+    dtype and 16-byte alignment, every other argument (keywords too) by type and value, and
+    the device and Triton's debug options. Everything else goes through Triton: the first
+    launch of each match, a warm-up, the interpreter, and launches while a launch hook
+    (a profiler's) or a pre-run hook is installed.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        # Under the interpreter (decided when triton was imported) kernels are not
+        # JITFunctions and launch through Triton.
+        self.direct = isinstance(kernel, triton.runtime.JITFunction)
+        self.names = kernel.arg_names
+        self.defaults = {p.name: p.default for p in getattr(kernel, "params", ())}
+        self.launches: dict[tuple, tuple] = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+
+    def run(self, *args, grid, warmup: bool = False, **kwargs):
+        if not self.direct or warmup or launch_hooks() or self.kernel.pre_run_hooks:
+            return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+        device = driver.active.get_current_device()
+        key = (device, triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode,
+               launch_match(tuple(kwargs.items())), launch_match(args))
+        known = self.launches.get(key)
+        if known is None:  # Triton's own launch, remembered unless it compiles asynchronously
+            compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+            if not hasattr(compiled, "result"):
+                if len(self.launches) >= CACHED_LAUNCHES:
+                    self.launches.clear()
+                self.launches[key] = compiled, self.names[len(args):]
+            return compiled
+        compiled, rest = known
+        values = (*args, *[kwargs[n] if n in kwargs else self.defaults[n] for n in rest])
+        if callable(grid):
+            grid = grid(dict(zip(self.names, values, strict=True)))
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     driver.active.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *values)
+        return compiled
+
+
+@functools.cache
+def cached(kernel) -> CachedLauncher:
+    """The one `CachedLauncher` of `kernel`: launch with `cached(kernel)[grid](...)`."""
+    return CachedLauncher(kernel)
+
+
+def launch_match(values: tuple) -> tuple:
+    """What of each argument a cached launch must match: a tensor's dtype and 16-byte
+    alignment (a pointer's specialisation), anything else its type and value."""
+    return tuple([(v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
+                  else launch_match(v) if v.__class__ is tuple else (v.__class__, v)
+                  for v in values])
+
+
+def launch_hooks() -> bool:
+    """Whether Triton has launch hooks installed (a profiler's, say): launches then take
+    Triton's own path, which calls them."""
+    runtime = triton.knobs.runtime
+    return any(hook is not None and getattr(hook, "calls", True)
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
 class KeyedAutotuner(Autotuner):
     """Triton's autotuner with two changes for a kernel launched many times per step.
 
@@ -145,7 +225,8 @@ class KeyedAutotuner(Autotuner):
       the kernel's source, the GPU, Triton's version, the tuning key and the candidates.
     - A launch at a key already tuned finds its tile from the key arguments' positions.
       Triton's own `run` builds and filters dicts of all of the kernel's ~60 arguments on
-      every launch, a sizeable share of a short call's host time.
+      every launch, a sizeable share of a short call's host time. The launch itself goes
+      through a `CachedLauncher`.
     """
 
     def __init__(self, kernel, configs: list[triton.Config], key: list[str]):
@@ -154,6 +235,7 @@ class KeyedAutotuner(Autotuner):
                          prune_configs_by={"early_config_prune": prune_wide_tiles})
         self.tuned: dict[tuple, triton.Config] = {}
         self.key_positions = [kernel.arg_names.index(name) for name in key]
+        self.launcher = cached(kernel)
 
     def launch_key(self, args: tuple, kwargs: dict) -> tuple:
         """The key values (by position, or by name when passed as keywords) and the dtypes
@@ -170,7 +252,7 @@ class KeyedAutotuner(Autotuner):
             self.tuned[key] = self.best_config
             return result
         self.best_config = config
-        return self.fn.run(*args, **kwargs, **config.all_kwargs())
+        return self.launcher.run(*args, **kwargs, **config.all_kwargs())
 
 
 def autotuned(kernel, gpu_tiles: list[tuple[int, int, int, int]]) -> KeyedAutotuner:

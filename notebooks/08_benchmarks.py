@@ -971,7 +971,7 @@ if TS_CASES:
 # %% tags=["hide_input"]
 HOST_BREAKDOWN = RESULTS / "host_breakdown_h200.json"
 HB_LAYERS = ("attention", "forward launcher", "backward launcher", "KeyedAutotuner.run",
-             "Triton JITFunction.run", "Triton C launcher",
+             "CachedLauncher.run", "Triton JITFunction.run", "Triton C launcher",
              "Triton interpreter (runs the kernel)")
 
 

@@ -65,6 +65,7 @@ def test_smoke_run_times_each_layer(tmp_path: Path):
     assert ours["attention"]["calls"] == ours["forward launcher"]["calls"] == 1
     assert ours["backward launcher"]["calls"] == 1
     assert ours["Triton interpreter (runs the kernel)"]["calls"] == 4  # fwd+JVP, then 3
+    assert ours["CachedLauncher.run"]["calls"] == 4  # every launch, tuned, goes through it
     for row in data["rows"]:
         assert all(0 < part["us"] <= row["step_us"] for part in row["layers"].values()), row
     assert rows["floor", "meanflow"]["layers"] == {}  # none of our layers runs

@@ -1,0 +1,149 @@
+"""Chapter 2's `CachedLauncher`: which launches skip Triton's per-launch Python, and that
+those call the compiled kernel exactly as `JITFunction.run` would.
+
+On CPU no kernel is compiled, so a stand-in kernel records what reaches Triton's path and
+what reaches the compiled kernel's launcher."""
+
+import types
+
+import pytest
+import torch
+import triton
+
+import jvp_attention.launch as launch
+
+
+class _Compiled:
+    """A compiled kernel's stand-in: records its C launcher's calls."""
+
+    function, packed_metadata = "function-handle", "packed-metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _Kernel:
+    """A `@triton.jit` kernel's stand-in, `kernel(x_ptr, n, scale, shape, BLOCK, FLAG=False)`:
+    records the launches that go through Triton's `run`."""
+
+    arg_names = ["x_ptr", "n", "scale", "shape", "BLOCK", "FLAG"]
+    params = [types.SimpleNamespace(name=name, default=False if name == "FLAG" else object())
+              for name in arg_names]
+
+    def __init__(self):
+        self.pre_run_hooks = []
+        self.triton_launches = 0
+        self.compiled = _Compiled()
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.triton_launches += 1
+        return self.compiled
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    """A CachedLauncher over the stand-in, as on a GPU: device 0, stream 7."""
+    active = types.SimpleNamespace(get_current_device=lambda: 0,
+                                   get_current_stream=lambda device: 7)
+    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
+    cached = launch.CachedLauncher(_Kernel())
+    cached.direct = True  # the stand-in is no JITFunction
+    return cached
+
+
+def _launch(launcher, x, n=64, scale=0.5, grid=(3, 2), **kwargs):
+    return launcher[grid](x, n, scale, (n, 2 * n), BLOCK=16, **kwargs)
+
+
+def test_a_repeated_launch_calls_the_compiled_kernel(launcher) -> None:
+    x = torch.zeros(64, dtype=torch.float16)
+    _launch(launcher, x)
+    assert launcher.kernel.triton_launches == 1 and not launcher.kernel.compiled.launches
+    _launch(launcher, x)
+    _launch(launcher, torch.ones(64, dtype=torch.float16))  # same dtype and alignment
+    assert launcher.kernel.triton_launches == 1
+    # The arguments in signature order, keywords and defaults included, after the grid, the
+    # stream and the kernel's handles, as JITFunction.run passes them (no hooks).
+    x2 = launcher.kernel.compiled.launches[-1][9]
+    assert launcher.kernel.compiled.launches[-1] == (
+        3, 2, 1, 7, "function-handle", "packed-metadata", None, None, None,
+        x2, 64, 0.5, (64, 128), 16, False)
+
+
+def test_a_callable_grid_sees_every_argument(launcher) -> None:
+    x = torch.zeros(64, dtype=torch.float16)
+    seen = []
+
+    def grid(meta):
+        seen.append(meta)
+        return (triton.cdiv(meta["n"], meta["BLOCK"]),)
+
+    _launch(launcher, x, grid=grid)
+    _launch(launcher, x, grid=grid)
+    assert seen[-1] == {"x_ptr": x, "n": 64, "scale": 0.5, "shape": (64, 128), "BLOCK": 16,
+                        "FLAG": False}
+    assert launcher.kernel.compiled.launches[-1][:3] == (4, 1, 1)
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "value", "type", "keyword",
+                                    "tuple"])
+def test_what_triton_specialises_on_goes_through_triton(launcher, change: str) -> None:
+    """A launch that differs in anything Triton's specialisation or cache key could see is
+    launched by Triton (which compiles, or finds, the kernel for it)."""
+    base = torch.zeros(72, dtype=torch.float16)
+    _launch(launcher, base[:64])
+    other = {"alignment": lambda: _launch(launcher, base[1:65]),  # 2 bytes off 16
+             "dtype": lambda: _launch(launcher, base.float()[:64]),
+             "value": lambda: _launch(launcher, base[:64], n=48),
+             "type": lambda: _launch(launcher, base[:64], scale=1),
+             "keyword": lambda: _launch(launcher, base[:64], FLAG=True),
+             "tuple": lambda: launcher[(1,)](base[:64], 64, 0.5, (64, 64), BLOCK=16)}
+    other[change]()
+    assert launcher.kernel.triton_launches == 2
+
+
+def test_the_memory_holds_no_tensor_and_stays_bounded(launcher, monkeypatch) -> None:
+    monkeypatch.setattr(launch, "CACHED_LAUNCHES", 4)
+    x = torch.zeros(64, dtype=torch.float16)
+    for n in range(10):
+        _launch(launcher, x, n=n)
+    assert 0 < len(launcher.launches) <= 4
+
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            return 1
+        return sum(map(tensors, value)) if isinstance(value, tuple) else 0
+
+    assert not any(tensors(key) for key in launcher.launches)
+
+
+def test_hooks_and_warmups_go_through_triton(launcher) -> None:
+    """A profiler's launch hook must see every launch; a warm-up launches nothing."""
+    x = torch.zeros(64, dtype=torch.float16)
+    _launch(launcher, x)
+    hook = triton.knobs.runtime.launch_enter_hook
+    calls = []
+    if hasattr(hook, "add"):
+        hook.add(calls.append)
+        try:
+            _launch(launcher, x)
+        finally:
+            hook.remove(calls.append)
+        assert launcher.kernel.triton_launches == 2
+    launcher.run(x, 64, 0.5, (64, 128), grid=(1,), warmup=True, BLOCK=16)
+    launcher.kernel.pre_run_hooks.append(lambda *a, **k: None)
+    _launch(launcher, x)
+    assert launcher.kernel.triton_launches == (4 if hasattr(hook, "add") else 3)
+    assert not launcher.kernel.compiled.launches
+
+
+def test_the_interpreter_launches_through_triton() -> None:
+    """Under the interpreter the kernels are not JITFunctions: no direct launch."""
+    from jvp_attention.tiles import range_partials_kernel
+
+    assert launch.cached(range_partials_kernel).direct == isinstance(
+        range_partials_kernel, triton.runtime.JITFunction)
+    assert launch.cached(range_partials_kernel) is launch.cached(range_partials_kernel)
