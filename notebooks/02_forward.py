@@ -1067,7 +1067,7 @@ class CachedLauncher:
             return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
         device = driver.active.get_current_device()
         key = (device, triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode,
-               launch_match(tuple(kwargs.items())), launch_match(args))
+               len(args), *kwargs, *launch_match(tuple(kwargs.values())), *launch_match(args))
         known = self.launches.get(key)
         if known is None:  # Triton's own launch, remembered unless it compiles asynchronously
             compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
@@ -1093,11 +1093,12 @@ def cached(kernel) -> CachedLauncher:
 
 
 def launch_match(values: tuple) -> tuple:
-    """What of each argument a cached launch must match: a tensor's dtype and 16-byte
-    alignment (a pointer's specialisation), anything else its type and value."""
-    return tuple([(v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
-                  else launch_match(v) if v.__class__ is tuple else (v.__class__, v)
-                  for v in values])
+    """What of each argument a cached launch must match, flat (it is hashed on every
+    launch): the arguments' types, then a tensor's dtype and 16-byte alignment (a pointer's
+    specialisation) and any other argument's value, tuples taken apart."""
+    return (*map(type, values),
+            *[(v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
+              else launch_match(v) if v.__class__ is tuple else v for v in values])
 
 
 def launch_hooks() -> bool:
