@@ -131,10 +131,10 @@ def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str) -> 
 
 
 def backward_launch(q, k, v, out, lse, do, attn_mask, causal, tangents, dto):
-    """The backward's two tiled kernels (the row statistics kernel runs for real on CPU
-    tensors only in the interpreter, so it is skipped here)."""
-    row_kernel = backward._row_statistics_kernel
-    backward._row_statistics_kernel = _NoLaunch()
+    """The backward's two tiled kernels (the row statistics kernel, launched through
+    `cached`, runs for real on CPU tensors only in the interpreter, so it is skipped here)."""
+    launcher = backward.cached
+    backward.cached = lambda kernel: _NoLaunch()
     try:
         if tangents is None:
             backward.flash_attention_backward(q, k, v, out, lse, do, attn_mask, causal)
@@ -142,7 +142,7 @@ def backward_launch(q, k, v, out, lse, do, attn_mask, causal, tangents, dto):
             backward.flash_attention_backward(q, k, v, out, lse, do, attn_mask, causal, None,
                                               tangents, out, lse, dto)
     finally:
-        backward._row_statistics_kernel = row_kernel
+        backward.cached = launcher
 
 
 class _NoLaunch:
