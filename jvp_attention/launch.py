@@ -120,9 +120,11 @@ def tile_configs(gpu_tiles: list[tuple[int, int, int, int]]) -> list[triton.Conf
 
 def prune_wide_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """Drop tiles whose accumulators cannot fit in registers for wide heads, fp32 inputs or
-    the tangent; with JVP_ATTENTION_AUTOTUNE=0 keep only the first tile that fits."""
-    width = max(named_args["head_dim"], named_args["value_dim"])
-    budget = 128 * 128 if width <= 64 else 128 * 64
+    the tangent; with JVP_ATTENTION_AUTOTUNE=0 keep only the first tile that fits. A head
+    dim cut into two column tiles counts as their sum (72 = 64 + 16 as 80 columns)."""
+    width = max(kwargs.get("BLOCK_D", named_args["head_dim"]) + kwargs.get("D_TAIL", 0),
+                kwargs.get("BLOCK_DV", named_args["value_dim"]) + kwargs.get("DV_TAIL", 0))
+    budget = 128 * 128 if width <= 80 else 128 * 64
     if width > 128:
         budget //= 4
     if kwargs.get("HAS_TANGENT", False):

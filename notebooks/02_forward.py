@@ -94,7 +94,9 @@ from jvp_attention.reference import AttentionOutputs  # noqa: E402  (chapter 1)
 # product, and $O$, $t_O$ get a second, 16-column accumulator. Compiled for Hopper, the bf16
 # forward with the tangent at $d = 72$ then needs 193 registers per thread and 80 KiB of
 # shared memory on a 128 × 32 tile, against 255 registers, 60 bytes of spills and 128 KiB
-# padded to 128 (`tools/kernel_resources.py --head-dim 72`).
+# padded to 128 (`tools/kernel_resources.py --head-dim 72`). The 128 × 64 tile that $d = 64$
+# may use fits too (212 registers, no spills), so the autotuner's candidates count such a
+# head dim by the columns it multiplies, 80, not by its padded 128 (`prune_wide_tiles`).
 
 # %% tags=["export:tiles"]
 """The Triton device helpers that the forward (chapter 2) and backward (chapter 5) kernels
@@ -1011,9 +1013,11 @@ def tile_configs(gpu_tiles: list[tuple[int, int, int, int]]) -> list[triton.Conf
 
 def prune_wide_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """Drop tiles whose accumulators cannot fit in registers for wide heads, fp32 inputs or
-    the tangent; with JVP_ATTENTION_AUTOTUNE=0 keep only the first tile that fits."""
-    width = max(named_args["head_dim"], named_args["value_dim"])
-    budget = 128 * 128 if width <= 64 else 128 * 64
+    the tangent; with JVP_ATTENTION_AUTOTUNE=0 keep only the first tile that fits. A head
+    dim cut into two column tiles counts as their sum (72 = 64 + 16 as 80 columns)."""
+    width = max(kwargs.get("BLOCK_D", named_args["head_dim"]) + kwargs.get("D_TAIL", 0),
+                kwargs.get("BLOCK_DV", named_args["value_dim"]) + kwargs.get("DV_TAIL", 0))
+    budget = 128 * 128 if width <= 80 else 128 * 64
     if width > 128:
         budget //= 4
     if kwargs.get("HAS_TANGENT", False):

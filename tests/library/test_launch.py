@@ -147,3 +147,25 @@ def test_the_interpreter_launches_through_triton() -> None:
     assert launch.cached(range_partials_kernel).direct == isinstance(
         range_partials_kernel, triton.runtime.JITFunction)
     assert launch.cached(range_partials_kernel) is launch.cached(range_partials_kernel)
+
+
+def _tiles(kept) -> set:
+    return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept}
+
+
+def test_two_column_tiles_count_as_the_columns_they_multiply(monkeypatch) -> None:
+    """d = 72 cut into 64 + 16 columns may take d = 64's tiles (80 columns in registers);
+    padded to 128 (the dK/dV kernel keeps one tile) it may not."""
+    monkeypatch.setenv("JVP_ATTENTION_AUTOTUNE", "1")
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}) for m, n in
+               [(128, 32), (64, 64), (128, 64), (128, 128)]]
+    named = {"head_dim": 72, "value_dim": 72, "q_ptr": torch.empty(0, dtype=torch.bfloat16)}
+    cut = {"BLOCK_D": 64, "D_TAIL": 16, "BLOCK_DV": 64, "DV_TAIL": 16}
+    padded = {"BLOCK_D": 128, "BLOCK_DV": 128}
+    assert _tiles(launch.prune_wide_tiles(configs, named, HAS_TANGENT=True, **cut)) == {
+        (128, 32), (64, 64), (128, 64)}
+    assert _tiles(launch.prune_wide_tiles(configs, named, HAS_TANGENT=True, **padded)) == {
+        (128, 32), (64, 64)}
+    d64 = {**named, "head_dim": 64, "value_dim": 64}
+    assert _tiles(launch.prune_wide_tiles(configs, d64, HAS_TANGENT=True, BLOCK_D=64,
+                                          BLOCK_DV=64)) == {(128, 32), (64, 64), (128, 64)}
