@@ -9,7 +9,7 @@ cache directory). Saved as JSON.
 
 Each measurement is a fresh Python process (`--child`) that imports jvp_attention, runs one
 MeanFlow-style step at the shape (`torch.func.jvp(attention)`, then a backward through the
-primal output: the forward+JVP kernel and the three kernels of the backward) and times the
+primal output: the forward+JVP kernel and the kernels of the backward) and times the
 jvp and the backward of that first step, then of a second step. Its `TRITON_CACHE_DIR` is a
 folder of this run, in three states, in this order:
 

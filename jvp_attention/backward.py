@@ -97,15 +97,49 @@ def _row_statistics_kernel(
 
 
 @triton.jit
-def _load_row_statistics(lse_ptr, delta_ptr, mu_ptr, c_ptr, rows, n_q, delta_factor,
+def _load_delta(delta_ptr, rows, n_q):
+    """A query tile's Delta, as the kernel that computed it stored it."""
+    return tl.load(delta_ptr + rows, mask=rows < n_q, other=0.0)
+
+
+@triton.jit
+def _delta_rows(o_ptr, o_residual_ptr, head_rows, rows, dims, n_rows, value_dim, do,
+                HAS_RESIDUAL: tl.constexpr):
+    """rowsum(dO * O) over the columns `dims` of a block of rows whose dO is in hand, O in
+    fp32 with its rounding residual added back."""
+    o = _load_fp32_rows(o_ptr, o_residual_ptr, head_rows, rows, dims, n_rows, value_dim,
+                        HAS_RESIDUAL)
+    return tl.sum(do.to(tl.float32) * o, 1)
+
+
+@triton.jit
+def _delta_of_block(o_ptr, o_residual_ptr, do_base, stride_dom, head_rows, rows, n_rows,
+                    value_dim, BLOCK_DV: tl.constexpr, DV_TAIL: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr):
+    """Delta of a block of query rows, from dO (one head's rows at `do_base`) and the
+    contiguous O, over BLOCK_DV columns and then DV_TAIL more."""
+    dims = tl.arange(0, BLOCK_DV)
+    delta = _delta_rows(o_ptr, o_residual_ptr, head_rows, rows, dims, n_rows, value_dim,
+                        load_tile(do_base, rows, dims, stride_dom, 1, n_rows, value_dim),
+                        HAS_RESIDUAL)
+    if DV_TAIL > 0:
+        dims = BLOCK_DV + tl.arange(0, DV_TAIL)
+        delta += _delta_rows(o_ptr, o_residual_ptr, head_rows, rows, dims, n_rows, value_dim,
+                             load_tile(do_base, rows, dims, stride_dom, 1, n_rows, value_dim),
+                             HAS_RESIDUAL)
+    return delta
+
+
+@triton.jit
+def _load_row_statistics(lse_ptr, delta, mu_ptr, c_ptr, rows, n_q, delta_factor,
                          p_exponent, HAS_TANGENT: tl.constexpr):
     """LSE (in log2 units, less `p_exponent`, so that P comes out times 2**p_exponent),
-    Delta times `delta_factor` (and mu, c) of a query tile. Rows past the end and rows that
-    saw no key read LSE = +inf, so that their P is exactly 0."""
+    the tile's `delta` times `delta_factor` (and mu, c) of a query tile. Rows past the end
+    and rows that saw no key read LSE = +inf, so that their P is exactly 0."""
     in_range = rows < n_q
     lse = tl.load(lse_ptr + rows, mask=in_range, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E - p_exponent
-    delta = tl.load(delta_ptr + rows, mask=in_range, other=0.0) * delta_factor
+    delta = delta * delta_factor
     if HAS_TANGENT:
         mu = tl.load(mu_ptr + rows, mask=in_range, other=0.0)
         c = tl.load(c_ptr + rows, mask=in_range, other=0.0)
@@ -191,9 +225,9 @@ def _delta_of_grad_out(copy_index: tl.constexpr, d_out, rows, cols, args,
     as `_row_statistics_kernel` computes it (O with its rounding residual added back)."""
     if copy_index == GRAD_OUT_COPY:
         out_ptr, residual_ptr, delta_ptr, n_rows, value_dim = args
-        o = _load_fp32_rows(out_ptr, residual_ptr, 0, rows, cols, n_rows, value_dim,
+        delta = _delta_rows(out_ptr, residual_ptr, 0, rows, cols, n_rows, value_dim, d_out,
                             HAS_RESIDUAL)
-        tl.store(delta_ptr + rows, tl.sum(d_out * o, 1), mask=rows < n_rows)
+        tl.store(delta_ptr + rows, delta, mask=rows < n_rows)
 
 
 @triton.jit
@@ -306,8 +340,8 @@ def _attention_backward_dkdv_kernel(
             else:
                 tq, dto = q, do
             lse2, delta, mu, c = _load_row_statistics(
-                lse_ptr + stats, delta_ptr + stats, mu_ptr + stats, c_ptr + stats, rows, n_q,
-                delta_factor, p_exponent, HAS_TANGENT)
+                lse_ptr + stats, _load_delta(delta_ptr + stats, rows, n_q), mu_ptr + stats,
+                c_ptr + stats, rows, n_q, delta_factor, p_exponent, HAS_TANGENT)
             p, ds, tp, dts = _backward_tile(
                 q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
                 head_mask, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
@@ -377,7 +411,7 @@ def _dq_key_block(
 
 @triton.jit
 def _attention_backward_dq_kernel(
-    q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr,
+    q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr, o_ptr, o_residual_ptr,
     lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, dq_ptr, dtq_ptr, dmask_ptr, dtmask_ptr,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_tqb, stride_tqh, stride_tqm,
@@ -390,10 +424,13 @@ def _attention_backward_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     USE_TMA: tl.constexpr, CARRY: tl.constexpr, MASK_GRAD: tl.constexpr,
-    D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr,
+    D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr, DELTA_HERE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     """dQ (and dtQ) of one query block of one (batch, head); with MASK_GRAD also its rows of
-    the mask's gradient dS (and dtS), contiguous (B, H, Nq, Nk) fp32."""
+    the mask's gradient dS (and dtS), contiguous (B, H, Nq, Nk) fp32. With DELTA_HERE it
+    computes its rows' Delta from dO and the contiguous forward output O (plus its residual
+    with HAS_RESIDUAL) and stores it for the dK/dV kernel, launched after it."""
     qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
     start_m = query_block_start(BLOCK_M, IS_CAUSAL)  # causal: longest tiles first
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
@@ -403,6 +440,11 @@ def _attention_backward_dq_kernel(
     dims = tl.arange(0, BLOCK_D)
     q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh)
     do_base = head_base(do_ptr, batch, head, stride_dob, stride_doh)
+    stats = tl.program_id(1).to(tl.int64) * n_q
+    if DELTA_HERE:  # first thing, while no other tile holds registers
+        delta = _delta_of_block(o_ptr, o_residual_ptr, do_base, stride_dom, stats, rows, n_q,
+                                value_dim, BLOCK_DV, DV_TAIL, HAS_RESIDUAL)
+        tl.store(delta_ptr + stats + rows, delta, mask=rows < n_q)
     q = load_head_rows(q_base, start_m, stride_qm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
     do = load_head_rows(do_base, start_m, stride_dom, n_q, value_dim, BLOCK_M, BLOCK_DV,
                          USE_TMA)
@@ -419,10 +461,11 @@ def _attention_backward_dq_kernel(
     else:
         tq, dto = q, do
         acc_dtq = tl.zeros([1, 1], dtype=tl.float32)
-    stats = tl.program_id(1).to(tl.int64) * n_q
-    lse2, delta, mu, c = _load_row_statistics(lse_ptr + stats, delta_ptr + stats,
-                                              mu_ptr + stats, c_ptr + stats, rows, n_q,
-                                              delta_factor, p_exponent, HAS_TANGENT)
+    if not DELTA_HERE:
+        delta = _load_delta(delta_ptr + stats, rows, n_q)
+    lse2, delta, mu, c = _load_row_statistics(lse_ptr + stats, delta, mu_ptr + stats,
+                                              c_ptr + stats, rows, n_q, delta_factor,
+                                              p_exponent, HAS_TANGENT)
     k_base = head_base(k_ptr, batch, kv_head, stride_kb, stride_kh)
     v_base = head_base(v_ptr, batch, kv_head, stride_vb, stride_vh)
     k_src = tile_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
@@ -599,23 +642,29 @@ def flash_attention_backward(
     switches = {"IS_CAUSAL": is_causal, "MASK_KIND": mask_kind, "HAS_TANGENT": has_tangent,
                 "USE_TMA": use_tma, "CARRY": carry}
     mask_arg = q if mask is None else mask
+    # Delta = rowsum(dO * O): carried, the copy kernel wrote it. In the first-order backward
+    # the dQ kernel computes it, launched first, when O's rows are 16-element aligned (else
+    # its loads would not vectorise, and at d = 72 the dQ kernel needs up to twice the
+    # registers); otherwise, and with the tangent, the row-statistics kernel does.
+    delta_in_dq = not (carry or has_tangent) and value_dim % 16 == 0
     with on_device(q):
         prepare_descriptors(use_tma)
-        if not carry:
+        if not (carry or delta_in_dq):
             cached(_row_statistics_kernel)[(cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
                 out, grad_out, t_out, dto, mu, delta, c, residual, t_residual,
                 *row_strides(grad_out, dto), n_heads, n_q, value_dim,
                 HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
                 BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"])
+        dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
+        dq_kernel[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
+            q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, out, residual, lse, delta, mu, c,
+            factors, dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes, **switches,
+            **dq_meta, MASK_GRAD=mask_grad, DELTA_HERE=delta_in_dq,
+            HAS_RESIDUAL=out_residual is not None)
         dkdv = _backward_dkdv_tangent if has_tangent else _backward_dkdv
         dkdv[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
             dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches, **meta)
-        dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
-        dq_kernel[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
-            q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
-            dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes, **switches, **dq_meta,
-            MASK_GRAD=mask_grad)
     grads = (dq, dk, dv, dtq, dtk, dtv) if has_tangent else (dq, dk, dv)
     if mask_grad:
         return (*grads, dmask, dmask_tangent) if has_tangent else (*grads, dmask)

@@ -974,7 +974,7 @@ def _attention_forward_kernel(
 # the compiled kernel up, and builds metadata for launch hooks that are usually absent. On
 # the H200's host that is about 60 µs of Python per launch of our ~60-argument kernels,
 # before its C launcher (chapter 8, "Inside the host time"), and a MeanFlow call launches
-# four kernels. A training loop launches the same kernels with the same shapes, strides
+# three or four kernels. A training loop launches the same kernels with the same shapes, strides
 # and dtypes step after step, so `CachedLauncher` remembers the compiled kernel of each
 # distinct launch and calls its C launcher directly, as `JITFunction.run` does last. What
 # makes two launches "the same" must be at least as strict as Triton's specialisation, or
