@@ -1096,13 +1096,20 @@ def cached(kernel) -> CachedLauncher:
     return CachedLauncher(kernel)
 
 
+# Argument types matched by value. Checked first: `isinstance(x, torch.Tensor)` is slow
+# enough to matter at 60 arguments per launch.
+PLAIN_TYPES = frozenset({int, float, bool, str, type(None)})
+
+
 def launch_match(values: tuple) -> tuple:
     """What of each argument a cached launch must match, flat (it is hashed on every
     launch): the arguments' types, then a tensor's dtype and 16-byte alignment (a pointer's
     specialisation) and any other argument's value, tuples taken apart."""
     return (*map(type, values),
-            *[(v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
-              else launch_match(v) if v.__class__ is tuple else v for v in values])
+            *[v if v.__class__ in PLAIN_TYPES
+              else launch_match(v) if v.__class__ is tuple
+              else (v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
+              else v for v in values])
 
 
 def launch_hooks() -> bool:
@@ -1138,7 +1145,8 @@ class KeyedAutotuner(Autotuner):
         of the tensor arguments: what Triton's key holds."""
         values = [args[i] if i < len(args) else kwargs.get(self.arg_names[i])
                   for i in self.key_positions]
-        return (*values, *[a.dtype for a in args if isinstance(a, torch.Tensor)])
+        return (*values, *[a.dtype for a in args
+                           if a.__class__ not in PLAIN_TYPES and isinstance(a, torch.Tensor)])
 
     def run(self, *args, **kwargs):
         key = self.launch_key(args, kwargs)
