@@ -1054,7 +1054,7 @@ class CachedLauncher:
     (a profiler's) or a pre-run hook is installed.
     """
 
-    def __init__(self, kernel):
+    def __init__(self, kernel: triton.runtime.JITFunction):
         self.kernel = kernel
         # Under the interpreter (decided when triton was imported) kernels are not
         # JITFunctions and launch through Triton.
@@ -1067,12 +1067,16 @@ class CachedLauncher:
         return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
 
     def run(self, *args, grid, warmup: bool = False, **kwargs):
+        """Launch as `kernel[grid](*args, **kwargs)` would; returns the compiled kernel."""
         if not self.direct or warmup or launch_hooks() or self.kernel.pre_run_hooks:
             return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
         device = driver.active.get_current_device()
         key = (device, triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode,
                len(args), *kwargs, *launch_match(tuple(kwargs.values())), *launch_match(args))
-        known = self.launches.get(key)
+        try:
+            known = self.launches.get(key)
+        except TypeError:  # an argument that cannot be hashed: Triton's path, every time
+            return self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
         if known is None:  # Triton's own launch, remembered unless it compiles asynchronously
             compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
             if not hasattr(compiled, "result"):

@@ -169,3 +169,10 @@ def test_two_column_tiles_count_as_the_columns_they_multiply(monkeypatch) -> Non
     d64 = {**named, "head_dim": 64, "value_dim": 64}
     assert _tiles(launch.prune_wide_tiles(configs, d64, HAS_TANGENT=True, BLOCK_D=64,
                                           BLOCK_DV=64)) == {(128, 32), (64, 64), (128, 64)}
+
+
+def test_an_unhashable_argument_goes_through_triton(launcher) -> None:
+    x = torch.zeros(64, dtype=torch.float16)
+    for _ in range(2):
+        launcher[(1,)](x, 64, 0.5, [64, 128], BLOCK=16)
+    assert launcher.kernel.triton_launches == 2 and not launcher.launches
