@@ -412,15 +412,16 @@ def _two_tiles(width: int) -> tuple[int, int]:
     return (first, tail) if first + tail < whole else (whole, 0)
 
 
-def tma_eligible(*tensors: torch.Tensor) -> bool:
+def tma_eligible(*tensors: torch.Tensor, long_enough: bool = True) -> bool:
     """True when the tiles of these (B, H, N, D) CUDA tensors can come through tensor
     descriptors (chapter 4): a Hopper or newer GPU, contiguous rows, 16-byte aligned base
-    and strides. JVP_ATTENTION_TMA=0 turns descriptors off; =1 forces them, unchecked (the
-    interpreter emulates descriptors: that is how CPU tests cover this path)."""
+    and strides, and rows `long_enough` to repay building the descriptors in each program.
+    JVP_ATTENTION_TMA=0 turns descriptors off; =1 forces them, unchecked (the interpreter
+    emulates descriptors: that is how CPU tests cover this path)."""
     setting = os.environ.get("JVP_ATTENTION_TMA", "auto")
     if setting in ("0", "1"):
         return setting == "1"
-    if interpreting() or not all(t.is_cuda for t in tensors):
+    if not long_enough or interpreting() or not all(t.is_cuda for t in tensors):
         return False
     if cuda_major(tensors[0].device.index) < 9:
         return False

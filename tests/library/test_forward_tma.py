@@ -24,6 +24,8 @@ from helpers import (
     make_problem,
 )
 
+from jvp_attention import forward as forward_module
+from jvp_attention.forward import FORWARD_TMA_MIN_KEYS
 from jvp_attention.launch import descriptor_compatible, tma_eligible
 
 CPU_DTYPES = [torch.float16, torch.float32]
@@ -81,9 +83,29 @@ def test_descriptor_rules() -> None:
         assert not tma_eligible(x)
     with descriptors("1"):
         assert tma_eligible(x)
+        assert tma_eligible(x, long_enough=False)  # forced means forced
+    with descriptors("auto"):
+        assert not tma_eligible(x.to(DEVICE), long_enough=False)
     if DEVICE == "cpu":
         with descriptors("auto"):
             assert not tma_eligible(x)  # never on CPU tensors unless forced
+
+
+@pytest.mark.parametrize("n_k", [FORWARD_TMA_MIN_KEYS - 1, FORWARD_TMA_MIN_KEYS])
+def test_forward_takes_descriptors_from_its_minimum_keys(monkeypatch, n_k: int) -> None:
+    """Short rows read their tiles through pointers: the forward asks for descriptors only
+    when its rows are long enough to repay building them."""
+    asked = []
+
+    def recorded(*tensors, long_enough=True):
+        asked.append(long_enough)
+        return False
+
+    monkeypatch.setattr(forward_module, "tma_eligible", recorded)
+    q = torch.randn(1, 1, 16, 16, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(1, 1, n_k, 16, device=DEVICE, dtype=torch.float16)
+    forward_module.flash_attention_forward(q, k, k)
+    assert asked == [n_k >= FORWARD_TMA_MIN_KEYS]
 
 
 @pytest.mark.gpu
