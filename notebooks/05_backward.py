@@ -336,9 +336,10 @@ def _backward_tile(
 # $\Delta = \mathrm{rowsum}(dO \circ O)$ there, from the original dO and O with its
 # rounding residual (an *epilogue*, a small @triton.jit function the copy kernel calls after
 # each block: `delta_epilogue`): the carried backward then needs no row-statistics launch,
-# and takes four launches in all (range pass, copies, dK/dV, dQ) against three when it
-# splits. $\Delta$ is an fp32 sum of the unshifted products, as the row-statistics kernel
-# computes it; the kernels scale it into the carried units with the factor of $\Delta$.
+# and takes four launches in all (range pass, copies, dK/dV, dQ) against two when it splits
+# (three where O's rows are not 16-element aligned). $\Delta$ is an fp32 sum of the
+# unshifted products, as the row-statistics kernel computes it; the kernels scale it into
+# the carried units with the factor of $\Delta$.
 #
 # As in the forward, the range pass pays back only on long enough rows, and the launcher
 # carries from chapter 2's `carry_min_keys` (1024 keys per row; 2048 at a head dim cut

@@ -1022,27 +1022,29 @@ else:
     fig.tight_layout()
 
 # %% [markdown]
-# What the saved run says, per call at DiT-B/2 256 px on the H200's host:
+# What the saved run says, per call at DiT-B/2 256 px on the H200's host. Host speed varies
+# between runs (the floor's MeanFlow call took 787 µs in an earlier run and 1344 µs in this
+# one), so compare columns within a run, against its floor:
 #
-# - **Forward with the tangent: at PyTorch's floor.** The step takes 484 µs against the
-#   floor's 463 µs. Our whole call (`attention`) is 349 µs: the forward launcher 207 µs, of
-#   which the launch itself (our autotuner's dispatch, then Triton) 108 µs, Triton's
-#   `JITFunction.run` 90 µs and its C launcher 34 µs.
-# - **MeanFlow call: twice the floor.** 1569 µs against 787 µs; the two launchers make
-#   753 µs of the 783 µs difference. Their four Triton launches cost about 100 µs each in
-#   `JITFunction.run` (binding and specialising some 60 arguments, the kernel-cache lookup;
-#   37 µs of it in the C launcher), our autotuner's dispatch about 30 µs each over that, and
-#   the launchers' own Python (output allocation, layout and mask checks, the descriptor
-#   allocator) about 260 µs.
+# - **Forward with the tangent: at PyTorch's floor.** The step takes 629 µs against the
+#   floor's 648 µs. Our whole call (`attention`) is 448 µs: the forward launcher 261 µs, of
+#   which the launch itself 126 µs: our autotuner's dispatch 22 µs, the cached launcher's
+#   match 62 µs and Triton's C launcher 43 µs. Triton's `JITFunction.run` (binding and
+#   specialising some 60 arguments, the kernel-cache lookup) no longer runs once a launch
+#   has been seen: the cached launcher calls the compiled kernel directly.
+# - **MeanFlow call: 1.25x the floor.** 1675 µs against 1344 µs, 331 µs over it (the
+#   earlier run, with four launches through `JITFunction.run`: 1569 against 787 µs, twice
+#   the floor). The two launchers make 815 µs; their three launches 475 µs of that, about
+#   100 µs each in our dispatch and match and 58 µs in the C launcher.
 # - **torch.compile** (default mode) drops the `attention` layer and the transform around
-#   it (302 µs per forward with the tangent) but calls the same launchers: the MeanFlow call
-#   stays at 1516 µs. **CUDA graphs** replay none of these layers: 130 µs and 454 µs.
+#   it (541 µs per forward with the tangent) but calls the same launchers: the MeanFlow call
+#   takes 1615 µs. **CUDA graphs** replay none of these layers: 188 µs and 554 µs.
 #
-# So a MeanFlow call at these shapes is bound by launches: four kernels issued from Python
-# through Triton's generic launch path, on a host where the floor alone, `v * 1` under
-# the same transform and backward, costs 0.79 ms. Removing all of Triton's Python per
-# launch would save about 250 µs of the 783; the rest is our launchers' Python and four C
-# launches. The call stays host-bound (0.50 ms of GPU work) unless CUDA graphs replay it.
+# So a MeanFlow call at these shapes stays bound by the host: three kernels issued from
+# Python, on a host where the floor alone, `v * 1` under the same transform and backward,
+# costs 1.3 ms in this run. What is left of ours is the launchers' Python (output
+# allocation, layout and mask checks) and one C launch per kernel. The call stays
+# host-bound (0.49 ms of GPU work) unless CUDA graphs replay it.
 
 # %% [markdown]
 # ### Speed-ups and kernels per call
