@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jvp_attention  # noqa: E402
 from jvp_attention import forward  # noqa: E402
+from jvp_attention.launch import tile_configs  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,8 +46,10 @@ def tile_name(config) -> str:
     return f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
 
 
-def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int) -> list[dict]:
-    """One row per tile (and one for the autotuner's choice) at `shape` = (B, H, N, d)."""
+def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
+          tiles: list | None = None) -> list[dict]:
+    """One row per tile (and one for the autotuner's choice among them) at `shape` =
+    (B, H, N, d); `tiles`: configurations to try in place of the kernel's list."""
     torch.manual_seed(0)
     primals = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3)]
     tangents = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3)]
@@ -58,10 +61,11 @@ def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int) -> l
 
     tuner = forward._attention_forward_jvp
     every = list(tuner.configs)
+    candidates = tiles or every
     rows = []
     try:
-        for config in [*every, None]:
-            tuner.configs = every if config is None else [config]
+        for config in [*candidates, None]:
+            tuner.configs = candidates if config is None else [config]
             tuner.tuned.clear()
             tuner.cache.clear()
             row = {"B": b, "H": h, "N": n, "d": d, "tile": "auto" if config is None
@@ -89,12 +93,17 @@ def main() -> None:
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 72])
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--tiles", help="try these tiles instead of the kernel's list: "
+                        "'M,N,warps,stages;...' (tools/kernel_resources.py checks them for "
+                        "spills without a GPU)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("the sweep times kernels on a CUDA GPU")
+    tiles = args.tiles and tile_configs([tuple(int(x) for x in tile.split(","))
+                                         for tile in args.tiles.split(";")])
     rows = [row for b, h, n in (args.shape or [[64, 12, 256]]) for d in args.head_dims
-            for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls)]
+            for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles)]
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "dtype": args.dtype,
                                          "gpu": torch.cuda.get_device_name(),
