@@ -97,6 +97,17 @@ from jvp_attention.reference import AttentionOutputs  # noqa: E402  (chapter 1)
 # padded to 128 (`tools/kernel_resources.py --head-dim 72`). The 128 × 64 tile that $d = 64$
 # may use fits too (212 registers, no spills), so the autotuner's candidates count such a
 # head dim by the columns it multiplies, 80, not by its padded 128 (`prune_wide_tiles`).
+#
+# Fewer columns are not yet the same speed per FLOP. Timed on the H200 tile by tile (bf16,
+# forward with the tangent, the best tile of each; `tools/tile_sweep.py`, saved in
+# `benchmarks/results/tile_sweep_h200.json`): at 256 tokens $d = 64$ runs at 212–243
+# TFLOP/s and $d = 72$ at 106–129; at 1024 tokens 330–343 against 161–185 (the ranges:
+# tiles read through descriptors or through pointers). $d = 80$, cut the same way with no
+# masked column, reaches 124 and 215, and $d = 96$ (64 + 32) 139 and 240: the cost is the
+# cut, not the 8 masked columns. The likely reason (not yet measured per instruction):
+# each product of a key block becomes two tensor-core operations, and the second, 16
+# columns wide, costs far more than its share of the FLOPs; the tangent doubles their
+# number. Tiles outside the autotuner's list that compile without spills do no better.
 
 # %% tags=["export:tiles"]
 """The Triton device helpers that the forward (chapter 2) and backward (chapter 5) kernels

@@ -82,6 +82,15 @@ for helper in (tiles.tile_source, tiles.load_rows):
 # descriptors off; `=1` forces them (the interpreter emulates descriptors, which is how the
 # CPU tests cover this path). The decision is part of the autotuning key (`USE_TMA`), so
 # each path keeps its own best tile.
+#
+# One more rule is about length, not layout. Each program of the forward builds its
+# descriptors in global memory before its first key block, and a short row has few key
+# blocks to repay that: below 512 keys (`FORWARD_TMA_MIN_KEYS`, chapter 2) the forward reads
+# through pointers. On the H200 (bf16) that took the forward with the tangent at 256 tokens
+# from 0.194 to 0.162 ms at (64, 12, 256, 64) and from 0.285 to 0.225 ms at (32, 16, 256,
+# 72); at 512 keys the two paths measured within 4% of each other, and at 1024 keys
+# descriptors were as fast or faster (`benchmarks/results/training_shapes_h200.json`,
+# `tile_sweep_h200.json`).
 
 # %%
 from jvp_attention.launch import descriptor_compatible
@@ -251,7 +260,8 @@ else:
 # already hide most of the load latency at these tile sizes; what descriptors add is
 # registers, which the tables above show and which the causal backward, with its masked
 # diagonal tiles, turns into speed. The automatic choice therefore stays on descriptors
-# wherever the rules allow, except for the second-order backward.
+# wherever the rules allow, except for the second-order backward and the forward on rows
+# shorter than 512 keys.
 #
 # ## What bounds the kernels
 #
