@@ -1,7 +1,8 @@
-"""Time every tile of the forward+JVP kernel's autotuning list at given shapes and head dims,
-on a GPU: what the autotuner chooses from, and how far the best tile of one head dim is from
-another's. Times are the attention kernels' GPU time per `torch.func.jvp(attention)` call,
-from the profiler (short calls are bound by host work, so wall time would hide the kernels).
+"""Time every tile of an autotuned kernel's list (the forward+JVP kernel, or the first-order
+backward's dQ or dK/dV kernel) at given shapes and head dims, on a GPU: what the autotuner
+chooses from, and how far the best tile of one head dim is from another's. Times are GPU
+time per call from the profiler (short calls are bound by host work, so wall time would
+hide the kernels): `ms` the swept kernel's, `call_ms` all of the call's kernels.
 
     python tools/tile_sweep.py --shape 64 12 256 --shape 32 12 1024 --head-dims 64 72 80 \
         --json sweep.json
@@ -22,23 +23,22 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jvp_attention  # noqa: E402
-from jvp_attention import forward  # noqa: E402
+from jvp_attention import backward, forward  # noqa: E402
 from jvp_attention.launch import tile_configs  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def kernel_ms(call, calls: int) -> float:
-    """GPU time of all kernels per call (the call's launches), from the profiler."""
+def kernel_ms(call, calls: int) -> dict[str, float]:
+    """GPU time per call of each kernel the call launches, from the profiler."""
     call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             call()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages()
-                   if e.device_type == DeviceType.CUDA)
-    return total_us / calls / 1e3
+    return {e.key: e.self_device_time_total / calls / 1e3 for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA}
 
 
 def tile_name(config) -> str:
@@ -46,20 +46,41 @@ def tile_name(config) -> str:
     return f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
 
 
-def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
-          tiles: list | None = None) -> list[dict]:
-    """One row per tile (and one for the autotuner's choice among them) at `shape` =
-    (B, H, N, d); `tiles`: configurations to try in place of the kernel's list."""
+# Which autotuned kernel to sweep: (its autotuner, its kernel's name in the profiler, the call
+# that runs it, FLOPs of that kernel's work as a multiple of the forward's 4*B*H*N*N*d or None).
+KERNELS = {
+    "forward_jvp": (forward._attention_forward_jvp, "_attention_forward_kernel", "fwd_jvp", 3),
+    "backward_dq": (backward._backward_dq, "_attention_backward_dq_kernel", "meanflow", None),
+    "backward_dkdv": (backward._backward_dkdv, "_attention_backward_dkdv_kernel", "meanflow",
+                      None),
+}
+
+
+def make_call(shape: tuple[int, int, int, int], dtype: torch.dtype, mode: str):
+    """`torch.func.jvp(attention)` at `shape`, then for "meanflow" the backward through the
+    primal output."""
     torch.manual_seed(0)
-    primals = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3)]
+    meanflow = mode == "meanflow"
+    primals = [torch.randn(shape, device="cuda", dtype=dtype, requires_grad=meanflow)
+               for _ in range(3)]
     tangents = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3)]
-    b, h, n, d = shape
-    flops = 3 * 4 * b * h * n * n * d  # the forward's two products, credited 3x for the JVP
+    grad = torch.randn(shape, device="cuda", dtype=dtype)
 
     def call():
-        return torch.func.jvp(jvp_attention.attention, tuple(primals), tuple(tangents))
+        out, _ = torch.func.jvp(jvp_attention.attention, tuple(primals), tuple(tangents))
+        if meanflow:
+            torch.autograd.grad(out, primals, grad)
 
-    tuner = forward._attention_forward_jvp
+    return call
+
+
+def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
+          tiles: list | None = None, kernel: str = "forward_jvp") -> list[dict]:
+    """One row per tile (and one for the autotuner's choice among them) at `shape` =
+    (B, H, N, d); `tiles`: configurations to try in place of the kernel's list."""
+    tuner, name, mode, multiple = KERNELS[kernel]
+    call = make_call(shape, dtype, mode)
+    b, h, n, d = shape
     every = list(tuner.configs)
     candidates = tiles or every
     rows = []
@@ -68,11 +89,14 @@ def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
             tuner.configs = candidates if config is None else [config]
             tuner.tuned.clear()
             tuner.cache.clear()
-            row = {"B": b, "H": h, "N": n, "d": d, "tile": "auto" if config is None
-                   else tile_name(config)}
+            row = {"kernel": kernel, "B": b, "H": h, "N": n, "d": d,
+                   "tile": "auto" if config is None else tile_name(config)}
             try:
-                ms = kernel_ms(call, calls)
-                row |= {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
+                times = kernel_ms(call, calls)
+                row |= {"ms": round(times.get(name, float("nan")), 4),
+                        "call_ms": round(sum(times.values()), 4)}
+                if multiple:
+                    row["tflops"] = round(multiple * 4 * b * h * n * n * d / row["ms"] / 1e9, 1)
                 if config is None:
                     row["chosen"] = tile_name(tuner.best_config)
             except Exception as error:  # noqa: BLE001 - a tile that cannot launch is a row
@@ -91,6 +115,9 @@ def main() -> None:
     parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("B", "H", "N"),
                         help="batch, heads, tokens (repeatable); default 64 12 256")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 72])
+    parser.add_argument("--kernel", choices=KERNELS, default="forward_jvp",
+                        help="the autotuned kernel to sweep; the backward kernels are timed "
+                        "inside a MeanFlow call (forward+JVP, then the primal backward)")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tiles", help="try these tiles instead of the kernel's list: "
@@ -103,7 +130,7 @@ def main() -> None:
     tiles = args.tiles and tile_configs([tuple(int(x) for x in tile.split(","))
                                          for tile in args.tiles.split(";")])
     rows = [row for b, h, n in (args.shape or [[64, 12, 256]]) for d in args.head_dims
-            for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles)]
+            for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles, args.kernel)]
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "dtype": args.dtype,
                                          "gpu": torch.cuda.get_device_name(),
