@@ -13,13 +13,19 @@ Each tile runs alone (the autotuner's list is narrowed to it); a tile that canno
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # --smoke: Triton's interpreter, set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = "cuda" if HAS_CUDA else "cpu"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jvp_attention  # noqa: E402
@@ -30,8 +36,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def kernel_ms(call, calls: int) -> dict[str, float]:
-    """GPU time per call of each kernel the call launches, from the profiler."""
+    """GPU time per call of each kernel the call launches, from the profiler; on CPU (the
+    interpreter's smoke run) the call's wall time, as "wall"."""
     call()
+    if not HAS_CUDA:
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        return {"wall": (time.perf_counter() - start) / calls * 1e3}
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
@@ -61,10 +73,10 @@ def make_call(shape: tuple[int, int, int, int], dtype: torch.dtype, mode: str):
     primal output."""
     torch.manual_seed(0)
     meanflow = mode == "meanflow"
-    primals = [torch.randn(shape, device="cuda", dtype=dtype, requires_grad=meanflow)
+    primals = [torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=meanflow)
                for _ in range(3)]
-    tangents = [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3)]
-    grad = torch.randn(shape, device="cuda", dtype=dtype)
+    tangents = [torch.randn(shape, device=DEVICE, dtype=dtype) for _ in range(3)]
+    grad = torch.randn(shape, device=DEVICE, dtype=dtype)
 
     def call():
         out, _ = torch.func.jvp(jvp_attention.attention, tuple(primals), tuple(tangents))
@@ -93,9 +105,9 @@ def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
                    "tile": "auto" if config is None else tile_name(config)}
             try:
                 times = kernel_ms(call, calls)
-                row |= {"ms": round(times.get(name, float("nan")), 4),
+                row |= {"ms": round(times.get(name, times.get("wall", float("nan"))), 4),
                         "call_ms": round(sum(times.values()), 4)}
-                if multiple:
+                if multiple and HAS_CUDA:
                     row["tflops"] = round(multiple * 4 * b * h * n * n * d / row["ms"] / 1e9, 1)
                 if config is None:
                     row["chosen"] = tile_name(tuner.best_config)
@@ -124,16 +136,23 @@ def main() -> None:
                         "'M,N,warps,stages;...' (tools/kernel_resources.py checks them for "
                         "spills without a GPU)")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="(1, 1, 16, 16) in fp16, once per tile: checks the plumbing (on "
+                        "CPU through Triton's interpreter, timed by the wall clock)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("the sweep times kernels on a CUDA GPU")
+    if args.smoke:
+        args.shape, args.head_dims, args.dtype, args.calls = [[1, 1, 16]], [16], "fp16", 1
+    elif not HAS_CUDA:
+        parser.error("the sweep times kernels on a CUDA GPU (--smoke checks the plumbing on "
+                     "CPU)")
     tiles = args.tiles and tile_configs([tuple(int(x) for x in tile.split(","))
                                          for tile in args.tiles.split(";")])
     rows = [row for b, h, n in (args.shape or [[64, 12, 256]]) for d in args.head_dims
             for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles, args.kernel)]
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "dtype": args.dtype,
-                                         "gpu": torch.cuda.get_device_name(),
+                                         "gpu": torch.cuda.get_device_name() if HAS_CUDA
+                                         else None,
                                          "rows": rows}, indent=1) + "\n")
 
 

@@ -1,0 +1,45 @@
+"""tools/tile_sweep.py: one row per tile and one for the autotuner's choice, every kernel it
+sweeps, and the autotuner left as it was (the sweep narrows its list while it runs)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jvp_attention import backward, forward
+
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "tile_sweep.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+import tile_sweep  # noqa: E402
+
+
+@pytest.mark.parametrize("kernel", sorted(tile_sweep.KERNELS))
+def test_sweep_restores_the_autotuner(kernel: str) -> None:
+    tuner = tile_sweep.KERNELS[kernel][0]
+    configs = list(tuner.configs)
+    rows = tile_sweep.sweep((1, 1, 16, 16), tile_sweep.DTYPES["fp16"], 1, kernel=kernel)
+    assert [row["tile"] for row in rows] == [*map(tile_sweep.tile_name, configs), "auto"]
+    assert all(row["ms"] > 0 and "error" not in row for row in rows), rows
+    assert rows[-1]["chosen"] in {tile_sweep.tile_name(c) for c in configs}
+    assert tuner.configs == configs and not tuner.tuned
+
+
+def test_the_kernels_are_the_library_autotuners() -> None:
+    tuners = {name: entry[0] for name, entry in tile_sweep.KERNELS.items()}
+    assert tuners["forward_jvp"] is forward._attention_forward_jvp
+    assert tuners["backward_dq"] is backward._backward_dq
+    assert tuners["backward_dkdv"] is backward._backward_dkdv
+
+
+def test_smoke_run_writes_its_rows(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert "--smoke" in data["command"] and data["dtype"] == "fp16"
+    assert {row["tile"] for row in data["rows"]} >= {"auto"}
+    assert all(row["kernel"] == "forward_jvp" and row["N"] == 16 for row in data["rows"])
