@@ -1223,6 +1223,56 @@ else:
                           + (f"  compile {compile_s:.0f} s" if compile_s is not None else ""))
 
 # %% [markdown]
+# ### Head dims cut in two
+#
+# DiT-XL's heads are 72 wide, which the kernels multiply as two column tiles, 64 + 16
+# (chapter 2). `tools/tile_sweep.py` times every tile of the forward+JVP kernel's
+# autotuning list alone at DiT's lengths, with tiles read through tensor descriptors and
+# through pointers (`benchmarks/results/tile_sweep_h200.json`). Below, the best tile's
+# TFLOP/s for each head dim: 80 and 96 are cut the same way (64 + 16, 64 + 32) with no
+# masked column, so they show what the cut costs apart from the padding.
+
+# %% tags=["hide_input"]
+TILE_SWEEP = RESULTS / "tile_sweep_h200.json"
+if not TILE_SWEEP.is_file():
+    print("not measured yet: tools/tile_sweep.py (benchmarks/README.md)")
+else:
+    SWEEP = json.loads(TILE_SWEEP.read_text())
+    best: dict[tuple[str, int], dict[int, float]] = {}
+    for run in SWEEP["runs"][:2]:  # the full grid: descriptors, then pointers
+        path = "descriptors" if "descriptors" in run["tiles_read_through"] else "pointers"
+        for row in run["rows"]:
+            if row["tile"] != "auto" and "tflops" in row:
+                line = best.setdefault((path, row["N"]), {})
+                line[row["d"]] = max(line.get(row["d"], 0.0), row["tflops"])
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for (path, n), line in sorted(best.items(), key=lambda item: (item[0][1], item[0][0])):
+        dims = sorted(line)
+        ax.plot(dims, [line[d] for d in dims], marker="o",
+                linestyle="-" if path == "descriptors" else "--",
+                color="tab:blue" if n == 256 else "tab:orange",
+                label=f"{n} tokens, {path}")
+        print(f"{n:5} tokens, {path:11}: "
+              + "  ".join(f"d={d} {line[d]:5.0f}" for d in dims) + " TFLOP/s")
+    ax.set_xticks(sorted({d for line in best.values() for d in line}))
+    ax.set_xlabel("head dim (64: one tile; 72, 80: 64 + 16; 96: 64 + 32)")
+    ax.set_ylabel("TFLOP/s, forward+JVP (best tile)")
+    ax.set_title(f"{SWEEP['gpu']}, {SWEEP['dtype']}: what two column tiles cost",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(FIGURES / "head_dims.png", dpi=110)
+
+# %% [markdown]
+# The cut, not the padding, is what costs: 80, which wastes no column, runs little faster
+# than 72, and both stay near half of d = 64's rate at 256 tokens and under two thirds at
+# 1024. Two column tiles make every product of a key block two tensor-core operations,
+# the second a narrow one. The same file's other runs show that no other tile that
+# compiles without spills does better, and that at 256 tokens pointers beat descriptors,
+# which is why the forward reads short rows through pointers (chapter 4).
+
+# %% [markdown]
 # ### The first call in a new process
 #
 # Before a training run's first step, Triton compiles the kernels at the run's head
