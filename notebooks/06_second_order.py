@@ -47,6 +47,18 @@
 # $dt_O t_V^\top$, $G$ and the six gradient products: twelve matrix products against the
 # plain backward's five.
 #
+# The key side's program holds four fp32 accumulators ($dK$, $dV$, $dt_K$, $dt_V$, each
+# BLOCK_N × d), and at d = 128 every tile of it compiled for sm_90 spills 20–724 bytes of
+# registers per thread (`tools/kernel_resources.py`). Two launches, $dV$ and $dt_V$ first,
+# then $dK$ and $dt_K$, hold two accumulators each and spill nothing, but each recomputes
+# $S$ and $t_S$: fifteen products on the key side instead of twelve. Timed on the H200 in
+# one process against the single kernel (bf16, GPU time of the whole call, forward with the
+# tangent plus the backward through both outputs), the split was slower at every shape
+# tried: 1.01 against 1.14 ms at (64, 12, 256, 64), 6.51 against 7.43 ms at
+# (32, 12, 1024, 64), 10.7 against 12.4 ms at (16, 16, 1024, 72), 15.8 against 18.4 ms at
+# (4, 16, 4096, 64) and 28.2 against 33.0 ms at (4, 16, 4096, 128), with bitwise equal
+# gradients. The spills cost less than the recomputation, so the key side stays one kernel.
+#
 # When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
 # target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward
 # runs: the second-order kernels cost nothing unless used.

@@ -361,9 +361,10 @@ del b2_model
 # math path's attention is fused into Inductor's kernels).
 #
 # Compiling a 130 M-parameter model takes about a minute per row, so the run is a command
-# of its own, and this chapter reads what it saved. The saved run was made in two parts,
-# every eager row, then the compiled rows at 256 tokens added to the same file
-# (`--resume` keeps what the file holds and runs the rest):
+# of its own, and this chapter reads what it saved. The saved run was made in parts: every
+# eager row, then the compiled rows at 256 tokens, then the compiled rows at 1024 and 4096
+# tokens, each added to the same file (`--resume` keeps what the file holds and runs the
+# rest; the file's `notes` say which run made which row):
 #
 # ```bash
 # python examples/meanflow_dit.py --bench --preset dit-b2 --batch-size 32 \
@@ -372,7 +373,15 @@ del b2_model
 #     --compile eager default --compile-attentions jvp_attention math \
 #     --resume examples/results/bench_dit_b2_h200.json \
 #     --out examples/results/bench_dit_b2_h200.json
+# python examples/meanflow_dit.py --bench --preset dit-b2 --batch-size 32 \
+#     --batch-per-size 64=16 128=2 --compile eager default reduce-overhead \
+#     --compile-attentions jvp_attention math \
+#     --resume examples/results/bench_dit_b2_h200.json \
+#     --out examples/results/bench_dit_b2_h200.json
 # ```
+#
+# With CUDA graphs the peak memory is taken over the warm-up as well: the graphs' memory
+# pool is allocated while they are recorded, and a replay allocates nothing.
 #
 # On a CPU the same benchmark runs first on a tiny model, through the interpreter, to check
 # the code, not the speed.
@@ -458,13 +467,25 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   GPU work (attention 3.1 ms = 6.6% and 12.9 ms = 14% of the step's kernels); the rest
 #   of the DiT bounds the step.
 # - **Compiled with CUDA graphs** (`mode="reduce-overhead"`), which takes the host out,
-#   ours is 26.8 ms against the math path's 28.5 ms at 256 tokens (1.06x, 2.0 GB each).
-#   The run was cut by its time budget before the 1024-token CUDA-graph rows.
+#   ours is 26.4 ms against the math path's 28.0 ms at 256 tokens (1.06x; 4.8 against
+#   5.8 GB), 53.5 against 65.5 ms at 1024 tokens (1.22x; 7.9 against 16.9 GB) and 43.9
+#   against 77.5 ms at 4096 tokens and 2 images (1.77x).
 # - **Compiled without CUDA graphs** (`default`), the step is bound by host work again:
 #   at 256 tokens ours takes 63.3 ms for 16.7 ms of kernels, the math path 39.1 ms
 #   (Inductor fuses the math path's attention into its own kernels; our operators are
 #   opaque launches, about 1.5 ms of host time per MeanFlow call at these shapes, chapter
-#   8). At 1024 tokens ours wins, 55.3 against 72.5 ms (1.31x), with 36.4 ms of kernels.
+#   8). At 1024 tokens ours wins, 55.3 against 72.5 ms (1.31x), with 36.4 ms of kernels,
+#   and at 4096 tokens 46.3 against 81.0 ms (1.75x; 4.9 against 24.0 GB).
+# - **At 4096 tokens the bound is the attention's arithmetic.** Compiled, our attention is
+#   19.3 of the step's 33.0 ms of kernels (59%): its forward with the tangent runs at about
+#   400 TFLOP/s and its backward at about 300, near what chapter 8 measures for the
+#   kernels alone, and the other 13.7 ms is the rest of the DiT. Even at the H200's
+#   measured bf16 peak (about 790 TFLOP/s) the attention's 6.8 TFLOP per step would take
+#   8.6 ms, so the step could not be shorter than about 22 ms: 3.6x the math path's
+#   81.0 ms, below the 4x target. This is an estimate from kernel times, not a measured
+#   bound; the math path's own attention time is not attributed under `torch.compile`.
+# - (The tables printed above were printed before the 1024-token CUDA-graph rows and the
+#   4096-token compiled rows were added; the saved file and the README's table have them.)
 # - Memory: 10.2 GB for our eager step at 256 tokens against 16.7 GB for the math path;
 #   at 4096 tokens and 2 images, 10.2 GB against 120.4 GB.
 

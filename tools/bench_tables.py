@@ -309,7 +309,9 @@ def training_table(path: Path = TRAINING) -> str:
         f"{model['patch_size']}), {first['dtype']} autocast, median of a few steps: time, in "
         "brackets the speed-up over the math path run the same way, eager or compiled (below "
         "1x: slower than it), and the step's peak allocated memory, parameters and Adam state "
-        "included, in GB of 2³⁰ bytes; compiled: the training forward under `torch.compile` "
+        "included, in GB of 2³⁰ bytes (with CUDA graphs, `reduce-overhead`, taken over the "
+        "warm-up too, when the graphs' memory pool is allocated; a time with no memory is a row "
+        "whose peak missed that pool); compiled: the training forward under `torch.compile` "
         f"(`{_rel(path)}`: {env.get('gpu', 'GPU')}, torch {env.get('torch', '?')}; chapter 9)."
     )
 
