@@ -122,7 +122,9 @@ IMPL_LABELS = {
                      "compiled backward, run by .backward() as in a compiled training step",
     "ours_cudagraphs": "the same under torch.compile(mode=\"reduce-overhead\") (Inductor's "
                        "CUDA graph trees), torch.compiler.cudagraph_mark_step_begin() before "
-                       "each step",
+                       "each step; the call's inputs and incoming gradients marked static "
+                       "(torch._dynamo.mark_static_address), so that a replay copies none of "
+                       "them, as inside a model's graph",
     "math": "F.scaled_dot_product_attention under sdpa_kernel(SDPBackend.MATH) and "
             "torch.func.jvp (what forward-mode AD through SDPA runs), eager",
     "jfa": "jvp-flash-attention 0.14 (PyPI jvp_flash_attention): JVPAttn.fwd_dual under "
@@ -374,6 +376,12 @@ def make_step(case: Case, device: str, args: argparse.Namespace) -> Callable[[],
     if case.impl not in COMPILE_MODES:
         return make(forward)
     torch._dynamo.reset()
+    if case.impl == "ours_cudagraphs":
+        # Inside a model the attention's inputs are the graph's own activations, which a
+        # replay does not copy; CUDA graph trees copy every other input on each replay
+        # (as many copy kernels per call as the attention's own, at 256 tokens).
+        for x in (*inputs, grad, t_grad):
+            torch._dynamo.mark_static_address(x)
     if HAS_CUDA:
         compiled = torch.compile(forward, mode=COMPILE_MODES[case.impl], dynamic=False)
     else:
