@@ -429,4 +429,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "LOCAL_RANK" in os.environ:
+        # A torchrun worker whose results are written: it leaves without the interpreter's
+        # teardown, where a thread of the profiler or of gloo at times aborts the process
+        # ("terminate called without an active exception") after the work is done.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -8,7 +8,9 @@ cannot launch; one with spills is slow.
 
 benchmarks/results/kernel_resources_sm90.json (read by chapter 4) holds both runs for bf16,
 d = 128, no mask: `python tools/kernel_resources.py --json a.json` with JVP_ATTENTION_TMA=0
-and =1, concatenated.
+and =1, concatenated (the kernels that never take descriptors once).
+benchmarks/results/kernel_resources_sm90_triton3.9.json is the same with Triton 3.9.0 (each
+row says which Triton compiled it).
 
 How: each public launcher runs with CPU tensors while the autotuned kernels are replaced by
 recorders that keep the launch's arguments; each configuration is then compiled with
@@ -30,6 +32,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # the GPU configurations, not the inte
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
@@ -87,8 +90,10 @@ def copy_instructions(ptx: str) -> str:
 
 
 def ptxas_report(ptx: str) -> dict:
-    """Registers and spills from `ptxas -v` on the kernel's PTX."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    """Registers and spills from `ptxas -v` on the kernel's PTX, assembled by the ptxas that
+    Triton itself uses for sm_90 (its bundled one from 3.6, the newer one it names
+    ptxas-blackwell from 3.9, whose PTX the older one rejects; TRITON_PTXAS_PATH overrides)."""
+    ptxas = get_ptxas(HOPPER.arch).path
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernel.ptx"
         source.write_text(ptx)
@@ -180,7 +185,7 @@ def main() -> None:
             row = {"kernel": name, "tangent": tangent, "tile": tile, "dtype": args.dtype,
                    "head_dim": args.head_dim, "mask": args.mask,
                    "use_tma": bool(bound.get("USE_TMA")), **report,
-                   "fits": report["shared"] <= SHARED_LIMIT}
+                   "fits": report["shared"] <= SHARED_LIMIT, "triton": triton.__version__}
             rows.append(row)
             print(f"{name:20} tangent={tangent!s:5} tile={tile!s:18} regs={report['regs']!s:4} "
                   f"spills={report['spills']!s:6} shared={report['shared']:7d} "
