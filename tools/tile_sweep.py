@@ -1,8 +1,8 @@
-"""Time every tile of an autotuned kernel's list (the forward+JVP kernel, or the first-order
-backward's dQ or dK/dV kernel) at given shapes and head dims, on a GPU: what the autotuner
-chooses from, and how far the best tile of one head dim is from another's. Times are GPU
-time per call from the profiler (short calls are bound by host work, so wall time would
-hide the kernels): `ms` the swept kernel's, `call_ms` all of the call's kernels.
+"""Time every tile of an autotuned kernel's list (the forward+JVP kernel, or the dQ or dK/dV
+kernel of the first- or the second-order backward) at given shapes and head dims, on a GPU:
+what the autotuner chooses from, and how far the best tile of one head dim is from another's.
+Times are GPU time per call from the profiler (short calls are bound by host work, so wall
+time would hide the kernels): `ms` the swept kernel's, `call_ms` all of the call's kernels.
 
     python tools/tile_sweep.py --shape 64 12 256 --shape 32 12 1024 --head-dims 64 72 80 \
         --json sweep.json
@@ -65,23 +65,30 @@ KERNELS = {
     "backward_dq": (backward._backward_dq, "_attention_backward_dq_kernel", "meanflow", None),
     "backward_dkdv": (backward._backward_dkdv, "_attention_backward_dkdv_kernel", "meanflow",
                       None),
+    "backward_dq_tangent": (backward._backward_dq_tangent, "_attention_backward_dq_kernel",
+                            "second_order", None),
+    "backward_dkdv_tangent": (backward._backward_dkdv_tangent,
+                              "_attention_backward_dkdv_kernel", "second_order", None),
 }
 
 
 def make_call(shape: tuple[int, int, int, int], dtype: torch.dtype, mode: str):
     """`torch.func.jvp(attention)` at `shape`, then for "meanflow" the backward through the
-    primal output."""
+    primal output, for "second_order" the backward through both outputs."""
     torch.manual_seed(0)
-    meanflow = mode == "meanflow"
-    primals = [torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=meanflow)
+    backward_too, both = mode != "fwd_jvp", mode == "second_order"
+    primals = [torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=backward_too)
                for _ in range(3)]
-    tangents = [torch.randn(shape, device=DEVICE, dtype=dtype) for _ in range(3)]
-    grad = torch.randn(shape, device=DEVICE, dtype=dtype)
+    tangents = [torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=both)
+                for _ in range(3)]
+    grads = [torch.randn(shape, device=DEVICE, dtype=dtype) for _ in range(2)]
 
     def call():
-        out, _ = torch.func.jvp(jvp_attention.attention, tuple(primals), tuple(tangents))
-        if meanflow:
-            torch.autograd.grad(out, primals, grad)
+        out, t_out = torch.func.jvp(jvp_attention.attention, tuple(primals), tuple(tangents))
+        if both:
+            torch.autograd.grad((out, t_out), (*primals, *tangents), grads)
+        elif backward_too:
+            torch.autograd.grad(out, primals, grads[0])
 
     return call
 
@@ -128,8 +135,9 @@ def main() -> None:
                         help="batch, heads, tokens (repeatable); default 64 12 256")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 72])
     parser.add_argument("--kernel", choices=KERNELS, default="forward_jvp",
-                        help="the autotuned kernel to sweep; the backward kernels are timed "
-                        "inside a MeanFlow call (forward+JVP, then the primal backward)")
+                        help="the autotuned kernel to sweep; the first-order backward's kernels "
+                        "are timed inside a MeanFlow call (forward+JVP, then the primal "
+                        "backward), the *_tangent ones inside a backward through both outputs")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tiles", help="try these tiles instead of the kernel's list: "

@@ -32,6 +32,8 @@ def test_the_kernels_are_the_library_autotuners() -> None:
     assert tuners["forward_jvp"] is forward._attention_forward_jvp
     assert tuners["backward_dq"] is backward._backward_dq
     assert tuners["backward_dkdv"] is backward._backward_dkdv
+    assert tuners["backward_dq_tangent"] is backward._backward_dq_tangent
+    assert tuners["backward_dkdv_tangent"] is backward._backward_dkdv_tangent
 
 
 def test_smoke_run_writes_its_rows(tmp_path: Path) -> None:
