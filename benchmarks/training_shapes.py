@@ -379,7 +379,7 @@ def make_step(case: Case, device: str, args: argparse.Namespace) -> Callable[[],
     if case.impl == "ours_cudagraphs":
         # Inside a model the attention's inputs are the graph's own activations, which a
         # replay does not copy; CUDA graph trees copy every other input on each replay
-        # (4 to 11 copy kernels per call in the run before this, chapter 8).
+        # (4 to 11 copy kernels per call unmarked, one marked: chapter 8).
         for x in (*inputs, grad, t_grad):
             torch._dynamo.mark_static_address(x)
     if HAS_CUDA:

@@ -255,19 +255,19 @@ def _attention_forward_kernel(
                  mask=rows < n_q)
 
 
-# The tangent doubles the accumulators, so it has its own list: tiles whose registers and
-# shared memory fit with the tangent on (tools/kernel_resources.py).
 _attention_forward = autotuned(_attention_forward_kernel, [
     (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2),
     (64, 32, 4, 2), (32, 32, 4, 2)])
+# The tangent doubles the accumulators, so it has its own list: tiles whose registers and
+# shared memory fit with the tangent on (tools/kernel_resources.py).
+_attention_forward_jvp = autotuned(_attention_forward_kernel, [
+    (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2),
+    (32, 32, 4, 2)])
 # Each program builds its tensor descriptors before its first key block; with few key blocks
 # that costs more than the descriptors save. H200, bf16, forward+JVP at 256 keys: 0.16 ms
 # with pointer loads against 0.18 ms with descriptors at (64, 12, 256, 64), 0.34 against
 # 0.41 ms at d = 72 (tools/tile_sweep.py).
 FORWARD_TMA_MIN_KEYS = 512
-_attention_forward_jvp = autotuned(_attention_forward_kernel, [
-    (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2),
-    (32, 32, 4, 2)])
 
 
 def flash_attention_forward(

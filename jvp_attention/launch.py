@@ -156,9 +156,9 @@ class CachedLauncher:
     directly, the way `JITFunction.run` calls it. The match is stricter than Triton's
     specialisation, so the compiled kernel is the one Triton would pick: each tensor by
     dtype and 16-byte alignment, every other argument (keywords too) by type and value, and
-    the device and Triton's debug options. Everything else goes through Triton: the first
-    launch of each match, a warm-up, the interpreter, and launches while a launch hook
-    (a profiler's) or a pre-run hook is installed.
+    the device and Triton's settings that change the code (`code_options`). Everything
+    else goes through Triton: the first launch of each match, a warm-up, the interpreter,
+    and launches while a launch hook (a profiler's) or a pre-run hook is installed.
     """
 
     def __init__(self, kernel: triton.runtime.JITFunction):
@@ -178,8 +178,8 @@ class CachedLauncher:
         if not self.direct or warmup or launch_hooks() or self.kernel.pre_run_hooks:
             return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
         device = driver.active.get_current_device()
-        key = (device, triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode,
-               len(args), *kwargs, *launch_match(tuple(kwargs.values())), *launch_match(args))
+        key = (device, *code_options(), len(args), *kwargs,
+               *launch_match(tuple(kwargs.values())), *launch_match(args))
         try:
             known = self.launches.get(key)
         except TypeError:  # an argument that cannot be hashed: Triton's path, every time
@@ -221,6 +221,16 @@ def launch_match(values: tuple) -> tuple:
               else launch_match(v) if v.__class__ is tuple
               else (v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
               else v for v in values])
+
+
+def code_options() -> tuple:
+    """Triton's settings that change the compiled code without being a kernel argument:
+    debug, instrumentation and (from Triton 3.9) the floating-point sanitizer's casts. A
+    launch under other settings than a cached one's goes through Triton, which compiles
+    for them."""
+    compilation = triton.knobs.compilation
+    return (triton.knobs.runtime.debug, compilation.instrumentation_mode,
+            getattr(compilation, "fpsan_homomorphic_casts", None))
 
 
 def launch_hooks() -> bool:

@@ -587,6 +587,23 @@ def _forward_key_block(
 # products saves (0.33 against 0.18 ms at 256 keys with the first version; not measured
 # again), and accurate mode costs the split: 15 to 30% more GPU time than "fast" for the
 # forward+JVP, where the call is bound by host work anyway.
+#
+# What the carry costs at 1024 keys, where it starts, is the two passes and nothing else.
+# Profiled on the H200 (bf16, `torch.profiler`, GPU time per call, mean of ten warm calls),
+# the forward+JVP at (16, 32, 1024, 64) took 1.237 ms carried against 1.017 ms fast: the
+# attention kernel 1.034 ms, the range pass 0.138 ms, the copies 0.066 ms. At
+# (16, 16, 1024, 128) it was 1.096 + 0.137 + 0.066 against 1.100 ms, and at
+# (8, 32, 2048, 64) 1.958 + 0.138 + 0.066 against 1.947 ms. A MeanFlow call at
+# (16, 32, 1024, 64), the forward+JVP and then chapter 5's carried backward, ran the same
+# three attention kernels within 1% of fast's times (2.254 against 2.250 ms) plus 0.474 ms
+# of range passes and copies: 1.21x in all. The copies stream at about 4.1 TB/s, near the
+# H200's memory bandwidth; the range pass, which reads six tensors, at about 2.9 TB/s.
+# Counting bytes shows where a 10% target lies at this length: the forward's two passes
+# move 671 MB (six tensors read, two read again and written as fp16), which take 0.14 ms
+# even at the H200's nominal 4.8 TB/s, 14% of the fast kernel's time. Faster passes alone
+# cannot get there; what can is doing the conversion to float16 inside the attention
+# kernels after each load (the copies' 268 MB gone, the range pass's reads left) and
+# giving the backward the forward's ranges of $Q$, $K$, $V$, so that it ranges only $dO$.
 
 # %% tags=["export:tiles"]
 # |exponent| of any carrying shift: sums of three exponents stay inside fp32's range.
@@ -1060,9 +1077,9 @@ class CachedLauncher:
     directly, the way `JITFunction.run` calls it. The match is stricter than Triton's
     specialisation, so the compiled kernel is the one Triton would pick: each tensor by
     dtype and 16-byte alignment, every other argument (keywords too) by type and value, and
-    the device and Triton's debug options. Everything else goes through Triton: the first
-    launch of each match, a warm-up, the interpreter, and launches while a launch hook
-    (a profiler's) or a pre-run hook is installed.
+    the device and Triton's settings that change the code (`code_options`). Everything
+    else goes through Triton: the first launch of each match, a warm-up, the interpreter,
+    and launches while a launch hook (a profiler's) or a pre-run hook is installed.
     """
 
     def __init__(self, kernel: triton.runtime.JITFunction):
@@ -1082,8 +1099,8 @@ class CachedLauncher:
         if not self.direct or warmup or launch_hooks() or self.kernel.pre_run_hooks:
             return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
         device = driver.active.get_current_device()
-        key = (device, triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode,
-               len(args), *kwargs, *launch_match(tuple(kwargs.values())), *launch_match(args))
+        key = (device, *code_options(), len(args), *kwargs,
+               *launch_match(tuple(kwargs.values())), *launch_match(args))
         try:
             known = self.launches.get(key)
         except TypeError:  # an argument that cannot be hashed: Triton's path, every time
@@ -1125,6 +1142,16 @@ def launch_match(values: tuple) -> tuple:
               else launch_match(v) if v.__class__ is tuple
               else (v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
               else v for v in values])
+
+
+def code_options() -> tuple:
+    """Triton's settings that change the compiled code without being a kernel argument:
+    debug, instrumentation and (from Triton 3.9) the floating-point sanitizer's casts. A
+    launch under other settings than a cached one's goes through Triton, which compiles
+    for them."""
+    compilation = triton.knobs.compilation
+    return (triton.knobs.runtime.debug, compilation.instrumentation_mode,
+            getattr(compilation, "fpsan_homomorphic_casts", None))
 
 
 def launch_hooks() -> bool:
@@ -1400,19 +1427,19 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
 
 
 # %% tags=["export"]
-# The tangent doubles the accumulators, so it has its own list: tiles whose registers and
-# shared memory fit with the tangent on (tools/kernel_resources.py).
 _attention_forward = autotuned(_attention_forward_kernel, [
     (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2),
     (64, 32, 4, 2), (32, 32, 4, 2)])
+# The tangent doubles the accumulators, so it has its own list: tiles whose registers and
+# shared memory fit with the tangent on (tools/kernel_resources.py).
+_attention_forward_jvp = autotuned(_attention_forward_kernel, [
+    (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2),
+    (32, 32, 4, 2)])
 # Each program builds its tensor descriptors before its first key block; with few key blocks
 # that costs more than the descriptors save. H200, bf16, forward+JVP at 256 keys: 0.16 ms
 # with pointer loads against 0.18 ms with descriptors at (64, 12, 256, 64), 0.34 against
 # 0.41 ms at d = 72 (tools/tile_sweep.py).
 FORWARD_TMA_MIN_KEYS = 512
-_attention_forward_jvp = autotuned(_attention_forward_kernel, [
-    (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2),
-    (32, 32, 4, 2)])
 
 
 def flash_attention_forward(

@@ -59,6 +59,20 @@
 # (4, 16, 4096, 64) and 28.2 against 33.0 ms at (4, 16, 4096, 128), with bitwise equal
 # gradients. The spills cost less than the recomputation, so the key side stays one kernel.
 #
+# Smaller tiles are the other way to fit the four accumulators. At d = 128 three tiles
+# outside the list compile without spills: 16 × 32 on 4 warps (1 or 2 stages) and 32 × 16
+# on 4 warps. Timed on the H200 inside the backward through both outputs at
+# (4, 16, 4096, 128), bf16 (`tools/tile_sweep.py --kernel backward_dkdv_tangent`,
+# `benchmarks/results/tile_sweep_h200.json`), the key side's kernel took 15.9 ms with
+# 16 × 32 on 2 stages against 17.6 ms with the list's best (32 × 32 on 4 warps), and
+# 17.5 ms on 1 stage, while 32 × 16 took 27.4 ms: so narrow query blocks pay, narrow key
+# blocks do not. The 2-stage tile joined the list (chapter 5). At d = 64 the list's
+# 32 × 32 stays the fastest (9.7 ms against 10.6 ms). The whole backward through both
+# outputs at d = 128 then ran at 182 TFLOP/s at 4096 and 16384 tokens (175 and 182
+# causal), against 169 and 154 (164 and 172 causal) in the earlier headline run
+# (`benchmarks/results/second_order_h200.json`; separate runs, so the comparison is
+# between runs). The dQ side's list keeps its best, 128 × 32 on 8 warps (6.6 ms).
+#
 # When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
 # target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward
 # runs: the second-order kernels cost nothing unless used.

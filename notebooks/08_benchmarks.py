@@ -1141,11 +1141,16 @@ TS_TABLES
 #   step, printed with them. A replay also copies the step's inputs into the graph's own
 #   buffers, as CUDA graph trees do for every input that is neither a parameter nor an
 #   earlier graph's output: the `multi_tensor_apply_kernel` launches in the kernels table,
-#   4 to 11 per call. At 256 tokens they add about 60% to the GPU time: 0.290 ms for the
-#   forward with the tangent at (64, 12, 256, 64), against 0.178 ms compiled without graphs
-#   in the same run. Inside a model the attention's inputs are the graph's own activations,
-#   and nothing is copied; the benchmark now marks its inputs static, so that its next run
-#   measures the call as a model's graph makes it.
+#   4 to 11 per call in the saved rows. At 256 tokens they added about 60% to the GPU time:
+#   0.290 ms for the forward with the tangent at (64, 12, 256, 64), against 0.178 ms
+#   compiled without graphs in the same run. Inside a model the attention's inputs are the
+#   graph's own activations, and nothing is copied, so the benchmark now marks its inputs
+#   and incoming gradients static. The rows of (64, 12, 256, 64) with CUDA graphs were
+#   measured again that way: the forward with the tangent is one kernel, 0.170 ms of GPU
+#   time as in eager mode, with 0.14 ms of host time against 0.70 ms eager; the MeanFlow
+#   call keeps one copy, 0.505 ms against 0.481 ms eager, and 0.79 ms of host time against
+#   1.57 ms. The other shapes' CUDA-graph rows are from the run before and include the
+#   copies.
 #
 # To refresh this section, run `benchmarks/training_shapes.py` on the GPU (the command is in
 # `benchmarks/README.md`), save its JSON as `benchmarks/results/training_shapes_h200.json`,

@@ -468,8 +468,8 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   of the DiT bounds the step.
 # - **Compiled with CUDA graphs** (`mode="reduce-overhead"`), which takes the host out,
 #   ours is 26.4 ms against the math path's 28.0 ms at 256 tokens (1.06x; 4.8 against
-#   5.8 GB), 53.5 against 65.5 ms at 1024 tokens (1.22x; 7.9 against 16.9 GB) and 43.9
-#   against 77.5 ms at 4096 tokens and 2 images (1.77x).
+#   5.8 GB), 53.5 against 65.5 ms at 1024 tokens (1.22x; 7.9 against 16.9 GB) and 43.5
+#   against 76.8 ms at 4096 tokens and 2 images (1.76x; 4.8 against 24.0 GB).
 # - **Compiled without CUDA graphs** (`default`), the step is bound by host work again:
 #   at 256 tokens ours takes 63.3 ms for 16.7 ms of kernels, the math path 39.1 ms
 #   (Inductor fuses the math path's attention into its own kernels; our operators are
@@ -484,8 +484,6 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   8.6 ms, so the step could not be shorter than about 22 ms: 3.6x the math path's
 #   81.0 ms, below the 4x target. This is an estimate from kernel times, not a measured
 #   bound; the math path's own attention time is not attributed under `torch.compile`.
-# - (The tables printed above were printed before the 1024-token CUDA-graph rows and the
-#   4096-token compiled rows were added; the saved file and the README's table have them.)
 # - Memory: 10.2 GB for our eager step at 256 tokens against 16.7 GB for the math path;
 #   at 4096 tokens and 2 images, 10.2 GB against 120.4 GB.
 

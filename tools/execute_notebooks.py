@@ -158,6 +158,10 @@ def execute(path: Path, out_dir: Path) -> bool:
             outputs = []
             if ok:
                 outputs, ok = run_cell(cell["source"], namespace, count)
+                # progress on the real stderr (the cell's own is captured): chapters that
+                # time kernels run for minutes
+                print(f"{path.name}: cell {count} {'done' if ok else 'FAILED'} at "
+                      f"{time.perf_counter() - start:.0f} s", file=sys.__stderr__, flush=True)
             nb_cells.append({"cell_type": "code", "id": cell["id"],
                              "execution_count": count if outputs or ok else None,
                              "metadata": metadata, "outputs": outputs,

@@ -105,6 +105,26 @@ def test_what_triton_specialises_on_goes_through_triton(launcher, change: str) -
     assert launcher.kernel.triton_launches == 2
 
 
+@pytest.mark.parametrize("setting", ["debug", "instrumentation", "fp sanitizer"])
+def test_triton_options_that_change_the_code_go_through_triton(launcher, monkeypatch,
+                                                               setting: str) -> None:
+    """Triton compiles other code under its debug, instrumentation and (Triton 3.9)
+    floating-point-sanitizer settings: a launch under a changed setting must reach Triton,
+    never the kernel compiled under the old one."""
+    x = torch.zeros(64, dtype=torch.float16)
+    _launch(launcher, x)
+    runtime, compilation = triton.knobs.runtime, triton.knobs.compilation
+    knob, name, value = {"debug": (runtime, "debug", True),
+                         "instrumentation": (compilation, "instrumentation_mode", "consan"),
+                         "fp sanitizer": (compilation, "fpsan_homomorphic_casts", True)}[setting]
+    # On a Triton without the knob, a stand-in attribute plays it (what getattr then reads).
+    monkeypatch.setattr(knob, name, value, raising=False)
+    _launch(launcher, x)
+    assert launcher.kernel.triton_launches == 2
+    _launch(launcher, x)
+    assert launcher.kernel.triton_launches == 2  # then cached under the new setting
+
+
 def test_the_memory_holds_no_tensor_and_stays_bounded(launcher, monkeypatch) -> None:
     monkeypatch.setattr(launch, "CACHED_LAUNCHES", 4)
     x = torch.zeros(64, dtype=torch.float16)
