@@ -153,7 +153,7 @@ CASE_FIELDS = (
     "first_call_s", "compile_s", "warmup_step_ms",
     "gpu_ms", "wall_ms", "host_ms", "host_overlapped", "tflops", "tflops_wall",
     "kernels_per_call", "memcpy_memset_per_call", "launch_api_calls_per_call", "kernel_names",
-    "setup_memory_mb", "peak_memory_mb", "peak_reserved_mb",
+    "kernel_ms", "setup_memory_mb", "peak_memory_mb", "peak_reserved_mb",
     "reps", "case_wall_s",
 )
 
@@ -187,7 +187,9 @@ DEFINITIONS = {
                         "type), i.e. excluding memcpy and memset (counted in "
                         "memcpy_memset_per_call) and synchronisation records. Kernels replayed from a CUDA graph count "
                         "one each. kernel_names: those kernels' names (80 characters) with "
-                        "their counts. null on CPU (no CUDA profiler).",
+                        "their counts. kernel_ms: the GPU time of each of those kernels in "
+                        "that one profiled step (ms, summed over its launches; a split of the "
+                        "call, gpu_ms is the timing). null on CPU (no CUDA profiler).",
     "launch_api_calls_per_call": "host-side CUDA runtime/driver launch calls the profiler "
                                  "recorded in the same step (cudaLaunchKernel, "
                                  "cuLaunchKernel(Ex), cudaGraphLaunch, ...): one per launch, "
@@ -422,16 +424,18 @@ def sleep_cycles_per_ms() -> float | None:
     return statistics.median(rates)
 
 
-def kernel_counts(events: Iterable[tuple[str, str, str | None]]) -> dict:
-    """From (name, device_type, activity_type) of profiler events: kernels, memcpy/memset,
-    and host-side launch API calls. The activity type (kineto's "kernel", "gpu_memcpy",
-    "gpu_memset", "cuda_runtime", "cuda_driver", "cuda_sync", ...) decides; where the profiler
-    gives none, a device-side (CUDA) event is a kernel unless its name says memcpy, memset or
-    sync."""
+def kernel_counts(events: Iterable[tuple]) -> dict:
+    """From (name, device_type, activity_type[, duration in µs]) of profiler events: kernels
+    (with their GPU time where durations are given), memcpy/memset, and host-side launch API
+    calls. The activity type (kineto's "kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime",
+    "cuda_driver", "cuda_sync", ...) decides; where the profiler gives none, a device-side
+    (CUDA) event is a kernel unless its name says memcpy, memset or sync."""
     kernels: Counter = Counter()
+    kernel_us: Counter = Counter()
+    timed = True
     copies = 0
     launches: Counter = Counter()
-    for name, device_type, activity in events:
+    for name, device_type, activity, *duration in events:
         if activity:
             is_kernel = activity == "kernel"
             is_copy = activity in ("gpu_memcpy", "gpu_memset")
@@ -443,6 +447,10 @@ def kernel_counts(events: Iterable[tuple[str, str, str | None]]) -> dict:
             host_api = not on_device
         if is_kernel:
             kernels[name[:80]] += 1
+            if duration and duration[0] is not None:
+                kernel_us[name[:80]] += duration[0]
+            else:
+                timed = False
         elif is_copy:
             copies += 1
         elif host_api and LAUNCH_API.match(name):
@@ -450,6 +458,8 @@ def kernel_counts(events: Iterable[tuple[str, str, str | None]]) -> dict:
     return {"kernels_per_call": sum(kernels.values()), "memcpy_memset_per_call": copies,
             "launch_api_calls_per_call": sum(launches.values()) or None,
             "kernel_names": dict(kernels.most_common()),
+            "kernel_ms": ({name: round(us / 1e3, 5) for name, us in kernel_us.most_common()}
+                          if timed and kernels else None),
             "launch_apis": dict(launches)}
 
 
@@ -457,6 +467,13 @@ def _activity(event) -> str | None:
     try:
         return str(event.activity_type()) or None
     except Exception:  # noqa: BLE001 - a profiler without activity types
+        return None
+
+
+def _duration_us(event) -> float | None:
+    try:
+        return event.duration_ns() / 1e3
+    except Exception:  # noqa: BLE001 - a profiler without durations
         return None
 
 
@@ -470,11 +487,12 @@ def profile_step(step) -> dict:
         step()
         torch.cuda.synchronize()
     try:  # kineto's raw events: every kernel and runtime call, as recorded
-        triples = [(event.name(), str(event.device_type()), _activity(event))
-                   for event in prof.profiler.kineto_results.events()]
+        events = [(event.name(), str(event.device_type()), _activity(event),
+                   _duration_us(event)) for event in prof.profiler.kineto_results.events()]
     except Exception:  # noqa: BLE001 - an older/newer profiler: its parsed events instead
-        triples = [(event.name, str(event.device_type), None) for event in prof.events()]
-    return kernel_counts(triples)
+        events = [(event.name, str(event.device_type), None,
+                   getattr(event, "device_time", None)) for event in prof.events()]
+    return kernel_counts(events)
 
 
 def group_size(per_call_ms: float, rep_ms: float, cap: int) -> int:
@@ -600,7 +618,8 @@ def measure(case: Case, step, args: argparse.Namespace, cycles_per_ms: float | N
                          ("kernels_per_call", "no CUDA profiler on CPU"),
                          ("memcpy_memset_per_call", "no CUDA profiler on CPU"),
                          ("launch_api_calls_per_call", "no CUDA profiler on CPU"),
-                         ("kernel_names", "no CUDA profiler on CPU")):
+                         ("kernel_names", "no CUDA profiler on CPU"),
+                         ("kernel_ms", "no CUDA profiler on CPU")):
             record[key] = None
             notes[key] = why
         record["tflops"] = tflops(case.flops, record["wall_ms"])

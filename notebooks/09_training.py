@@ -459,7 +459,14 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   math), so eager steps at 256 tokens do not rank the attentions. At 1024 tokens (batch
 #   16) ours is 1.23x the math path (169.8 against 209.6 ms) with 18.7 GB against 72.5 GB;
 #   jvp-flash-attention's step is shorter (148.7 ms). At 4096 tokens (batch 2, from the
-#   earlier run) ours is 1.74x the math path, and 10.2 GB against 120.4 GB.
+#   earlier run) ours is 1.74x the math path, and 10.2 GB against 120.4 GB; there
+#   jvp-flash-attention took 143.8 ms and ours in "fast" precision 125.6 ms. These eager
+#   gaps are host time, not kernels: compiled, the same step with our kernels takes 46.3 ms
+#   at 4096 tokens, so about 110 ms of each eager step is Python, and our two precisions,
+#   whose host work is nearly the same, differ by 42 ms at 256 tokens. So the eager rows
+#   do not rank the attentions against jvp-flash-attention either. The compiled rows,
+#   which would, have none of it: to keep the run within its time, only ours and the math
+#   path were compiled (`--compile-attentions`), so that comparison is still to be made.
 # - **The targets ask more than attention can give.** The math path spends 17.7 of its
 #   63.0 ms of GPU work in attention at 256 tokens, and 112.0 of 193.1 ms at 1024. With an
 #   attention that took no time at all the step's GPU work would be 1.39x and 2.38x shorter

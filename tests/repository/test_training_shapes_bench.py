@@ -36,14 +36,14 @@ CASE_FIELDS = (
     "first_call_s", "compile_s", "warmup_step_ms",
     "gpu_ms", "wall_ms", "host_ms", "host_overlapped", "tflops", "tflops_wall",
     "kernels_per_call", "memcpy_memset_per_call", "launch_api_calls_per_call", "kernel_names",
-    "setup_memory_mb", "peak_memory_mb", "peak_reserved_mb",
+    "kernel_ms", "setup_memory_mb", "peak_memory_mb", "peak_reserved_mb",
     "reps", "case_wall_s",
 )
 # Measured on every device; the GPU-only ones are None on CPU with the reason in `notes`.
 ALWAYS_MEASURED = ("first_call_s", "warmup_step_ms", "wall_ms", "tflops", "tflops_wall", "reps")
 GPU_MEASURED = ("gpu_ms", "host_ms", "host_overlapped", "kernels_per_call",
-                "memcpy_memset_per_call", "kernel_names", "peak_memory_mb", "peak_reserved_mb",
-                "setup_memory_mb")
+                "memcpy_memset_per_call", "kernel_names", "kernel_ms", "peak_memory_mb",
+                "peak_reserved_mb", "setup_memory_mb")
 
 
 def check_schema(data: dict) -> None:
@@ -197,6 +197,18 @@ def test_kernel_count_excludes_copies_and_counts_launch_calls() -> None:
         assert counts["kernel_names"]["triton_attention_forward_jvp"] == 2
         assert counts["launch_api_calls_per_call"] == 3
     assert ts.kernel_counts([("k", cuda, "kernel")])["launch_api_calls_per_call"] is None
+    assert counts["kernel_ms"] is None  # no durations given
+
+
+def test_kernel_time_sums_each_kernels_launches() -> None:
+    cuda, cpu = "DeviceType.CUDA", "DeviceType.CPU"
+    events = [("forward", cuda, "kernel", 120.0), ("range", cuda, "kernel", 30.0),
+              ("forward", cuda, "kernel", 80.0), ("Memset (Device)", cuda, "gpu_memset", 5.0),
+              ("cudaLaunchKernel", cpu, "cuda_runtime", 4.0)]
+    counts = ts.kernel_counts(events)
+    assert counts["kernel_ms"] == {"forward": 0.2, "range": 0.03}
+    # A kernel without a duration leaves the split unknown rather than short.
+    assert ts.kernel_counts([*events, ("dq", cuda, "kernel", None)])["kernel_ms"] is None
 
 
 def test_resume_keeps_measured_cases_and_reruns_budget_skips(tmp_path: Path) -> None:
