@@ -65,6 +65,26 @@ def test_second_order_grid(spec: Spec, dtype: torch.dtype) -> None:
     check_second_order(spec, dtype)
 
 
+@pytest.mark.parametrize("spec", [Spec(nq=45, nk=70, causal=True),
+                                  Spec(hq=4, hkv=2, nq=70, nk=45, mask="bool"),
+                                  Spec(nq=33, nk=33, d=24, dv=40)], ids=lambda s: s.id)
+def test_second_order_with_query_blocks_narrower_than_key_blocks(spec: Spec,
+                                                                 monkeypatch) -> None:
+    """The GPU list's 16 x 32 dK/dV tile (chapter 5) has query blocks narrower than its key
+    blocks, the reverse of the interpreter's 32 x 16: run that shape through the kernel."""
+    import triton
+
+    import jvp_attention.backward as backward
+
+    tuner = backward._backward_dkdv_tangent
+    monkeypatch.setattr(tuner, "configs", [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32},
+                                                         num_warps=4, num_stages=2)])
+    monkeypatch.setattr(tuner, "tuned", {})
+    monkeypatch.setattr(tuner, "cache", {})
+    check_second_order(spec, torch.float32)
+    assert (tuner.best_config.kwargs["BLOCK_M"], tuner.best_config.kwargs["BLOCK_N"]) == (16, 32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
 def test_second_order_is_deterministic_and_writes_every_gradient(dtype) -> None:
     p = make_problem(Spec(hq=2, hkv=1, nq=33, nk=17, d=40, mask="empty_rows", causal=True,
