@@ -8,7 +8,11 @@ time would hide the kernels): `ms` the swept kernel's, `call_ms` all of the call
         --json sweep.json
 
 Each tile runs alone (the autotuner's list is narrowed to it); a tile that cannot launch
-(shared memory) is reported with its error. `auto` is the autotuner's own choice.
+(shared memory) is reported with its error. `auto` is the autotuner's own choice. With
+`--check` each row also has `error_vs_math`: the call's largest error against a float64
+reference (every output the call makes: O and tO, or the gradients), as a multiple of the
+error of PyTorch's math attention (softmax(s QKᵀ) V) in the same dtype; the tests accept up
+to 2. The reference materialises the scores in float64, so keep the shape moderate.
 """
 
 import argparse
@@ -72,9 +76,8 @@ KERNELS = {
 }
 
 
-def make_call(shape: tuple[int, int, int, int], dtype: torch.dtype, mode: str):
-    """`torch.func.jvp(attention)` at `shape`, then for "meanflow" the backward through the
-    primal output, for "second_order" the backward through both outputs."""
+def make_inputs(shape: tuple[int, int, int, int], dtype: torch.dtype, mode: str):
+    """Primals, tangents and output cotangents for a call in `mode`, seeded."""
     torch.manual_seed(0)
     backward_too, both = mode != "fwd_jvp", mode == "second_order"
     primals = [torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=backward_too)
@@ -82,23 +85,65 @@ def make_call(shape: tuple[int, int, int, int], dtype: torch.dtype, mode: str):
     tangents = [torch.randn(shape, device=DEVICE, dtype=dtype, requires_grad=both)
                 for _ in range(3)]
     grads = [torch.randn(shape, device=DEVICE, dtype=dtype) for _ in range(2)]
+    return primals, tangents, grads
+
+
+def make_call(inputs, mode: str, attention=None):
+    """`torch.func.jvp(attention)` on `inputs`, then for "meanflow" the backward through the
+    primal output, for "second_order" the backward through both outputs. The call returns
+    what it computed: (O, tO), or the gradients."""
+    attention = attention or jvp_attention.attention
+    primals, tangents, grads = inputs
 
     def call():
-        out, t_out = torch.func.jvp(jvp_attention.attention, tuple(primals), tuple(tangents))
-        if both:
-            torch.autograd.grad((out, t_out), (*primals, *tangents), grads)
-        elif backward_too:
-            torch.autograd.grad(out, primals, grads[0])
+        out, t_out = torch.func.jvp(attention, tuple(primals), tuple(tangents))
+        if mode == "second_order":
+            return torch.autograd.grad((out, t_out), (*primals, *tangents), grads)
+        if mode == "meanflow":
+            return torch.autograd.grad(out, primals, grads[0])
+        return out, t_out
 
     return call
 
 
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(s Q Kᵀ) V in PyTorch operations, in the inputs' dtype."""
+    return torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, dim=-1) @ v
+
+
+def in_dtype(inputs, dtype: torch.dtype):
+    """The same inputs in another dtype, as new leaves (requires_grad kept)."""
+    return [[x.detach().to(dtype).requires_grad_(x.requires_grad) for x in group]
+            for group in inputs]
+
+
+def accuracy_check(inputs, mode: str):
+    """A function of the call's outputs giving their largest error against the float64
+    reference as a multiple of the math attention's in the inputs' dtype."""
+    truth = [x.detach() for x in make_call(in_dtype(inputs, torch.float64), mode,
+                                           math_attention)()]
+    math = make_call(in_dtype(inputs, inputs[0][0].dtype), mode, math_attention)()
+    floors = [(m.detach().double() - t).abs().max().item() for m, t in zip(math, truth,
+                                                                        strict=True)]
+    del math
+
+    def error_vs_math(outputs) -> float:
+        return max((o.detach().double() - t).abs().max().item() / max(f, 1e-30)
+                   for o, t, f in zip(outputs, truth, floors, strict=True))
+
+    return error_vs_math
+
+
 def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
-          tiles: list | None = None, kernel: str = "forward_jvp") -> list[dict]:
+          tiles: list | None = None, kernel: str = "forward_jvp",
+          check: bool = False) -> list[dict]:
     """One row per tile (and one for the autotuner's choice among them) at `shape` =
-    (B, H, N, d); `tiles`: configurations to try in place of the kernel's list."""
+    (B, H, N, d); `tiles`: configurations to try in place of the kernel's list; `check`:
+    each row's `error_vs_math` too (see the module's docstring)."""
     tuner, name, mode, multiple = KERNELS[kernel]
-    call = make_call(shape, dtype, mode)
+    inputs = make_inputs(shape, dtype, mode)
+    call = make_call(inputs, mode)
+    error_vs_math = accuracy_check(inputs, mode) if check else None
     b, h, n, d = shape
     every = list(tuner.configs)
     candidates = tiles or every
@@ -118,6 +163,8 @@ def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
                     row["tflops"] = round(multiple * 4 * b * h * n * n * d / row["ms"] / 1e9, 1)
                 if config is None:
                     row["chosen"] = tile_name(tuner.best_config)
+                if error_vs_math is not None:
+                    row["error_vs_math"] = round(error_vs_math(call()), 3)
             except Exception as error:  # noqa: BLE001 - a tile that cannot launch is a row
                 row["error"] = f"{type(error).__name__}: {str(error)[:120]}"
             rows.append(row)
@@ -143,6 +190,9 @@ def main() -> None:
     parser.add_argument("--tiles", help="try these tiles instead of the kernel's list: "
                         "'M,N,warps,stages;...' (tools/kernel_resources.py checks them for "
                         "spills without a GPU)")
+    parser.add_argument("--check", action="store_true",
+                        help="also compare each tile's outputs with a float64 reference "
+                        "(error_vs_math: a multiple of PyTorch's math attention's error)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--smoke", action="store_true",
                         help="(1, 1, 16, 16) in fp16, once per tile: checks the plumbing (on "
@@ -156,7 +206,8 @@ def main() -> None:
     tiles = args.tiles and tile_configs([tuple(int(x) for x in tile.split(","))
                                          for tile in args.tiles.split(";")])
     rows = [row for b, h, n in (args.shape or [[64, 12, 256]]) for d in args.head_dims
-            for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles, args.kernel)]
+            for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles, args.kernel,
+                             args.check)]
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "dtype": args.dtype,
                                          "gpu": torch.cuda.get_device_name() if HAS_CUDA

@@ -45,3 +45,21 @@ def test_smoke_run_writes_its_rows(tmp_path: Path) -> None:
     assert "--smoke" in data["command"] and data["dtype"] == "fp16"
     assert {row["tile"] for row in data["rows"]} >= {"auto"}
     assert all(row["kernel"] == "forward_jvp" and row["N"] == 16 for row in data["rows"])
+
+
+@pytest.mark.parametrize("kernel", ["forward_jvp", "backward_dkdv_tangent"])
+def test_check_puts_each_tile_at_the_math_paths_error(kernel: str) -> None:
+    """--check: every row says how far the call's outputs are from float64, as a multiple of
+    PyTorch's math attention's error in the same dtype (the tests accept 2)."""
+    rows = tile_sweep.sweep((1, 2, 24, 16), tile_sweep.DTYPES["fp16"], 1, kernel=kernel,
+                            check=True)
+    assert all(0 < row["error_vs_math"] <= 2 for row in rows), rows
+
+
+def test_check_flags_a_wrong_output() -> None:
+    inputs = tile_sweep.make_inputs((1, 2, 24, 16), tile_sweep.DTYPES["fp16"], "fwd_jvp")
+    error_vs_math = tile_sweep.accuracy_check(inputs, "fwd_jvp")
+    out, t_out = tile_sweep.make_call(inputs, "fwd_jvp")()
+    assert error_vs_math((out, t_out)) <= 2
+    assert error_vs_math((out * 1.01, t_out)) > 5
+    assert error_vs_math((out, t_out * 1.01)) > 5
