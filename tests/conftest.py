@@ -37,6 +37,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# What CUDA reports once a kernel has faulted: the process's CUDA context is lost, and every
+# later CUDA call in it fails with the same message.
+LOST_CONTEXT = ("an illegal memory access was encountered", "unspecified launch failure",
+                "misaligned address", "an illegal instruction was encountered")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Stop the run after a test that lost the CUDA context: the tests after it would fail
+    only because of it, burying the one that did (a subprocess is the way to test a fault)."""
+    outcome = yield
+    if call.excinfo is None or item.config.getoption("dist", "no") != "no":
+        return
+    message = str(call.excinfo.value)
+    if any(text in message for text in LOST_CONTEXT):
+        report = outcome.get_result()
+        report.sections.append(("CUDA context lost", "the run stops after this test"))
+        item.session.shouldstop = (f"{item.nodeid} lost the CUDA context "
+                                   f"({message.splitlines()[0][:120]}); "
+                                   "later tests in this process could not run")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a module of tiny-tensor tests: on 2 shared cores a contended
