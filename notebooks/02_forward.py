@@ -597,7 +597,11 @@ def _forward_key_block(
 # (16, 32, 1024, 64), the forward+JVP and then chapter 5's carried backward, ran the same
 # three attention kernels within 1% of fast's times (2.254 against 2.250 ms) plus 0.474 ms
 # of range passes and copies: 1.21x in all. The copies stream at about 4.1 TB/s, near the
-# H200's memory bandwidth; the range pass, which reads six tensors, at about 2.9 TB/s.
+# H200's memory bandwidth; the range pass, which reads six tensors, streamed at about
+# 2.9 TB/s with 64 programs of 8 warps per tensor. With 256 programs of 4 (`RANGE_PROGRAMS`,
+# `RANGE_WARPS` below) it takes 0.104 ms instead of 0.137 at (16, 32, 1024, 64), about
+# 3.9 TB/s: the carried forward+JVP then took 1.200 ms against fast's 1.010 (1.19x), and the
+# whole MeanFlow call 2.981 ms of GPU time against 3.054 before (one run, all kernels).
 # Counting bytes shows where a 10% target lies at this length: the forward's two passes
 # move 671 MB (six tensors read, two read again and written as fp16), which take 0.14 ms
 # even at the H200's nominal 4.8 TB/s, 14% of the fast kernel's time. Faster passes alone
