@@ -1,7 +1,8 @@
 """Compile every autotuning configuration of the library's kernels for Hopper (sm_90), on a
 machine without a GPU, and report what each one needs: registers per thread, spilled bytes,
-shared memory. A configuration over the 227 KiB of shared memory a Hopper block may take
-cannot launch; one with spills is slow.
+shared memory, how tiles reach shared memory (`copies`) and how many bytes each global load
+moves (`loads`: 2-byte loads are tiles read one element at a time). A configuration over the
+227 KiB of shared memory a Hopper block may take cannot launch; one with spills is slow.
 
     python tools/kernel_resources.py [--dtype bfloat16] [--head-dim 128] [--json out.json]
     JVP_ATTENTION_TMA=1 python tools/kernel_resources.py ...   # the descriptor (TMA) variants
@@ -78,7 +79,7 @@ def compile_report(kernel, bound: dict, config: triton.Config) -> dict:
                               options=options.__dict__)
     ptx = compiled.asm["ptx"]
     return {**ptxas_report(ptx), "shared": compiled.metadata.shared,
-            "copies": copy_instructions(ptx)}
+            "copies": copy_instructions(ptx), "load_bytes": global_load_widths(ptx)}
 
 
 def copy_instructions(ptx: str) -> str:
@@ -87,6 +88,21 @@ def copy_instructions(ptx: str) -> str:
     kinds = [name for name, pattern in (("tma", "cp.async.bulk.tensor"), ("cp.async", "cp.async.ca"),
                                         ("cp.async", "cp.async.cg")) if pattern in ptx]
     return "+".join(dict.fromkeys(kinds)) or "ld.global"
+
+
+def global_load_widths(ptx: str) -> dict[int, int]:
+    """How many global loads and asynchronous copies move how many bytes each: {bytes:
+    count}. Tiles whose rows Triton cannot prove 16-byte aligned (a row stride or head dim
+    not a multiple of 16 elements, as Triton specialises integers) are read one element,
+    2 bytes, at a time; aligned ones 16 bytes at a time."""
+    sizes = []
+    for op in re.findall(r"\bld\.global\S*", ptx):  # ld.global[.qualifiers][.vN].<type>
+        parts = op.split(".")
+        vector = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+        sizes.append(vector * int(re.sub(r"\D", "", parts[-1])) // 8)
+    copies = r"\bcp\.async\.c[ag]\.shared\.global\S*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(\w+)"
+    sizes += [int(size, 0) for size in re.findall(copies, ptx)]
+    return {size: sizes.count(size) for size in sorted(set(sizes), reverse=True)}
 
 
 def ptxas_report(ptx: str) -> dict:
@@ -189,7 +205,8 @@ def main() -> None:
             rows.append(row)
             print(f"{name:20} tangent={tangent!s:5} tile={tile!s:18} regs={report['regs']!s:4} "
                   f"spills={report['spills']!s:6} shared={report['shared']:7d} "
-                  f"copies={report['copies']:8}"
+                  f"copies={report['copies']:8} loads="
+                  f"{' '.join(f'{n}x{b}B' for b, n in report['load_bytes'].items()) or '-':14}"
                   f"{'' if row['fits'] else '  DOES NOT FIT'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
