@@ -292,9 +292,10 @@ else:
 #    and exponentials from the same warps. Its automatic warp specialisation
 #    (`tl.range(..., warp_specialize=True)`) does not take this kernel yet: on the forward's
 #    key loop, compiled for sm_90 with descriptors, the 128 × 64 tiles compile to the same
-#    registers and shared memory as without it, and the 64 × 64 tile on 4 warps stops in
-#    Triton's `NVGPUWarpSpecialization` pass. The way there is Gluon, Triton's explicit
-#    layer, with the copies, barriers and warp groups written out.
+#    registers and shared memory as without it, with no warp-group split in the PTX (no
+#    `setmaxnreg`, the same barriers and products), and the 64 × 64 tile on 4 warps stops in
+#    Triton's `NVGPUWarpSpecialization` pass. Triton 3.9.0 does the same. The way there is
+#    Gluon, Triton's explicit layer, with the copies, barriers and warp groups written out.
 # 4. **The exponential unit** is not the limit at $d = 128$: one `exp2` per score against
 #    $2d$ multiply-adds per score for the two forward products.
 #
