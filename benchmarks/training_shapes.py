@@ -338,19 +338,48 @@ def attention_function(case: Case, args: argparse.Namespace) -> Callable:
     raise ValueError(f"unknown implementation {case.impl!r}")
 
 
+LAYOUTS = {
+    "contiguous": "q, k, v and their tangents as contiguous (B, H, N, d) tensors",
+    "qkv": "q, k, v as views of one (B, N, 3, H, d) projection output, permuted to (B, H, N, d)"
+           " inside the step as DiT's attention does (heads d elements apart), and the tangents"
+           " likewise; cotangents as (B, N, H, d) transposed",
+}
+
+
+def layout_tensors(case: Case, layout: str, device: str, dtype: torch.dtype, grads_of: int):
+    """The step's input tensors in `layout` (the first `grads_of` of q, k, v, tq, tk, tv
+    requiring grad), and the two cotangents."""
+    b, h, n, d = case.B, case.H, case.N, case.d
+    if layout == "contiguous":
+        inputs = [torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=i < grads_of)
+                  for i in range(6)]
+        cotangents = [torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(2)]
+        return inputs, *cotangents
+    packs = [torch.randn(b, n, 3, h, d, device=device, dtype=dtype,
+                         requires_grad=3 * i < grads_of) for i in range(2)]
+    cotangents = [torch.randn(b, n, h, d, device=device, dtype=dtype).transpose(1, 2)
+                  for _ in range(2)]
+    return packs, *cotangents
+
+
+def attention_operands(inputs, layout: str) -> tuple:
+    """q, k, v, tq, tk, tv from the step's inputs (`layout_tensors`)."""
+    if layout == "contiguous":
+        return tuple(inputs)
+    return tuple(t for pack in inputs for t in pack.permute(2, 0, 3, 1, 4).unbind(0))
+
+
 def make_step(case: Case, device: str, args: argparse.Namespace) -> Callable[[], None]:
     """Allocate the case's inputs and return one training step's attention call."""
     check_supported(case, args)
     attention = attention_function(case, args)
     dtype = DTYPES[case.dtype]
-    shape = (case.B, case.H, case.N, case.d)
     grads_of = {"fwd_jvp": 0, "meanflow": 3, "second_order": 6}[case.mode]
-    inputs = [torch.randn(shape, device=device, dtype=dtype, requires_grad=i < grads_of)
-              for i in range(6)]
-    grad, t_grad = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
-    leaves = inputs[:grads_of]
+    inputs, grad, t_grad = layout_tensors(case, args.layout, device, dtype, grads_of)
+    leaves = [x for x in inputs if x.requires_grad]
 
-    def forward(q, k, v, tq, tk, tv):
+    def forward(*inputs):
+        q, k, v, tq, tk, tv = attention_operands(inputs, args.layout)
         out, t_out = torch.func.jvp(attention, (q, k, v), (tq, tk, tv))
         # MeanFlow's stop-gradient, inside the (compiled) function: a compiled graph output
         # that requires grad but gets none has its gradient materialised as zeros, which
@@ -693,7 +722,7 @@ def header(args: argparse.Namespace, cycles_per_ms: float | None) -> dict:
             "compile_modes": COMPILE_MODES,
             "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
             "sleep_cycles_per_ms": cycles_per_ms,
-            "causal": False, "mask": None,
+            "causal": False, "mask": None, "layout": args.layout,
         },
         "shapes": {name: {"B": b, "H": h, "N": n, "d": d, "label": SHAPE_LABELS.get(name, name)}
                    for name, (b, h, n, d) in (SMOKE_SHAPES if args.smoke else SHAPES).items()},
@@ -713,12 +742,18 @@ def default_out(args: argparse.Namespace) -> Path:
     return bench.RESULTS / f"training_shapes_{stamp}.json"
 
 
-def load_resume(paths: list[Path] | None) -> dict[tuple, dict]:
+def load_resume(paths: list[Path] | None, layout: str = "contiguous") -> dict[tuple, dict]:
     """Cases of earlier runs that were measured, failed, or skipped for a reason other than the
-    wall budget, by key; a later file wins a key both have."""
+    wall budget, by key; a later file wins a key both have. Raises ValueError for a file of
+    another `--layout` (files from before the option are "contiguous")."""
     done = {}
     for path in paths or []:
-        for rec in json.loads(path.read_text()).get("cases", []):
+        data = json.loads(path.read_text())
+        theirs = data.get("settings", {}).get("layout", "contiguous")
+        if theirs != layout:
+            raise ValueError(f"--resume {path}: its cases were measured with --layout {theirs}, "
+                             f"this run uses --layout {layout}; resume from runs of one layout")
+        for rec in data.get("cases", []):
             if rec["status"] == "skipped" and (rec.get("skipped") or "").startswith("wall budget"):
                 continue
             key = (rec["shape"], rec["impl"], rec["mode"], rec["B"], rec["H"], rec["N"],
@@ -772,6 +807,9 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="default bf16 on CUDA, fp16 on CPU (the interpreter's bf16 dot "
                              "is wrong)")
+    parser.add_argument("--layout", choices=list(LAYOUTS), default="contiguous",
+                        help="how q, k, v and the tangents are laid out in memory: "
+                             + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
     parser.add_argument("--precision", choices=("accurate", "fast"), default=None,
                         help="jvp_attention.set_precision for the run (default: the library's)")
     parser.add_argument("--out", type=Path, help="the JSON file to write (default: "
@@ -827,7 +865,7 @@ def main(argv: Iterable[str] | None = None) -> dict:
     data = header(args, cycles_per_ms)
     if HAS_CUDA and args.autotune_rep_ms > 0:
         data["settings"]["quick_autotune"] = bench.use_quick_autotune(args.autotune_rep_ms)
-    resumed = load_resume(args.resume)
+    resumed = load_resume(args.resume, args.layout)
     print(f"jvp_attention training shapes: {data['gpu']} | torch {torch.__version__} | triton "
           f"{triton.__version__} | jvp_flash_attention "
           f"{data['versions']['jvp_flash_attention']} | {len(cases)} cases | budget "

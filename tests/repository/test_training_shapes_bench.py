@@ -222,3 +222,45 @@ def test_resume_keeps_measured_cases_and_reruns_budget_skips(tmp_path: Path) -> 
     previous.write_text(json.dumps({"cases": [measured, cut]}))
     done = ts.load_resume([previous])
     assert list(done) == [case.key] and done[case.key]["resumed_from"] == str(previous)
+
+
+def test_resume_refuses_a_run_of_another_layout(tmp_path: Path) -> None:
+    previous = tmp_path / "previous.json"
+    previous.write_text(json.dumps({"settings": {"layout": "qkv"}, "cases": []}))
+    assert ts.load_resume([previous], "qkv") == {}
+    with pytest.raises(ValueError, match="--layout qkv"):
+        ts.load_resume([previous])
+
+
+def test_qkv_layout_views_one_projection_per_operand_triple() -> None:
+    """DiT's layout: q, k, v are views of one (B, N, 3, H, d) tensor, heads d elements apart;
+    only the packs are leaves."""
+    case = ts.Case("smoke", "ours", "second_order", 2, 3, 5, 8, "fp32")
+    inputs, grad, _ = ts.layout_tensors(case, "qkv", "cpu", torch.float32, grads_of=6)
+    assert [tuple(x.shape) for x in inputs] == [(2, 5, 3, 3, 8)] * 2
+    assert all(x.requires_grad and x.is_leaf for x in inputs)
+    q, k, v, tq, tk, tv = ts.attention_operands(inputs, "qkv")
+    assert q.shape == (2, 3, 5, 8) and q.stride() == (5 * 3 * 3 * 8, 8, 3 * 3 * 8, 1)
+    assert torch.equal(k, inputs[0][:, :, 1].transpose(1, 2))
+    assert torch.equal(tv, inputs[1][:, :, 2].transpose(1, 2))
+    assert grad.shape == (2, 3, 5, 8) and grad.stride(1) == 8
+    meanflow, _, _ = ts.layout_tensors(case, "qkv", "cpu", torch.float32, grads_of=3)
+    assert [x.requires_grad for x in meanflow] == [True, False]
+
+
+@pytest.mark.parametrize("mode", ["meanflow", "second_order"])
+def test_qkv_layout_step_matches_the_math_path(mode: str) -> None:
+    """One step of ours and of PyTorch's math path on the same (B, N, 3, H, d) inputs: the
+    gradients reach the packs and agree."""
+    args = ts.parse_args(["--smoke", "--layout", "qkv", "--dtype", "fp32"])
+    grads = {}
+    for impl in ("ours", "math"):
+        case = ts.Case("smoke", impl, mode, 1, 2, 17, 16, "fp32")
+        torch.manual_seed(0)
+        step = ts.make_step(case, "cpu", args)
+        step()
+        grads[impl] = [x.grad for x in step.leaves]
+    assert len(grads["ours"]) == {"meanflow": 1, "second_order": 2}[mode]
+    for ours, math in zip(grads["ours"], grads["math"], strict=True):
+        assert ours is not None and ours.shape == math.shape
+        torch.testing.assert_close(ours, math, rtol=1e-4, atol=1e-5)
