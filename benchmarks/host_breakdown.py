@@ -190,6 +190,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-compile", action="store_true",
                         help="on CPU, run ours_compiled through the aot_eager backend "
                              "(plumbing)")
+    parser.add_argument("--layout", choices=list(ts.LAYOUTS), default="contiguous",
+                        help="the inputs' layout, as in training_shapes.py")
     parser.add_argument("--out", type=Path, help="the JSON file to write")
     args = parser.parse_args(None if argv is None else list(argv))
     if args.dtype is None:
@@ -229,7 +231,7 @@ def main(argv: Iterable[str] | None = None) -> dict:
     finally:
         timers.restore()
     result = {**bench.run_record(SCHEMA, args.smoke),
-              "settings": {"dtype": args.dtype, "steps": args.steps,
+              "settings": {"dtype": args.dtype, "layout": args.layout, "steps": args.steps,
                            "warmup_steps": args.warmup_steps,
                            "precision": bench.precision_mode()},
               "rows": rows, "skipped": skipped}
