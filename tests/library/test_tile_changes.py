@@ -49,11 +49,11 @@ def triton_ptxas(name: str) -> str:
 
 def hopper_ptxas_faults() -> bool:
     """Whether Triton's Hopper ptxas is the one that miscompiles these kernels (12.8)."""
-    import triton
-
     try:
-        return triton.knobs.nvidia.ptxas.version == "12.8"
-    except (AttributeError, RuntimeError):  # a Triton without this knob, or no ptxas
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(90).version == "12.8"
+    except (ImportError, AttributeError, RuntimeError):  # another Triton, or no ptxas
         return False
 
 
