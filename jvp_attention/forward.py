@@ -25,6 +25,7 @@ from jvp_attention.launch import (
     next_power_of_2,
     on_device,
     prepare_descriptors,
+    row_alignment,
     row_strides,
     tma_eligible,
     unit_last_stride,
@@ -34,6 +35,7 @@ from jvp_attention.tiles import (
     LN2,
     LOG2E,
     add_mask_tangent,
+    aligned_operands,
     carry_factor,
     dot_rounded,
     head_base,
@@ -164,40 +166,43 @@ def _attention_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr, USE_TMA: tl.constexpr, CARRY: tl.constexpr,
-    D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr,
+    D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head).
     With CARRY, v and tv are `jvp_operands`' fp16 copies and `factors_ptr` their factors.
     With D_TAIL (DV_TAIL), the head dim of q and k (of v) is cut into tiles of BLOCK_D and
-    D_TAIL columns (`column_tiles`)."""
+    D_TAIL columns (`column_tiles`). Row strides and head dims are multiples of ALIGN."""
+    (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, head_dim,
+     value_dim) = aligned_operands(stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn,
+                                   stride_tvn, head_dim, value_dim, ALIGN)
     start_m = query_block_start(BLOCK_M, IS_CAUSAL)
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
-    q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh)
+    q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh, ALIGN)
     q = load_head_rows(q_base, start_m, stride_qm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
     q2 = load_head_tail_rows(q_base, start_m, stride_qm, n_q, head_dim, BLOCK_M, BLOCK_D,
                              D_TAIL, USE_TMA)
-    k_base = head_base(k_ptr, batch, kv_head, stride_kb, stride_kh)
+    k_base = head_base(k_ptr, batch, kv_head, stride_kb, stride_kh, ALIGN)
     k_src = tile_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
     k2_src = tail_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, D_TAIL, USE_TMA)
-    v_base = head_base(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    v_base = head_base(v_ptr, batch, kv_head, stride_vb, stride_vh, ALIGN)
     v_src = tile_source(v_base, n_k, value_dim, stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
     v2_src = tail_source(v_base, n_k, value_dim, stride_vn, BLOCK_N, BLOCK_DV, DV_TAIL,
                          USE_TMA)
     mask_ptr = head_base(mask_ptr, batch, head, stride_mask_b, stride_mask_h)
     if HAS_TANGENT:
-        tq_base = head_base(tq_ptr, batch, head, stride_tqb, stride_tqh)
+        tq_base = head_base(tq_ptr, batch, head, stride_tqb, stride_tqh, ALIGN)
         tq = load_head_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D,
                             USE_TMA)
         tq2 = load_head_tail_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M,
                                   BLOCK_D, D_TAIL, USE_TMA)
-        tk_base = head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh)
+        tk_base = head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh, ALIGN)
         tk_src = tile_source(tk_base, n_k, head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
         tk2_src = tail_source(tk_base, n_k, head_dim, stride_tkn, BLOCK_N, BLOCK_D, D_TAIL,
                               USE_TMA)
-        tv_base = head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh)
+        tv_base = head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh, ALIGN)
         tv_src = tile_source(tv_base, n_k, value_dim, stride_tvn, BLOCK_N, BLOCK_DV, USE_TMA)
         tv2_src = tail_source(tv_base, n_k, value_dim, stride_tvn, BLOCK_N, BLOCK_DV, DV_TAIL,
                               USE_TMA)
@@ -354,6 +359,7 @@ def flash_attention_forward(
             scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
+            ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
             **{**kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry),
                **column_tiles(head_dim, value_dim)},
         )

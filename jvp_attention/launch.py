@@ -76,7 +76,8 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     width = next_power_of_2(max(x.shape[-1] for x in tensors))
     programs = 4 if interpreting() else RANGE_PROGRAMS
     meta = {"N_TENSORS": len(tensors), "PROGRAMS": programs,
-            "BLOCK_R": max(1, 8192 // width), "BLOCK_W": width}
+            "BLOCK_R": max(1, 8192 // width), "BLOCK_W": width,
+            "ALIGN": row_alignment(tensors, tuple(x.shape[-1] for x in tensors))}
     partials = torch.empty(len(tensors) * programs, device=device, dtype=torch.float32)
     copies = tuple(torch.empty(x.shape, device=device, dtype=torch.float16) for x in copied)
     factors = torch.empty(n_factors, device=device, dtype=torch.float32)
@@ -151,6 +152,65 @@ AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
 CACHED_LAUNCHES = 256
 
 
+# The ptxas releases that Triton bundles for Hopper and that miscompile these kernels: with
+# 12.8 (Triton 3.6) the forward with the tangent at head dims 40 and 72 faults (an
+# out-of-range shared-memory address in a tensor-core product) or, with one pipeline stage,
+# returns wrong tangents. ptxas 12.9, which the same Triton bundles for Blackwell, and 13.0
+# compile the same kernels correctly.
+MISCOMPILING_PTXAS = frozenset({"12.8"})
+
+
+@functools.cache
+def sound_ptxas(arch: int) -> str | None:
+    """The ptxas to compile this library's kernels with for the GPU architecture `arch`
+    (90 for the H100/H200) when the one Triton would use is among MISCOMPILING_PTXAS:
+    Triton's Blackwell ptxas, when it is newer. None keeps Triton's choice, as does
+    setting TRITON_PTXAS_PATH. (Triton 3.9 assembles Hopper code with its newer ptxas
+    itself.)"""
+    if arch // 10 != 9 or os.environ.get("TRITON_PTXAS_PATH"):
+        return None
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        own, newer = get_ptxas(arch), triton.knobs.nvidia.ptxas_blackwell
+    except (ImportError, AttributeError, RuntimeError):  # no such Triton API, or no ptxas
+        return None
+    if own.version not in MISCOMPILING_PTXAS:
+        return None
+    return newer.path if version_tuple(newer.version) > version_tuple(own.version) else None
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """"12.9" as (12, 9)."""
+    return tuple(int(part) for part in version.split("."))
+
+
+@contextmanager
+def sound_compiler(arch: int | None = None) -> Iterator[None]:
+    """Within: Triton compiles for `arch` (by default the current GPU's) with `sound_ptxas`
+    where it applies. Used around this library's compilations only: Triton's settings are
+    restored on leaving."""
+    path = sound_ptxas(driver.active.get_current_target().arch if arch is None else arch)
+    if path is None:
+        yield
+        return
+    with triton.knobs.nvidia.scope():
+        triton.knobs.nvidia.ptxas = path
+        forget_ptxas_version()
+        try:
+            yield
+        finally:
+            forget_ptxas_version()
+
+
+def forget_ptxas_version() -> None:
+    """Make Triton ask ptxas its version again: the version enters the key of Triton's
+    cache of compiled kernels, which must tell the two ptxas' kernels apart."""
+    from triton.backends.nvidia import compiler
+
+    getattr(getattr(compiler, "get_ptxas_version", None), "cache_clear", lambda: None)()
+
+
 class CachedLauncher:
     """Launches a `@triton.jit` kernel, skipping Triton's per-launch Python once it has seen
     a launch with the same arguments.
@@ -164,7 +224,8 @@ class CachedLauncher:
     dtype and 16-byte alignment, every other argument (keywords too) by type and value, and
     the device and Triton's settings that change the code (`code_options`). Everything
     else goes through Triton: the first launch of each match, a warm-up, the interpreter,
-    and launches while a launch hook (a profiler's) or a pre-run hook is installed.
+    and launches while a launch hook (a profiler's) or a pre-run hook is installed; on the
+    GPU those compile with `sound_compiler`.
     """
 
     def __init__(self, kernel: triton.runtime.JITFunction):
@@ -181,17 +242,22 @@ class CachedLauncher:
 
     def run(self, *args, grid, warmup: bool = False, **kwargs):
         """Launch as `kernel[grid](*args, **kwargs)` would; returns the compiled kernel."""
-        if not self.direct or warmup or launch_hooks() or self.kernel.pre_run_hooks:
+        if not self.direct:
             return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+        if warmup or launch_hooks() or self.kernel.pre_run_hooks:
+            with sound_compiler():
+                return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
         device = driver.active.get_current_device()
         key = (device, *code_options(), len(args), *kwargs,
                *launch_match(tuple(kwargs.values())), *launch_match(args))
         try:
             known = self.launches.get(key)
         except TypeError:  # an argument that cannot be hashed: Triton's path, every time
-            return self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+            with sound_compiler():
+                return self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
         if known is None:  # Triton's own launch, remembered unless it compiles asynchronously
-            compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+            with sound_compiler():
+                compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
             if not hasattr(compiled, "result"):
                 if len(self.launches) >= CACHED_LAUNCHES:
                     self.launches.clear()
@@ -279,7 +345,8 @@ class KeyedAutotuner(Autotuner):
         key = self.launch_key(args, kwargs)
         config = self.tuned.get(key)
         if config is None:  # first launch at this key: tune (or read the disk cache)
-            result = super().run(*args, **kwargs)
+            with sound_compiler() if self.launcher.direct else nullcontext():
+                result = super().run(*args, **kwargs)
             self.tuned[key] = self.best_config
             return result
         self.best_config = config
@@ -408,6 +475,23 @@ def kernel_meta(q: torch.Tensor, head_dim: int, value_dim: int, split: bool = Fa
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         "SPLIT": split and q.dtype != torch.float32,
     }
+
+
+def row_alignment(tensors: tuple[torch.Tensor, ...], widths: tuple[int, ...]) -> int:
+    """ALIGN for a launch (`aligned` in the kernels): the largest power of two, up to 16
+    bytes of the tensors' elements, that divides every width and every batch, head and row
+    stride of the (B, H, N, D) tensors.
+
+    Triton specialises an integer argument on divisibility by 16 only, so a head dim of 72
+    (or 40, or a row or head stride of 72) would otherwise make every pointer-loaded tile
+    move one element per load, and lose the asynchronous copies of the pipeline."""
+    bits = 0
+    for x in tensors:  # plain loops: this runs on every launch
+        stride = x.stride()
+        bits |= stride[-4] | stride[-3] | stride[-2]
+    for width in widths:
+        bits |= width
+    return min(16 // tensors[0].element_size(), bits & -bits) if bits else 1
 
 
 def column_tiles(head_dim: int, value_dim: int) -> dict:

@@ -23,10 +23,33 @@ ADDITIVE_WITH_TANGENT = tl.constexpr(3)
 
 
 @triton.jit
-def head_base(ptr, batch, head, stride_b, stride_h):
+def head_base(ptr, batch, head, stride_b, stride_h, ALIGN: tl.constexpr = 1):
     """The start of one (batch, head) matrix of a (B, H, N, D) tensor (`batch` is int64, so
-    offsets past 2**31 elements are safe)."""
-    return ptr + batch * stride_b + head * stride_h
+    offsets past 2**31 elements are safe). Strides that are multiples of ALIGN are written
+    so that the compiler sees it (`aligned`): a head stride of 72 (the (B, N, H, D) layout
+    of a fused projection at d = 72) would otherwise hide the rows' alignment too."""
+    return ptr + batch * aligned(stride_b, ALIGN) + head * aligned(stride_h, ALIGN)
+
+
+@triton.jit
+def aligned(n, ALIGN: tl.constexpr):
+    """`n`, a row stride or a width that the launch found to be a multiple of ALIGN, written
+    so that the compiler sees it is one (it cannot tell 72 from 73). Then each row of a tile
+    starts on a 16-byte boundary and its column mask is constant over runs of ALIGN, and
+    loads and stores move 16 bytes at a time, asynchronously when pipelined, instead of one
+    element each (`row_alignment` picks ALIGN)."""
+    if ALIGN > 1:
+        n = (n // ALIGN) * ALIGN
+    return n
+
+
+@triton.jit
+def aligned_operands(stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn,
+                     head_dim, value_dim, ALIGN: tl.constexpr):
+    """`aligned` row strides of q, k, v and their tangents, and head dims."""
+    return (aligned(stride_qm, ALIGN), aligned(stride_kn, ALIGN), aligned(stride_vn, ALIGN),
+            aligned(stride_tqm, ALIGN), aligned(stride_tkn, ALIGN),
+            aligned(stride_tvn, ALIGN), aligned(head_dim, ALIGN), aligned(value_dim, ALIGN))
 
 
 @triton.jit
@@ -258,15 +281,17 @@ def with_entry(vector, index, value):
 
 @triton.jit
 def _row_block(strides, shapes, index: tl.constexpr, batch, block, BLOCK_R: tl.constexpr,
-               BLOCK_W: tl.constexpr):
+               BLOCK_W: tl.constexpr, ALIGN: tl.constexpr):
     """Offsets, flat row numbers and mask of row block `block` of tensor `index`, a
-    (B, H, N, W) view with unit last stride whose rows are taken in (b, h, n) order."""
-    heads, n, width = shapes[3 * index], shapes[3 * index + 1], shapes[3 * index + 2]
+    (B, H, N, W) view with unit last stride whose rows are taken in (b, h, n) order; its
+    strides and W are multiples of ALIGN (`aligned`)."""
+    heads, n = shapes[3 * index], shapes[3 * index + 1]
+    width = aligned(shapes[3 * index + 2], ALIGN)
     rows = tl.arange(0, BLOCK_R).to(tl.int64) + block * BLOCK_R  # (b, h, n) < 2**31 rows
     cols = tl.arange(0, BLOCK_W)
-    offsets = ((rows // (heads * n)) * strides[3 * index]
-               + ((rows // n) % heads) * strides[3 * index + 1]
-               + (rows % n) * strides[3 * index + 2])
+    offsets = ((rows // (heads * n)) * aligned(strides[3 * index], ALIGN)
+               + ((rows // n) % heads) * aligned(strides[3 * index + 1], ALIGN)
+               + (rows % n) * aligned(strides[3 * index + 2], ALIGN))
     mask = (rows < batch * heads * n)[:, None] & (cols < width)[None, :]
     return offsets[:, None] + cols[None, :], rows, cols, mask
 
@@ -274,7 +299,7 @@ def _row_block(strides, shapes, index: tl.constexpr, batch, block, BLOCK_R: tl.c
 @triton.jit
 def range_partials_kernel(tensors, strides, shapes, batch, partials_ptr,
                        N_TENSORS: tl.constexpr, PROGRAMS: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr):
     """partials[t, p] = max |x| over row blocks p, p + PROGRAMS, ... of tensor t: a
     (PROGRAMS, N_TENSORS) grid reads every tensor once."""
     program, which = tl.program_id(0), tl.program_id(1)
@@ -284,7 +309,7 @@ def range_partials_kernel(tensors, strides, shapes, batch, partials_ptr,
             largest = tl.zeros([BLOCK_R, BLOCK_W], tl.float32)
             for block in range(program, n_blocks, PROGRAMS):
                 offsets, _, _, mask = _row_block(strides, shapes, t, batch, block, BLOCK_R,
-                                                 BLOCK_W)
+                                                 BLOCK_W, ALIGN)
                 x = tl.load(tensors[t] + offsets, mask=mask, other=0.0)
                 largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
             tl.store(partials_ptr + t * PROGRAMS + program, tl.max(tl.max(largest, 1), 0))
@@ -301,7 +326,8 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                            bound, epilogue_args, SHIFTS: tl.constexpr, EPILOGUE: tl.constexpr,
                            N_TENSORS: tl.constexpr, N_COPIES: tl.constexpr,
                            N_FACTORS: tl.constexpr, PROGRAMS: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                           ALIGN: tl.constexpr):
     """Row block program_id(0) of copy program_id(1): tensor c times its power of two,
     written to float16 (contiguous). Every program reduces the partial maxima itself (a few
     hundred floats, from L2) and asks SHIFTS(maxima, bound) for the 16 values: the copies'
@@ -320,10 +346,11 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
     for c in tl.static_range(N_COPIES):
         if which == c:
             offsets, rows, cols, mask = _row_block(strides, shapes, c, batch, block, BLOCK_R,
-                                                   BLOCK_W)
+                                                   BLOCK_W, ALIGN)
             x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
             # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
             copy = (x * vector_entry(values, c)).to(tl.float16)
-            tl.store(copies[c] + rows[:, None] * shapes[3 * c + 2] + cols[None, :], copy,
+            tl.store(copies[c] + rows[:, None] * aligned(shapes[3 * c + 2], ALIGN)
+                     + cols[None, :], copy,
                      mask=mask)
             EPILOGUE(c, x, rows, cols, epilogue_args)

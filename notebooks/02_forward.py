@@ -98,16 +98,41 @@ from jvp_attention.reference import AttentionOutputs  # noqa: E402  (chapter 1)
 # may use fits too (212 registers, no spills), so the autotuner's candidates count such a
 # head dim by the columns it multiplies, 80, not by its padded 128 (`prune_wide_tiles`).
 #
-# Fewer columns are not yet the same speed per FLOP. Timed on the H200 tile by tile (bf16,
-# forward with the tangent, the best tile of each; `tools/tile_sweep.py`, saved in
-# `benchmarks/results/tile_sweep_h200.json`): at 256 tokens $d = 64$ runs at 212–243
-# TFLOP/s and $d = 72$ at 106–129; at 1024 tokens 330–343 against 161–185 (the ranges:
-# tiles read through descriptors or through pointers). $d = 80$, cut the same way with no
-# masked column, reaches 124 and 215, and $d = 96$ (64 + 32) 139 and 240: the cost is the
-# cut, not the 8 masked columns. The likely reason (not yet measured per instruction):
-# each product of a key block becomes two tensor-core operations, and the second, 16
-# columns wide, costs far more than its share of the FLOPs; the tangent doubles their
-# number. Tiles outside the autotuner's list that compile without spills do no better.
+# Fewer columns are not yet the same speed per FLOP everywhere. Timed on the H200 tile by
+# tile (bf16, forward with the tangent, tiles read through pointers, the best tile of each;
+# `tools/tile_sweep.py`, saved in `benchmarks/results/tile_sweep_h200.json`), with the
+# alignment described next: at 256 tokens $d = 64$ runs at 226 TFLOP/s, $d = 72$ at 192,
+# $d = 80$ at 221 and $d = 96$ (64 + 32) at 226, so there the cut costs little; at 1024
+# tokens $d = 64$ reaches 401 against 243, 283 and 284. The likely reason at 1024 tokens
+# (not yet measured per instruction): each product of a key block becomes two tensor-core
+# operations, and the second, 16 or 32 columns wide, costs more than its share of the
+# FLOPs; the tangent doubles their number. Tiles outside the autotuner's list that compile
+# without spills do no better.
+#
+# One more cost at $d = 72$ is not the cut's. Triton specialises an integer argument by its
+# divisibility by 16 only, so a row stride of 72 elements (144 bytes, 16-byte aligned) looks
+# unaligned to it, and so does a column bound of 72: every tile read through pointers moved
+# one element per load, through registers, without the asynchronous copies of the
+# pipeline, and $d = 80$, whose stride and bound are multiples of 16, did not pay that. The
+# launch therefore finds the largest power of two, up to 16 bytes of elements, that divides
+# every head dim and every batch, head and row stride (`row_alignment`, ALIGN), and the
+# kernels write those integers as $\lfloor n / \mathrm{ALIGN} \rfloor \cdot \mathrm{ALIGN}$
+# (`aligned`): the same numbers, in a form from which the compiler sees the divisibility.
+# Compiled for sm_90 at $d = 72$ in bf16, every pipelined tile of every kernel then copies
+# asynchronously, and the spills fall: the forward with the tangent on 64 × 64 from 260 to
+# 8 bytes, the second-order dQ kernel on 128 × 32 from 1924 to 20, its dK/dV kernel on
+# 16 × 32 from 124 to none (`tools/kernel_resources.py --head-dim 72`). The head stride
+# matters as much as the row stride: a model that projects q, k and v together and views
+# the result as (B, N, H, D) hands the kernel heads 72 elements apart, and with that stride
+# hidden every forward+JVP tile fell back to single-element loads and spilled 112 to 276
+# bytes (`--layout bnhd`).
+#
+# Timed on the H200 (bf16, GPU time of one `torch.func.jvp(attention)` call, both versions
+# assembled by the same ptxas), the alignment took the forward with the tangent from 0.235
+# to 0.154 ms at DiT-XL/2's 256-pixel shape (32, 16, 256, 72), 1.5x, and from 1.247 to
+# 1.116 ms at (16, 16, 1024, 72); in the (B, N, H, D) layout from 0.253 to 0.160 and from
+# 1.269 to 1.140 ms. Before it, the best tile at $d = 72$ ran at 129 TFLOP/s at 256 tokens
+# and 161 at 1024 through pointers; $d = 64$ is unchanged.
 
 # %% tags=["export:tiles"]
 """The Triton device helpers that the forward (chapter 2) and backward (chapter 5) kernels
@@ -134,10 +159,33 @@ ADDITIVE_WITH_TANGENT = tl.constexpr(3)
 
 
 @triton.jit
-def head_base(ptr, batch, head, stride_b, stride_h):
+def head_base(ptr, batch, head, stride_b, stride_h, ALIGN: tl.constexpr = 1):
     """The start of one (batch, head) matrix of a (B, H, N, D) tensor (`batch` is int64, so
-    offsets past 2**31 elements are safe)."""
-    return ptr + batch * stride_b + head * stride_h
+    offsets past 2**31 elements are safe). Strides that are multiples of ALIGN are written
+    so that the compiler sees it (`aligned`): a head stride of 72 (the (B, N, H, D) layout
+    of a fused projection at d = 72) would otherwise hide the rows' alignment too."""
+    return ptr + batch * aligned(stride_b, ALIGN) + head * aligned(stride_h, ALIGN)
+
+
+@triton.jit
+def aligned(n, ALIGN: tl.constexpr):
+    """`n`, a row stride or a width that the launch found to be a multiple of ALIGN, written
+    so that the compiler sees it is one (it cannot tell 72 from 73). Then each row of a tile
+    starts on a 16-byte boundary and its column mask is constant over runs of ALIGN, and
+    loads and stores move 16 bytes at a time, asynchronously when pipelined, instead of one
+    element each (`row_alignment` picks ALIGN)."""
+    if ALIGN > 1:
+        n = (n // ALIGN) * ALIGN
+    return n
+
+
+@triton.jit
+def aligned_operands(stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn,
+                     head_dim, value_dim, ALIGN: tl.constexpr):
+    """`aligned` row strides of q, k, v and their tangents, and head dims."""
+    return (aligned(stride_qm, ALIGN), aligned(stride_kn, ALIGN), aligned(stride_vn, ALIGN),
+            aligned(stride_tqm, ALIGN), aligned(stride_tkn, ALIGN),
+            aligned(stride_tvn, ALIGN), aligned(head_dim, ALIGN), aligned(value_dim, ALIGN))
 
 
 @triton.jit
@@ -423,6 +471,7 @@ from jvp_attention.launch import (
     next_power_of_2,
     on_device,
     prepare_descriptors,
+    row_alignment,
     row_strides,
     tma_eligible,
     unit_last_stride,
@@ -432,6 +481,7 @@ from jvp_attention.tiles import (
     LN2,
     LOG2E,
     add_mask_tangent,
+    aligned_operands,
     carry_factor,
     dot_rounded,
     head_base,
@@ -652,15 +702,17 @@ def with_entry(vector, index, value):
 
 @triton.jit
 def _row_block(strides, shapes, index: tl.constexpr, batch, block, BLOCK_R: tl.constexpr,
-               BLOCK_W: tl.constexpr):
+               BLOCK_W: tl.constexpr, ALIGN: tl.constexpr):
     """Offsets, flat row numbers and mask of row block `block` of tensor `index`, a
-    (B, H, N, W) view with unit last stride whose rows are taken in (b, h, n) order."""
-    heads, n, width = shapes[3 * index], shapes[3 * index + 1], shapes[3 * index + 2]
+    (B, H, N, W) view with unit last stride whose rows are taken in (b, h, n) order; its
+    strides and W are multiples of ALIGN (`aligned`)."""
+    heads, n = shapes[3 * index], shapes[3 * index + 1]
+    width = aligned(shapes[3 * index + 2], ALIGN)
     rows = tl.arange(0, BLOCK_R).to(tl.int64) + block * BLOCK_R  # (b, h, n) < 2**31 rows
     cols = tl.arange(0, BLOCK_W)
-    offsets = ((rows // (heads * n)) * strides[3 * index]
-               + ((rows // n) % heads) * strides[3 * index + 1]
-               + (rows % n) * strides[3 * index + 2])
+    offsets = ((rows // (heads * n)) * aligned(strides[3 * index], ALIGN)
+               + ((rows // n) % heads) * aligned(strides[3 * index + 1], ALIGN)
+               + (rows % n) * aligned(strides[3 * index + 2], ALIGN))
     mask = (rows < batch * heads * n)[:, None] & (cols < width)[None, :]
     return offsets[:, None] + cols[None, :], rows, cols, mask
 
@@ -668,7 +720,7 @@ def _row_block(strides, shapes, index: tl.constexpr, batch, block, BLOCK_R: tl.c
 @triton.jit
 def range_partials_kernel(tensors, strides, shapes, batch, partials_ptr,
                        N_TENSORS: tl.constexpr, PROGRAMS: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr):
     """partials[t, p] = max |x| over row blocks p, p + PROGRAMS, ... of tensor t: a
     (PROGRAMS, N_TENSORS) grid reads every tensor once."""
     program, which = tl.program_id(0), tl.program_id(1)
@@ -678,7 +730,7 @@ def range_partials_kernel(tensors, strides, shapes, batch, partials_ptr,
             largest = tl.zeros([BLOCK_R, BLOCK_W], tl.float32)
             for block in range(program, n_blocks, PROGRAMS):
                 offsets, _, _, mask = _row_block(strides, shapes, t, batch, block, BLOCK_R,
-                                                 BLOCK_W)
+                                                 BLOCK_W, ALIGN)
                 x = tl.load(tensors[t] + offsets, mask=mask, other=0.0)
                 largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
             tl.store(partials_ptr + t * PROGRAMS + program, tl.max(tl.max(largest, 1), 0))
@@ -695,7 +747,8 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                            bound, epilogue_args, SHIFTS: tl.constexpr, EPILOGUE: tl.constexpr,
                            N_TENSORS: tl.constexpr, N_COPIES: tl.constexpr,
                            N_FACTORS: tl.constexpr, PROGRAMS: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                           ALIGN: tl.constexpr):
     """Row block program_id(0) of copy program_id(1): tensor c times its power of two,
     written to float16 (contiguous). Every program reduces the partial maxima itself (a few
     hundred floats, from L2) and asks SHIFTS(maxima, bound) for the 16 values: the copies'
@@ -714,11 +767,12 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
     for c in tl.static_range(N_COPIES):
         if which == c:
             offsets, rows, cols, mask = _row_block(strides, shapes, c, batch, block, BLOCK_R,
-                                                   BLOCK_W)
+                                                   BLOCK_W, ALIGN)
             x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
             # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
             copy = (x * vector_entry(values, c)).to(tl.float16)
-            tl.store(copies[c] + rows[:, None] * shapes[3 * c + 2] + cols[None, :], copy,
+            tl.store(copies[c] + rows[:, None] * aligned(shapes[3 * c + 2], ALIGN)
+                     + cols[None, :], copy,
                      mask=mask)
             EPILOGUE(c, x, rows, cols, epilogue_args)
 
@@ -806,7 +860,8 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     width = next_power_of_2(max(x.shape[-1] for x in tensors))
     programs = 4 if interpreting() else RANGE_PROGRAMS
     meta = {"N_TENSORS": len(tensors), "PROGRAMS": programs,
-            "BLOCK_R": max(1, 8192 // width), "BLOCK_W": width}
+            "BLOCK_R": max(1, 8192 // width), "BLOCK_W": width,
+            "ALIGN": row_alignment(tensors, tuple(x.shape[-1] for x in tensors))}
     partials = torch.empty(len(tensors) * programs, device=device, dtype=torch.float32)
     copies = tuple(torch.empty(x.shape, device=device, dtype=torch.float16) for x in copied)
     factors = torch.empty(n_factors, device=device, dtype=torch.float32)
@@ -896,40 +951,43 @@ def _attention_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr, USE_TMA: tl.constexpr, CARRY: tl.constexpr,
-    D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr,
+    D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head).
     With CARRY, v and tv are `jvp_operands`' fp16 copies and `factors_ptr` their factors.
     With D_TAIL (DV_TAIL), the head dim of q and k (of v) is cut into tiles of BLOCK_D and
-    D_TAIL columns (`column_tiles`)."""
+    D_TAIL columns (`column_tiles`). Row strides and head dims are multiples of ALIGN."""
+    (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, head_dim,
+     value_dim) = aligned_operands(stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn,
+                                   stride_tvn, head_dim, value_dim, ALIGN)
     start_m = query_block_start(BLOCK_M, IS_CAUSAL)
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
-    q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh)
+    q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh, ALIGN)
     q = load_head_rows(q_base, start_m, stride_qm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
     q2 = load_head_tail_rows(q_base, start_m, stride_qm, n_q, head_dim, BLOCK_M, BLOCK_D,
                              D_TAIL, USE_TMA)
-    k_base = head_base(k_ptr, batch, kv_head, stride_kb, stride_kh)
+    k_base = head_base(k_ptr, batch, kv_head, stride_kb, stride_kh, ALIGN)
     k_src = tile_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
     k2_src = tail_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, D_TAIL, USE_TMA)
-    v_base = head_base(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    v_base = head_base(v_ptr, batch, kv_head, stride_vb, stride_vh, ALIGN)
     v_src = tile_source(v_base, n_k, value_dim, stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
     v2_src = tail_source(v_base, n_k, value_dim, stride_vn, BLOCK_N, BLOCK_DV, DV_TAIL,
                          USE_TMA)
     mask_ptr = head_base(mask_ptr, batch, head, stride_mask_b, stride_mask_h)
     if HAS_TANGENT:
-        tq_base = head_base(tq_ptr, batch, head, stride_tqb, stride_tqh)
+        tq_base = head_base(tq_ptr, batch, head, stride_tqb, stride_tqh, ALIGN)
         tq = load_head_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D,
                             USE_TMA)
         tq2 = load_head_tail_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M,
                                   BLOCK_D, D_TAIL, USE_TMA)
-        tk_base = head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh)
+        tk_base = head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh, ALIGN)
         tk_src = tile_source(tk_base, n_k, head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
         tk2_src = tail_source(tk_base, n_k, head_dim, stride_tkn, BLOCK_N, BLOCK_D, D_TAIL,
                               USE_TMA)
-        tv_base = head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh)
+        tv_base = head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh, ALIGN)
         tv_src = tile_source(tv_base, n_k, value_dim, stride_tvn, BLOCK_N, BLOCK_DV, USE_TMA)
         tv2_src = tail_source(tv_base, n_k, value_dim, stride_tvn, BLOCK_N, BLOCK_DV, DV_TAIL,
                               USE_TMA)
@@ -1030,6 +1088,21 @@ def _attention_forward_kernel(
 # first tile that survives the pruning below is the one used, so the list starts with tiles
 # that compile within those limits for every mask kind.
 #
+# One more choice is made for the compiler, not the kernel. Triton 3.6 assembles Hopper code
+# with the ptxas it bundles, release 12.8, and that release miscompiles this forward with
+# the tangent at head dims 40 and 72 (a partly used second column tile): on the H200, once
+# a process ran a second tile after another, as autotuning does, the kernel faulted on an
+# out-of-range shared-memory address in a tensor-core product, and with one pipeline stage
+# it returned wrong tangents without faulting. Assembled by ptxas 12.9, which the same
+# Triton bundles for Blackwell, or by CUDA 13.0's, every tile passed the accuracy check.
+# So the launch compiles this library's kernels, and only them, with the newer ptxas when
+# Triton's own is 12.8 (`sound_ptxas`, `sound_compiler`); a `TRITON_PTXAS_PATH` the user
+# sets is left alone. The switch costs no speed: on the H200 at 4096 tokens, bf16, the
+# forward with the tangent, the backward and the second-order backward ran within 1.6% of
+# their 12.8-assembled times at $d = 64$ (B = 4, H = 32) and $d = 128$ (B = 4, H = 16;
+# `benchmarks/bench.py`), and the registers, spills and shared memory of every $d = 128$
+# configuration are the same.
+#
 # The launcher takes `(B, H, N, D)` tensors with any strides (a last dimension that is not
 # contiguous is copied) and launches on the inputs' own device. The public API of chapter 7 validates arguments and handles other ranks;
 # here we only check what would make the kernel read out of bounds.
@@ -1076,6 +1149,65 @@ AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
 CACHED_LAUNCHES = 256
 
 
+# The ptxas releases that Triton bundles for Hopper and that miscompile these kernels: with
+# 12.8 (Triton 3.6) the forward with the tangent at head dims 40 and 72 faults (an
+# out-of-range shared-memory address in a tensor-core product) or, with one pipeline stage,
+# returns wrong tangents. ptxas 12.9, which the same Triton bundles for Blackwell, and 13.0
+# compile the same kernels correctly.
+MISCOMPILING_PTXAS = frozenset({"12.8"})
+
+
+@functools.cache
+def sound_ptxas(arch: int) -> str | None:
+    """The ptxas to compile this library's kernels with for the GPU architecture `arch`
+    (90 for the H100/H200) when the one Triton would use is among MISCOMPILING_PTXAS:
+    Triton's Blackwell ptxas, when it is newer. None keeps Triton's choice, as does
+    setting TRITON_PTXAS_PATH. (Triton 3.9 assembles Hopper code with its newer ptxas
+    itself.)"""
+    if arch // 10 != 9 or os.environ.get("TRITON_PTXAS_PATH"):
+        return None
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        own, newer = get_ptxas(arch), triton.knobs.nvidia.ptxas_blackwell
+    except (ImportError, AttributeError, RuntimeError):  # no such Triton API, or no ptxas
+        return None
+    if own.version not in MISCOMPILING_PTXAS:
+        return None
+    return newer.path if version_tuple(newer.version) > version_tuple(own.version) else None
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """"12.9" as (12, 9)."""
+    return tuple(int(part) for part in version.split("."))
+
+
+@contextmanager
+def sound_compiler(arch: int | None = None) -> Iterator[None]:
+    """Within: Triton compiles for `arch` (by default the current GPU's) with `sound_ptxas`
+    where it applies. Used around this library's compilations only: Triton's settings are
+    restored on leaving."""
+    path = sound_ptxas(driver.active.get_current_target().arch if arch is None else arch)
+    if path is None:
+        yield
+        return
+    with triton.knobs.nvidia.scope():
+        triton.knobs.nvidia.ptxas = path
+        forget_ptxas_version()
+        try:
+            yield
+        finally:
+            forget_ptxas_version()
+
+
+def forget_ptxas_version() -> None:
+    """Make Triton ask ptxas its version again: the version enters the key of Triton's
+    cache of compiled kernels, which must tell the two ptxas' kernels apart."""
+    from triton.backends.nvidia import compiler
+
+    getattr(getattr(compiler, "get_ptxas_version", None), "cache_clear", lambda: None)()
+
+
 class CachedLauncher:
     """Launches a `@triton.jit` kernel, skipping Triton's per-launch Python once it has seen
     a launch with the same arguments.
@@ -1089,7 +1221,8 @@ class CachedLauncher:
     dtype and 16-byte alignment, every other argument (keywords too) by type and value, and
     the device and Triton's settings that change the code (`code_options`). Everything
     else goes through Triton: the first launch of each match, a warm-up, the interpreter,
-    and launches while a launch hook (a profiler's) or a pre-run hook is installed.
+    and launches while a launch hook (a profiler's) or a pre-run hook is installed; on the
+    GPU those compile with `sound_compiler`.
     """
 
     def __init__(self, kernel: triton.runtime.JITFunction):
@@ -1106,17 +1239,22 @@ class CachedLauncher:
 
     def run(self, *args, grid, warmup: bool = False, **kwargs):
         """Launch as `kernel[grid](*args, **kwargs)` would; returns the compiled kernel."""
-        if not self.direct or warmup or launch_hooks() or self.kernel.pre_run_hooks:
+        if not self.direct:
             return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+        if warmup or launch_hooks() or self.kernel.pre_run_hooks:
+            with sound_compiler():
+                return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
         device = driver.active.get_current_device()
         key = (device, *code_options(), len(args), *kwargs,
                *launch_match(tuple(kwargs.values())), *launch_match(args))
         try:
             known = self.launches.get(key)
         except TypeError:  # an argument that cannot be hashed: Triton's path, every time
-            return self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+            with sound_compiler():
+                return self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
         if known is None:  # Triton's own launch, remembered unless it compiles asynchronously
-            compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
+            with sound_compiler():
+                compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
             if not hasattr(compiled, "result"):
                 if len(self.launches) >= CACHED_LAUNCHES:
                     self.launches.clear()
@@ -1204,7 +1342,8 @@ class KeyedAutotuner(Autotuner):
         key = self.launch_key(args, kwargs)
         config = self.tuned.get(key)
         if config is None:  # first launch at this key: tune (or read the disk cache)
-            result = super().run(*args, **kwargs)
+            with sound_compiler() if self.launcher.direct else nullcontext():
+                result = super().run(*args, **kwargs)
             self.tuned[key] = self.best_config
             return result
         self.best_config = config
@@ -1333,6 +1472,23 @@ def kernel_meta(q: torch.Tensor, head_dim: int, value_dim: int, split: bool = Fa
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         "SPLIT": split and q.dtype != torch.float32,
     }
+
+
+def row_alignment(tensors: tuple[torch.Tensor, ...], widths: tuple[int, ...]) -> int:
+    """ALIGN for a launch (`aligned` in the kernels): the largest power of two, up to 16
+    bytes of the tensors' elements, that divides every width and every batch, head and row
+    stride of the (B, H, N, D) tensors.
+
+    Triton specialises an integer argument on divisibility by 16 only, so a head dim of 72
+    (or 40, or a row or head stride of 72) would otherwise make every pointer-loaded tile
+    move one element per load, and lose the asynchronous copies of the pipeline."""
+    bits = 0
+    for x in tensors:  # plain loops: this runs on every launch
+        stride = x.stride()
+        bits |= stride[-4] | stride[-3] | stride[-2]
+    for width in widths:
+        bits |= width
+    return min(16 // tensors[0].element_size(), bits & -bits) if bits else 1
 
 
 def column_tiles(head_dim: int, value_dim: int) -> dict:
@@ -1536,6 +1692,7 @@ def flash_attention_forward(
             scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
+            ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
             **{**kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry),
                **column_tiles(head_dim, value_dim)},
         )

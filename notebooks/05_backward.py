@@ -97,6 +97,7 @@ from jvp_attention.launch import (
     next_power_of_2,
     on_device,
     prepare_descriptors,
+    row_alignment,
     row_strides,
     tma_eligible,
     unit_last_stride,
@@ -104,6 +105,8 @@ from jvp_attention.launch import (
 from jvp_attention.tiles import (
     LOG2E,
     add_mask_tangent,
+    aligned,
+    aligned_operands,
     carry_factor,
     dot_rounded,
     head_base,
@@ -144,10 +147,12 @@ def _row_statistics_kernel(
     stride_dob, stride_doh, stride_dom, stride_dtob, stride_dtoh, stride_dtom,
     n_heads, n_rows, value_dim,
     HAS_TANGENT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """delta = rowsum(dO*O); with the tangent, c = rowsum(dtO*O) and
-    delta += rowsum(dtO*tO) - mu*c."""
+    delta += rowsum(dtO*tO) - mu*c. Row strides and value_dim are multiples of ALIGN."""
+    stride_dom, stride_dtom = aligned(stride_dom, ALIGN), aligned(stride_dtom, ALIGN)
+    value_dim = aligned(value_dim, ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_DV)
     bh = tl.program_id(1).to(tl.int64)
@@ -155,13 +160,13 @@ def _row_statistics_kernel(
     head_rows = bh * n_rows
     o = _load_fp32_rows(o_ptr, o_residual_ptr, head_rows, rows, dims, n_rows, value_dim,
                         HAS_RESIDUAL)
-    do = load_tile(head_base(do_ptr, batch, head, stride_dob, stride_doh), rows, dims,
+    do = load_tile(head_base(do_ptr, batch, head, stride_dob, stride_doh, ALIGN), rows, dims,
                     stride_dom, 1, n_rows, value_dim)
     delta = tl.sum(do.to(tl.float32) * o, 1)
     if HAS_TANGENT:
         t_o = _load_fp32_rows(to_ptr, to_residual_ptr, head_rows, rows, dims, n_rows,
                               value_dim, HAS_RESIDUAL)
-        dto = load_tile(head_base(dto_ptr, batch, head, stride_dtob, stride_dtoh), rows, dims,
+        dto = load_tile(head_base(dto_ptr, batch, head, stride_dtob, stride_dtoh, ALIGN), rows, dims,
                          stride_dtom, 1, n_rows, value_dim).to(tl.float32)
         c = tl.sum(dto * o, 1)
         mu = tl.load(mu_ptr + head_rows + rows, mask=rows < n_rows, other=0.0)
@@ -445,6 +450,18 @@ def _carried_units(factors_ptr, qk_scale, CARRY: tl.constexpr):
 
 
 @triton.jit
+def _aligned_backward_operands(stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn,
+                               stride_tvn, stride_dom, stride_dtom, head_dim, value_dim,
+                               ALIGN: tl.constexpr):
+    """`aligned_operands` (chapter 2) and the row strides of dO and dtO."""
+    (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, head_dim,
+     value_dim) = aligned_operands(stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn,
+                                   stride_tvn, head_dim, value_dim, ALIGN)
+    return (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn,
+            aligned(stride_dom, ALIGN), aligned(stride_dtom, ALIGN), head_dim, value_dim)
+
+
+@triton.jit
 def _attention_backward_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr,
     lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, dk_ptr, dv_ptr, dtk_ptr, dtv_ptr,
@@ -458,9 +475,14 @@ def _attention_backward_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    USE_TMA: tl.constexpr, CARRY: tl.constexpr,
+    USE_TMA: tl.constexpr, CARRY: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """dK, dV (and dtK, dtV) of one key block, summed over all query heads of its GQA group."""
+    """dK, dV (and dtK, dtV) of one key block, summed over all query heads of its GQA group.
+    Row strides and head dims are multiples of ALIGN."""
+    (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
+     stride_dtom, head_dim, value_dim) = _aligned_backward_operands(
+        stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
+        stride_dtom, head_dim, value_dim, ALIGN)
     qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
     start_n = tl.program_id(0) * BLOCK_N
     batch = (tl.program_id(1) // n_kv_heads).to(tl.int64)
@@ -468,16 +490,16 @@ def _attention_backward_dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
-    k = load_head_rows(head_base(k_ptr, batch, kv_head, stride_kb, stride_kh), start_n, stride_kn,
+    k = load_head_rows(head_base(k_ptr, batch, kv_head, stride_kb, stride_kh, ALIGN), start_n, stride_kn,
                         n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
-    v = load_head_rows(head_base(v_ptr, batch, kv_head, stride_vb, stride_vh), start_n, stride_vn,
+    v = load_head_rows(head_base(v_ptr, batch, kv_head, stride_vb, stride_vh, ALIGN), start_n, stride_vn,
                         n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
     acc_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     acc_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     if HAS_TANGENT:
-        tk = load_head_rows(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh), start_n,
+        tk = load_head_rows(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh, ALIGN), start_n,
                              stride_tkn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
-        tv = load_head_rows(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh), start_n,
+        tv = load_head_rows(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh, ALIGN), start_n,
                              stride_tvn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
         acc_dtk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         acc_dtv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -489,14 +511,14 @@ def _attention_backward_dkdv_kernel(
     for member in range(group_size):
         head = kv_head * group_size + member
         stats = (batch * n_kv_heads * group_size + head) * n_q
-        q_src = tile_source(head_base(q_ptr, batch, head, stride_qb, stride_qh), n_q, head_dim,
+        q_src = tile_source(head_base(q_ptr, batch, head, stride_qb, stride_qh, ALIGN), n_q, head_dim,
                              stride_qm, BLOCK_M, BLOCK_D, USE_TMA)
-        do_src = tile_source(head_base(do_ptr, batch, head, stride_dob, stride_doh), n_q,
+        do_src = tile_source(head_base(do_ptr, batch, head, stride_dob, stride_doh, ALIGN), n_q,
                               value_dim, stride_dom, BLOCK_M, BLOCK_DV, USE_TMA)
         if HAS_TANGENT:
-            tq_src = tile_source(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh), n_q,
+            tq_src = tile_source(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh, ALIGN), n_q,
                                   head_dim, stride_tqm, BLOCK_M, BLOCK_D, USE_TMA)
-            dto_src = tile_source(head_base(dto_ptr, batch, head, stride_dtob, stride_dtoh), n_q,
+            dto_src = tile_source(head_base(dto_ptr, batch, head, stride_dtob, stride_dtoh, ALIGN), n_q,
                                    value_dim, stride_dtom, BLOCK_M, BLOCK_DV, USE_TMA)
         else:
             tq_src, dto_src = q_src, do_src
@@ -621,12 +643,17 @@ def _attention_backward_dq_kernel(
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     USE_TMA: tl.constexpr, CARRY: tl.constexpr, MASK_GRAD: tl.constexpr,
     D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr, DELTA_HERE: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """dQ (and dtQ) of one query block of one (batch, head); with MASK_GRAD also its rows of
     the mask's gradient dS (and dtS), contiguous (B, H, Nq, Nk) fp32. With DELTA_HERE it
     computes its rows' Delta from dO and the contiguous forward output O (plus its residual
-    with HAS_RESIDUAL) and stores it for the dK/dV kernel, launched after it."""
+    with HAS_RESIDUAL) and stores it for the dK/dV kernel, launched after it. Row strides and
+    head dims are multiples of ALIGN."""
+    (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
+     stride_dtom, head_dim, value_dim) = _aligned_backward_operands(
+        stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
+        stride_dtom, head_dim, value_dim, ALIGN)
     qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
     start_m = query_block_start(BLOCK_M, IS_CAUSAL)  # causal: longest tiles first
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
@@ -634,8 +661,8 @@ def _attention_backward_dq_kernel(
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh)
-    do_base = head_base(do_ptr, batch, head, stride_dob, stride_doh)
+    q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh, ALIGN)
+    do_base = head_base(do_ptr, batch, head, stride_dob, stride_doh, ALIGN)
     stats = tl.program_id(1).to(tl.int64) * n_q
     if DELTA_HERE:  # first thing, while no other tile holds registers
         delta = _delta_of_block(o_ptr, o_residual_ptr, do_base, stride_dom, stats, rows, n_q,
@@ -649,9 +676,9 @@ def _attention_backward_dq_kernel(
     do2 = load_head_tail_rows(do_base, start_m, stride_dom, n_q, value_dim, BLOCK_M, BLOCK_DV,
                               DV_TAIL, USE_TMA)
     if HAS_TANGENT:
-        tq = load_head_rows(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh), start_m,
+        tq = load_head_rows(head_base(tq_ptr, batch, head, stride_tqb, stride_tqh, ALIGN), start_m,
                              stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
-        dto = load_head_rows(head_base(dto_ptr, batch, head, stride_dtob, stride_dtoh), start_m,
+        dto = load_head_rows(head_base(dto_ptr, batch, head, stride_dtob, stride_dtoh, ALIGN), start_m,
                               stride_dtom, n_q, value_dim, BLOCK_M, BLOCK_DV, USE_TMA)
         acc_dtq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     else:
@@ -662,17 +689,17 @@ def _attention_backward_dq_kernel(
     lse2, delta, mu, c = _load_row_statistics(lse_ptr + stats, delta, mu_ptr + stats,
                                               c_ptr + stats, rows, n_q, delta_factor,
                                               p_exponent, HAS_TANGENT)
-    k_base = head_base(k_ptr, batch, kv_head, stride_kb, stride_kh)
-    v_base = head_base(v_ptr, batch, kv_head, stride_vb, stride_vh)
+    k_base = head_base(k_ptr, batch, kv_head, stride_kb, stride_kh, ALIGN)
+    v_base = head_base(v_ptr, batch, kv_head, stride_vb, stride_vh, ALIGN)
     k_src = tile_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
     v_src = tile_source(v_base, n_k, value_dim, stride_vn, BLOCK_N, BLOCK_DV, USE_TMA)
     k2_src = tail_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, D_TAIL, USE_TMA)
     v2_src = tail_source(v_base, n_k, value_dim, stride_vn, BLOCK_N, BLOCK_DV, DV_TAIL,
                          USE_TMA)
     if HAS_TANGENT:
-        tk_src = tile_source(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh), n_k,
+        tk_src = tile_source(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh, ALIGN), n_k,
                               head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
-        tv_src = tile_source(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh), n_k,
+        tv_src = tile_source(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh, ALIGN), n_k,
                               value_dim, stride_tvn, BLOCK_N, BLOCK_DV, USE_TMA)
     else:
         tk_src, tv_src = k_src, v_src
@@ -859,7 +886,9 @@ def flash_attention_backward(
     # second-order kernels spill hundreds of bytes per thread with them (tools/kernel_resources.py).
     use_tma = not has_tangent and tma_eligible(q, k, v, grad_operand)
     switches = {"IS_CAUSAL": is_causal, "MASK_KIND": mask_kind, "HAS_TANGENT": has_tangent,
-                "USE_TMA": use_tma, "CARRY": carry}
+                "USE_TMA": use_tma, "CARRY": carry,
+                "ALIGN": row_alignment((q, k, v, tq, tk, tv, grad_operand, dto),
+                                       (head_dim, value_dim))}
     mask_arg = q if mask is None else mask
     # Delta = rowsum(dO * O): carried, the copy kernel wrote it. In the first-order backward
     # the dQ kernel computes it, launched first, when O's rows are 16-element aligned (else
@@ -873,7 +902,7 @@ def flash_attention_backward(
                 out, grad_out, t_out, dto, mu, delta, c, residual, t_residual,
                 *row_strides(grad_out, dto), n_heads, n_q, value_dim,
                 HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
-                BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"])
+                BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"], ALIGN=switches["ALIGN"])
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
         dq_kernel[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, out, residual, lse, delta, mu, c,

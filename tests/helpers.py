@@ -113,7 +113,9 @@ class Spec:
 
     layout: "contiguous" (B, H, N, D) tensors, or "bnhd": (B, N, H, D) storage viewed through
         `.transpose(1, 2)`, the layout a projection followed by `.view(B, N, H, D)` gives, or
-        "padded": the first D columns of (B, H, N, D + 3) storage, an odd row stride.
+        "padded": the first D columns of (B, H, N, D + 3) storage, an odd row stride, or
+        "batch_offset": (B, H, N, D) rows whose batches start one element apart from where
+        contiguous ones would (an odd batch stride, aligned rows).
     cotangent: how dO (and dtO) look: "random", "expanded" (a stride-0 tensor of ones, what
         autograd passes for `out.sum()`), "bnhd" (random, transposed storage), or
         "tangent_only" (dO is stride-0 zeros: a loss on the tangent output alone).
@@ -264,6 +266,9 @@ def make_problem(spec: Spec, dtype: torch.dtype = torch.float32, seed: int = 0,
         if layout == "padded":
             x = torch.randn(b, h, n, d + 3, generator=gen, device=device, dtype=torch.float32)
             return x.to(dtype)[..., :d]
+        if layout == "batch_offset":
+            x = torch.randn(b, h * n * d + 1, generator=gen, device=device, dtype=torch.float32)
+            return x.to(dtype)[:, :h * n * d].unflatten(1, (h, n, d))
         return torch.randn(b, h, n, d, generator=gen, device=device,
                            dtype=torch.float32).to(dtype)
 
@@ -712,6 +717,7 @@ CPU_CASES = [
     Spec(hq=2, hkv=1, nq=40, nk=17, d=80, dv=48),
     Spec(nq=17, nk=33, d=40, dv=72),
     Spec(hq=2, hkv=1, nq=33, nk=17, d=40, mask="keypad", layout="padded"),
+    Spec(batch=2, hq=2, hkv=1, nq=17, nk=33, d=72, layout="batch_offset"),
     Spec(nq=33, nk=40, d=64, dv=32, scale=0.3),
     Spec(batch=2, hq=1, hkv=1, nq=33, nk=33, d=64, layout="bnhd", cotangent="bnhd"),
     Spec(batch=2, hq=2, hkv=1, nq=17, nk=40, d=40, mask="keypad", layout="bnhd",

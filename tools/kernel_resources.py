@@ -40,6 +40,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jvp_attention import backward, forward  # noqa: E402
+from jvp_attention.launch import sound_compiler  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 128)
 SHARED_LIMIT = 232448  # bytes a block may take on sm_90 (227 KiB)
@@ -75,10 +76,12 @@ def compile_report(kernel, bound: dict, config: triton.Config) -> dict:
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args,
                                                               specialization, options)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER,
-                              options=options.__dict__)
-    ptx = compiled.asm["ptx"]
-    return {**ptxas_report(ptx), "shared": compiled.metadata.shared,
+    with sound_compiler(HOPPER.arch):  # the ptxas the library compiles with on a GPU
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                  target=HOPPER, options=options.__dict__)
+        ptx = compiled.asm["ptx"]
+        report = ptxas_report(ptx)
+    return {**report, "shared": compiled.metadata.shared,
             "copies": copy_instructions(ptx), "load_bytes": global_load_widths(ptx)}
 
 
@@ -107,8 +110,8 @@ def global_load_widths(ptx: str) -> dict[int, int]:
 
 def ptxas_report(ptx: str) -> dict:
     """Registers and spills from `ptxas -v` on the kernel's PTX, assembled by the ptxas that
-    Triton itself uses for sm_90 (its bundled one from 3.6, the newer one it names
-    ptxas-blackwell from 3.9, whose PTX the older one rejects; TRITON_PTXAS_PATH overrides)."""
+    Triton uses for sm_90 at the time of the call (within `sound_compiler`, the one the
+    library's kernels compile with; TRITON_PTXAS_PATH overrides)."""
     ptxas = get_ptxas(HOPPER.arch).path
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernel.ptx"
@@ -127,8 +130,10 @@ def constexpr_names(kernel) -> set:
     return {p.name for p in kernel.params if p.is_constexpr}
 
 
-def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str) -> list:
-    """Run the launchers on small CPU tensors with recorders in place of the kernels."""
+def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str,
+                 layout: str = "contiguous") -> list:
+    """Run the launchers on small CPU tensors with recorders in place of the kernels; with
+    layout "bnhd", (B, N, H, D) storage seen as (B, H, N, D), as a fused projection makes."""
     launches: list = []
     saved = {(forward, "_attention_forward"), (forward, "_attention_forward_jvp"),
              (backward, "_backward_dkdv"), (backward, "_backward_dkdv_tangent"),
@@ -138,7 +143,10 @@ def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str) -> 
         for module, name in saved:
             setattr(module, name, Recorder(originals[(module, name)], name, launches))
         shape = (1, 2, 256, head_dim)
-        q, k, v, tq, tk, tv, do, dto = (torch.randn(shape, dtype=dtype) for _ in range(8))
+        q, k, v, tq, tk, tv, do, dto = (
+            torch.randn(shape, dtype=dtype) if layout == "contiguous"
+            else torch.randn(shape[0], shape[2], shape[1], shape[3], dtype=dtype).transpose(1, 2)
+            for _ in range(8))
         attn_mask = {"none": None, "bool": torch.ones(shape[2], shape[2], dtype=torch.bool),
                      "additive": torch.zeros(shape[2], shape[2], dtype=dtype)}[mask]
         for tangents in (None, (tq, tk, tv)):
@@ -178,6 +186,8 @@ def main() -> None:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--mask", default="none", choices=("none", "bool", "additive"))
     parser.add_argument("--kernels", default="", help="only kernels whose name contains this")
+    parser.add_argument("--layout", choices=["contiguous", "bnhd"], default="contiguous",
+                        help="the inputs' layout: (B, H, N, D), or (B, N, H, D) storage")
     parser.add_argument("--first-only", action="store_true",
                         help="only the tile JVP_ATTENTION_AUTOTUNE=0 runs with")
     parser.add_argument("--tiles", default="",
@@ -187,7 +197,7 @@ def main() -> None:
     os.environ["JVP_ATTENTION_AUTOTUNE"] = "0" if args.first_only else "1"
     rows = []
     for name, kernel, configs, bound in launches_for(getattr(torch, args.dtype), args.head_dim,
-                                                       args.causal, args.mask):
+                                                       args.causal, args.mask, args.layout):
         if args.kernels not in name:
             continue
         tangent = bool(bound.get("HAS_TANGENT"))

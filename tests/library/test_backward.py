@@ -203,13 +203,13 @@ def test_bf16_gradients_through_fp16_operands_on_cpu(spec: Spec, scales: str,
 
 
 @pytest.mark.parametrize("with_residual", [False, True], ids=["stored-O", "residual"])
-@pytest.mark.parametrize("layout", ["contiguous", "strided-dO", "gqa-d40"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided-dO", "gqa-d40", "padded-dO-d40"])
 def test_carried_copies_write_delta(layout: str, with_residual: bool) -> None:
     """The carried backward's copy kernel also writes Delta = rowsum(dO * O), with O's
     rounding residual added back when there is one: the row-statistics launch it replaces
     computes the same fp32 sums."""
     torch.manual_seed(3)
-    batch, heads, kv_heads, n, d = (2, 4, 2, 37, 40) if layout == "gqa-d40" else (2, 3, 3, 45, 32)
+    batch, heads, kv_heads, n, d = (2, 4, 2, 37, 40) if "d40" in layout else (2, 3, 3, 45, 32)
     q = torch.randn(batch, heads, n, d, dtype=torch.float16)
     k, v = (torch.randn(batch, kv_heads, n, d, dtype=torch.float16) for _ in range(2))
     out = torch.randn(batch, heads, n, d, dtype=torch.float16)
@@ -217,6 +217,8 @@ def test_carried_copies_write_delta(layout: str, with_residual: bool) -> None:
     grad_out = torch.randn(batch, heads, n, d, dtype=torch.float16)
     if layout == "strided-dO":  # (B, N, H, D) memory seen as (B, H, N, D)
         grad_out = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "padded-dO-d40":  # rows d + 3 elements apart: no alignment to rely on
+        grad_out = torch.cat([grad_out, torch.zeros_like(grad_out[..., :3])], -1)[..., :d]
     delta = torch.full((batch, heads, n), float("nan"))
     jvp_attention.backward.backward_operands(q, k, v, grad_out, out, residual, delta)
     o = out.double() + (residual.float().double() if with_residual else 0.0)

@@ -4,6 +4,7 @@ those call the compiled kernel exactly as `JITFunction.run` would.
 On CPU no kernel is compiled, so a stand-in kernel records what reaches Triton's path and
 what reaches the compiled kernel's launcher."""
 
+import os
 import types
 
 import pytest
@@ -40,14 +41,16 @@ class _Kernel:
 
     def run(self, *args, grid, warmup, **kwargs):
         self.triton_launches += 1
+        self.ptxas = os.environ.get("TRITON_PTXAS_PATH")  # what Triton would compile with
         return self.compiled
 
 
 @pytest.fixture
 def launcher(monkeypatch):
-    """A CachedLauncher over the stand-in, as on a GPU: device 0, stream 7."""
+    """A CachedLauncher over the stand-in, as on a GPU: device 0, stream 7, an H200 (sm_90)."""
     active = types.SimpleNamespace(get_current_device=lambda: 0,
-                                   get_current_stream=lambda device: 7)
+                                   get_current_stream=lambda device: 7,
+                                   get_current_target=lambda: types.SimpleNamespace(arch=90))
     monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
     cached = launch.CachedLauncher(_Kernel())
     cached.direct = True  # the stand-in is no JITFunction
@@ -71,6 +74,18 @@ def test_a_repeated_launch_calls_the_compiled_kernel(launcher) -> None:
     assert launcher.kernel.compiled.launches[-1] == (
         3, 2, 1, 7, "function-handle", "packed-metadata", None, None, None,
         x2, 64, 0.5, (64, 128), 16, False)
+
+
+def test_launches_through_triton_compile_with_the_sound_ptxas(launcher, monkeypatch) -> None:
+    """Triton's path (which compiles) runs under `sound_compiler`; Triton's own settings are
+    back afterwards."""
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    _launch(launcher, torch.zeros(64, dtype=torch.float16))
+    assert launcher.kernel.ptxas == launch.sound_ptxas(90)
+    assert "TRITON_PTXAS_PATH" not in os.environ
+    launcher.kernel.pre_run_hooks.append(lambda *args, **kwargs: None)  # Triton's path again
+    _launch(launcher, torch.zeros(64, dtype=torch.float16))
+    assert launcher.kernel.triton_launches == 2 and launcher.kernel.ptxas == launch.sound_ptxas(90)
 
 
 def test_a_callable_grid_sees_every_argument(launcher) -> None:
@@ -196,3 +211,30 @@ def test_an_unhashable_argument_goes_through_triton(launcher) -> None:
     for _ in range(2):
         launcher[(1,)](x, 64, 0.5, [64, 128], BLOCK=16)
     assert launcher.kernel.triton_launches == 2 and not launcher.launches
+
+
+@pytest.mark.parametrize("dtype, storage, width, align", [
+    (torch.float16, 72, 72, 8), (torch.bfloat16, 40, 40, 8), (torch.float16, 48, 44, 4),
+    (torch.float16, 43, 40, 1), (torch.float32, 72, 72, 4), (torch.float16, 128, 20, 4),
+])
+def test_row_alignment_divides_every_row_stride_and_width(dtype, storage, width,
+                                                          align) -> None:
+    """ALIGN (`aligned` in the kernels) is the largest power of two, up to 16 bytes of
+    elements, dividing every row stride and every width: the kernels' loads and stores assume
+    it, so anything larger would read the wrong rows."""
+    x = torch.zeros(2, 3, 5, storage, dtype=dtype)[..., :width]
+    y = torch.zeros(2, 3, 7, 64, dtype=dtype)
+    assert launch.row_alignment((x, y), (width, 64)) == align
+    assert launch.row_alignment((y,), (64,)) == 16 // y.element_size()
+
+
+@pytest.mark.parametrize("extra, align", [(0, 8), (1, 1), (2, 2), (4, 4), (8, 8)])
+def test_row_alignment_divides_every_batch_and_head_stride(extra: int, align: int) -> None:
+    """The batch and head strides count too (`head_base` writes them with ALIGN): batches
+    `extra` elements apart from contiguous, and heads of the (B, N, H, D) layout at d = 72."""
+    b, h, n, d = 2, 3, 5, 72
+    storage = torch.zeros(b, h * n * d + extra, dtype=torch.bfloat16)
+    x = storage[:, :h * n * d].unflatten(1, (h, n, d))
+    assert launch.row_alignment((x,), (d,)) == align
+    bnhd = torch.zeros(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    assert launch.row_alignment((bnhd,), (d,)) == 8
