@@ -1240,9 +1240,11 @@ else:
 # DiT-XL's heads are 72 wide, which the kernels multiply as two column tiles, 64 + 16
 # (chapter 2). `tools/tile_sweep.py` times every tile of the forward+JVP kernel's
 # autotuning list alone at DiT's lengths, with tiles read through tensor descriptors and
-# through pointers (`benchmarks/results/tile_sweep_h200.json`). Below, the best tile's
-# TFLOP/s for each head dim: 80 and 96 are cut the same way (64 + 16, 64 + 32) with no
-# masked column, so they show what the cut costs apart from the padding.
+# through pointers (`benchmarks/results/tile_sweep_h200.json`; the pointer run postdates
+# chapter 2's alignment of strides and head dims, the descriptor run, whose loads that
+# alignment does not change, is older). Below, the best tile's TFLOP/s for each head dim:
+# 80 and 96 are cut the same way (64 + 16, 64 + 32) with no masked column, so they show
+# what the cut costs apart from the padding.
 
 # %% tags=["hide_input"]
 TILE_SWEEP = RESULTS / "tile_sweep_h200.json"
@@ -1277,12 +1279,12 @@ else:
     fig.savefig(FIGURES / "head_dims.png", dpi=110)
 
 # %% [markdown]
-# The cut, not the padding, is what costs: 80, which wastes no column, runs little faster
-# than 72, and both stay near half of d = 64's rate at 256 tokens and under two thirds at
-# 1024. Two column tiles make every product of a key block two tensor-core operations,
-# the second a narrow one. The same file's other runs show that no other tile that
-# compiles without spills does better, and that at 256 tokens pointers beat descriptors,
-# which is why the forward reads short rows through pointers (chapter 4).
+# Through pointers at 256 tokens the cut costs little: 80 and 96 run at d = 64's rate and
+# 72, with its 8 masked columns, at 85% of it. At 1024 tokens every cut head dim stays
+# near 60–70% of d = 64's rate: two column tiles make every product of a key block two
+# tensor-core operations, the second a narrow one. The same file's other runs show that no
+# other tile that compiles without spills does better, and that at 256 tokens pointers beat
+# descriptors, which is why the forward reads short rows through pointers (chapter 4).
 
 # %% [markdown]
 # ### The first call in a new process
