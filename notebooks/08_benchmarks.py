@@ -820,13 +820,14 @@ TS_BY_KEY = {(c["shape"], c["mode"], c["impl"]): c for c in TS_CASES}
 TS_FIGURES = FIGURES if TS_REAL or not WRITE_ASSETS else Path(tempfile.mkdtemp())
 
 
-def ts_case(shape, mode, impl):
-    return TS_BY_KEY.get((shape, mode, impl))
+def ts_case(shape, mode, impl, by_key=None):
+    return (TS_BY_KEY if by_key is None else by_key).get((shape, mode, impl))
 
 
-def ts_value(shape, mode, impl, key):
-    """A measured number, or None when the case is missing, failed, skipped or not timed."""
-    case = ts_case(shape, mode, impl)
+def ts_value(shape, mode, impl, key, by_key=None):
+    """A measured number, or None when the case is missing, failed, skipped or not timed
+    (in the main run, or in the run whose cases `by_key` indexes)."""
+    case = ts_case(shape, mode, impl, by_key)
     if case is None or case.get("status") != "ok":
         return None
     return case.get(key)
@@ -1233,6 +1234,66 @@ else:
                     print(f"{label}host {eager[0]:6.3g} -> {mine[0]:<6.3g} wall {eager[1]:6.3g} "
                           f"-> {mine[1]:<6.3g} {eager[1] / mine[1]:5.2f}x"
                           + (f"  compile {compile_s:.0f} s" if compile_s is not None else ""))
+
+# %% [markdown]
+# ### In a fused-QKV layout
+#
+# The runs above give q, k, v and their tangents each its own contiguous (B, H, N, d)
+# tensor. A DiT block computes them with one linear layer and splits the result: q, k and v
+# are views of one (B, N, 3, H, d) tensor, permuted to (B, H, N, d), so their heads are d
+# elements apart and their rows 3·H·d; the tangents come the same way out of the JVP of that
+# layer, and the gradients go back into it. `training_shapes.py --layout qkv` measures that,
+# and `benchmarks/results/training_shapes_qkv_h200.json` is a run at the three DiT shapes,
+# made after chapter 2 let the kernels see the alignment of such strides at d = 72. Below,
+# per shape and mode: our GPU time in this layout and, for comparison, in the contiguous run
+# above (an earlier commit, before that alignment); then wall times, eager, compiled and
+# under CUDA graphs, against the math path in the same layout.
+
+# %% tags=["hide_input"]
+QKV_SHAPES = RESULTS / "training_shapes_qkv_h200.json"
+try:
+    QKV = json.loads(QKV_SHAPES.read_text())
+except (OSError, ValueError):
+    QKV = None
+if QKV is None:
+    print(f"no {QKV_SHAPES.relative_to(REPO)}: run benchmarks/training_shapes.py --layout qkv "
+          "on a GPU (benchmarks/README.md)")
+else:
+    QKV_BY_KEY = {(c["shape"], c["mode"], c["impl"]): c for c in QKV["cases"]}
+    print(f"results: {QKV_SHAPES.relative_to(REPO)} | layout {QKV['settings'].get('layout')} "
+          f"| {QKV.get('gpu')} | commit {QKV['git']['commit'][:10]} | {QKV.get('date')}")
+    qkv_shapes = list(dict.fromkeys(c["shape"] for c in QKV["cases"]))
+    qkv_modes = list(dict.fromkeys(c["mode"] for c in QKV["cases"]))
+    qkv_impls = [i for i in ("ours", "ours_compiled", "ours_cudagraphs")
+                 if any(c["impl"] == i for c in QKV["cases"])]
+
+    def fmt(value, spec=".3f"):
+        return "-" if value is None else format(value, spec)
+
+    print(f"{'shape':12} {'mode':9} {'GPU ms qkv':>10} {'contiguous':>10}  wall ms: "
+          + " ".join(f"{i:>15}" for i in qkv_impls) + f" {'math':>8}  speed-up over math")
+    for shape in qkv_shapes:
+        for mode in qkv_modes:
+            walls = [ts_value(shape, mode, i, "wall_ms", QKV_BY_KEY) for i in qkv_impls]
+            math_wall = ts_value(shape, mode, "math", "wall_ms", QKV_BY_KEY)
+            ups = ["-" if w is None or math_wall is None else f"{math_wall / w:.1f}x"
+                   for w in walls]
+            print(f"{shape:12} {mode:9} "
+                  f"{fmt(ts_value(shape, mode, 'ours', 'gpu_ms', QKV_BY_KEY)):>10} "
+                  f"{fmt(ts_value(shape, mode, 'ours', 'gpu_ms')):>10}           "
+                  + " ".join(f"{fmt(w):>15}" for w in walls) + f" {fmt(math_wall):>8}  "
+                  + " / ".join(ups))
+
+# %% [markdown]
+# In this layout the forward with the tangent costs the GPU what it costs on contiguous
+# tensors at d = 64, and less at d = 72 than the contiguous run before the alignment. The
+# MeanFlow call costs more GPU time than in the contiguous run at d = 64 (0.64 against 0.49
+# ms), and about the same at d = 72, where the forward's gain is spent the same way: the
+# gradients have to reach the packed projection, and where that time goes, our kernels or
+# the copies around them, is not yet broken down. Over the math path in the same layout our
+# eager call is 5.4 to 15x faster for the forward with the tangent and 2.3 to 8.8x for the
+# MeanFlow call, and under CUDA graphs, which take most of the host time away at 256
+# tokens, 4.5 to 21x.
 
 # %% [markdown]
 # ### Head dims cut in two
