@@ -103,7 +103,9 @@ from jvp_attention.reference import AttentionOutputs  # noqa: E402  (chapter 1)
 # `tools/tile_sweep.py`, saved in `benchmarks/results/tile_sweep_h200.json`), with the
 # alignment described next: at 256 tokens $d = 64$ runs at 226 TFLOP/s, $d = 72$ at 192,
 # $d = 80$ at 221 and $d = 96$ (64 + 32) at 226, so there the cut costs little; at 1024
-# tokens $d = 64$ reaches 401 against 243, 283 and 284. The likely reason at 1024 tokens
+# tokens $d = 64$'s kernel reaches 401 (334 for the whole call, which at that length also
+# runs the bf16 carry's range pass and copies) against 243, 283 and 284, each call a single
+# kernel. The likely reason at 1024 tokens
 # (not yet measured per instruction): each product of a key block becomes two tensor-core
 # operations, and the second, 16 or 32 columns wide, costs more than its share of the
 # FLOPs; the tangent doubles their number. Tiles outside the autotuner's list that compile
