@@ -141,6 +141,60 @@ def test_carried_operands_add_two_launches(launches, monkeypatch) -> None:
     assert set(counter.ops) <= NO_KERNEL, counter.ops
 
 
+@pytest.fixture
+def launch_storages(launches, monkeypatch):
+    """Per launch, the storages (data pointers) of its tensor arguments."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    storages = []
+    run = InterpretedFunction.run
+
+    def recorded(self, *args, **kwargs):
+        storages.append({x.untyped_storage().data_ptr() for x in args
+                         if isinstance(x, torch.Tensor)})
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recorded)
+    return storages
+
+
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_fused_qkv_views_are_read_in_place(launches, launch_storages, head_dim) -> None:
+    """The layout a DiT block hands attention: q, k, v (and their tangents) are views of one
+    (B, N, 3, H, d) projection, permuted to (B, H, N, d), and the incoming gradient is a
+    transposed (B, N, H, d) tensor. The kernels read them where they are, through their
+    strides: the same launches as for contiguous inputs, each given the projections' and
+    the gradient's own storage, and no PyTorch operation besides views. (A step's `stack`
+    and layout copy of the three gradients on their way back into the projection are
+    autograd's, outside the library.)"""
+    torch.manual_seed(0)
+    pack, tangent_pack = (torch.randn(2, 16, 3, 2, head_dim, dtype=torch.float16,
+                                      requires_grad=grad) for grad in (True, False))
+    q, k, v = pack.permute(2, 0, 3, 1, 4).unbind(0)
+    tangents = tangent_pack.permute(2, 0, 3, 1, 4).unbind(0)
+    grad = torch.randn(2, 16, 2, head_dim, dtype=torch.float16).transpose(1, 2)
+    storage = {name: x.untyped_storage().data_ptr()
+               for name, x in (("pack", pack), ("tangents", tangent_pack), ("grad", grad))}
+    out, _ = torch.func.jvp(jvp_attention.attention, (q, k, v), tangents)  # warm
+    torch.autograd.grad(out, (q, k, v), grad)
+    launches.clear()
+    launch_storages.clear()
+    with _CountOps() as counter:
+        out, _ = torch.func.jvp(jvp_attention.attention, (q, k, v), tangents)
+    assert sum(launches.values()) == FORWARD_JVP_LAUNCHES, launches
+    assert set(counter.ops) <= NO_KERNEL, counter.ops
+    assert {storage["pack"], storage["tangents"]} <= launch_storages[0]
+    launches.clear()
+    launch_storages.clear()
+    with _CountOps() as counter:
+        torch.autograd.grad(out, (q, k, v), grad)
+    rows_apart = head_dim % 16 != 0  # d = 24: the row-statistics kernel computes Delta
+    assert sum(launches.values()) == PRIMAL_BACKWARD_LAUNCHES + rows_apart, launches
+    assert set(counter.ops) <= NO_KERNEL, counter.ops
+    for arguments in launch_storages[rows_apart:]:  # dQ, then dK/dV
+        assert {storage["pack"], storage["grad"]} <= arguments
+
+
 def test_backward_through_both_outputs(launches) -> None:
     inputs, tangents = _inputs(torch.float32)
     out, tangent_out = torch.func.jvp(jvp_attention.attention, inputs, tangents)
