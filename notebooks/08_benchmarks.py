@@ -1288,12 +1288,17 @@ else:
 # In this layout the forward with the tangent costs the GPU what it costs on contiguous
 # tensors at d = 64, and less at d = 72 than the contiguous run before the alignment. The
 # MeanFlow call costs more GPU time than in the contiguous run at d = 64 (0.64 against 0.49
-# ms), and about the same at d = 72, where the forward's gain is spent the same way: the
-# gradients have to reach the packed projection, and where that time goes, our kernels or
-# the copies around them, is not yet broken down. Over the math path in the same layout our
-# eager call is 5.4 to 15x faster for the forward with the tangent and 2.3 to 8.8x for the
-# MeanFlow call, and under CUDA graphs, which take most of the host time away at 256
-# tokens, 4.5 to 21x.
+# ms), and about the same at d = 72, where the forward's gain from the alignment offsets it.
+# Our kernels read the packed views and the transposed gradient where they are, with the
+# same launches and no copy (`tests/library/test_autograd_call_cost.py`); the operations the
+# layout adds to the step (listed on the CPU with a dispatch mode) are autograd's: its
+# backward through the `unbind` stacks the three gradients into one tensor and then copies
+# them into the projection's layout. At `dit-b2-256` those two move about 0.3 GB, some 0.1
+# ms at the H200's bandwidth, most of the difference (not timed apart yet; the contiguous
+# row is from an earlier commit), and the math path pays them too. Over the math path in the
+# same layout our eager call is 5.4 to 15x faster for the forward with the tangent and 2.3
+# to 8.8x for the MeanFlow call, and under CUDA graphs, which take most of the host time
+# away at 256 tokens, 4.5 to 21x.
 
 # %% [markdown]
 # ### Head dims cut in two
