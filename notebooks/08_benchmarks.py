@@ -1283,22 +1283,29 @@ else:
                   f"{fmt(ts_value(shape, mode, 'ours', 'gpu_ms')):>10}           "
                   + " ".join(f"{fmt(w):>15}" for w in walls) + f" {fmt(math_wall):>8}  "
                   + " / ".join(ups))
+    print("Our eager MeanFlow call's GPU time, ms: our kernels (Triton's, named _*) and "
+          "PyTorch's kernels around them")
+    for shape in qkv_shapes:
+        times = ts_value(shape, "meanflow", "ours", "kernel_ms", QKV_BY_KEY) or {}
+        ours = sum(ms for name, ms in times.items() if name.startswith("_"))
+        theirs = {name[:60]: ms for name, ms in times.items() if not name.startswith("_")}
+        print(f"  {shape:12} ours {ours:.3f} | PyTorch's {sum(theirs.values()):.3f}: "
+              + ", ".join(f"{name} {ms:.3f}" for name, ms in theirs.items()))
 
 # %% [markdown]
 # In this layout the forward with the tangent costs the GPU what it costs on contiguous
-# tensors at d = 64, and less at d = 72 than the contiguous run before the alignment. The
-# MeanFlow call costs more GPU time than in the contiguous run at d = 64 (0.64 against 0.49
-# ms), and about the same at d = 72, where the forward's gain from the alignment offsets it.
-# Our kernels read the packed views and the transposed gradient where they are, with the
-# same launches and no copy (`tests/library/test_autograd_call_cost.py`); the operations the
-# layout adds to the step (listed on the CPU with a dispatch mode) are autograd's: its
-# backward through the `unbind` stacks the three gradients into one tensor and then copies
-# them into the projection's layout. At `dit-b2-256` those two move about 0.3 GB, some 0.1
-# ms at the H200's bandwidth, most of the difference (not timed apart yet; the contiguous
-# row is from an earlier commit), and the math path pays them too. Over the math path in the
-# same layout our eager call is 5.4 to 15x faster for the forward with the tangent and 2.3
-# to 8.8x for the MeanFlow call, and under CUDA graphs, which take most of the host time
-# away at 256 tokens, 4.5 to 21x.
+# tensors at d = 64, and less at d = 72 than the contiguous run before the alignment. A
+# MeanFlow call shows more GPU time than in the contiguous run, but not in our kernels: they
+# read the packed views and the transposed gradient where they are, with the same launches
+# and no copy (`tests/library/test_autograd_call_cost.py`), and take 0.489 ms at
+# `dit-b2-256`, as in the contiguous run (0.485). The rest, 0.151 ms there, is two kernels
+# of PyTorch's autograd: its backward through the `unbind` stacks the three gradients into
+# one tensor (`CatArrayBatchedCopy`) and copies them into the projection's layout (the
+# `elementwise_kernel`); the math path pays them too. At d = 72 our kernels take 0.457 and
+# 2.551 ms, against 0.568 and 2.709 in the contiguous run before the alignment. Over the
+# math path in the same layout our eager call is 5.4 to 15x faster for the forward with the
+# tangent and 2.3 to 8.8x for the MeanFlow call, and under CUDA graphs, which take most of
+# the host time away at 256 tokens, 4.5 to 21x.
 
 # %% [markdown]
 # ### Head dims cut in two
