@@ -773,10 +773,21 @@ TS_COLORS = {"ours": "C3", "ours_compiled": "C9", "ours_cudagraphs": "C4", "math
 TS_MODES = {"fwd_jvp": "forward + JVP", "meanflow": "MeanFlow step (fwd+JVP, backward of out)",
             "second_order": "second order (fwd+JVP, backward of out and t_out)"}
 
-try:
-    TS = json.loads(TRAINING_SHAPES.read_text())
-except (OSError, ValueError):
-    TS = None
+
+def saved_run(path: Path) -> dict | None:
+    """A saved benchmark run, or None when the file is missing or not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cases_by_key(cases: list[dict]) -> dict:
+    """A run's cases by (shape, mode, impl)."""
+    return {(c["shape"], c["mode"], c["impl"]): c for c in cases}
+
+
+TS = saved_run(TRAINING_SHAPES)
 if TS is None:
     print(f"no {TRAINING_SHAPES.relative_to(REPO)}: run benchmarks/training_shapes.py on a GPU "
           "(benchmarks/README.md); this section stays empty")
@@ -815,7 +826,7 @@ else:
     for c in TS_CASES:
         if c["status"] == "error":
             print(f"  error: {c['impl']} {c['mode']} {c['shape']}: {str(c['error'])[:100]}")
-TS_BY_KEY = {(c["shape"], c["mode"], c["impl"]): c for c in TS_CASES}
+TS_BY_KEY = cases_by_key(TS_CASES)
 # Like the figures above: into docs/assets/benchmarks only when executed for the site.
 TS_FIGURES = FIGURES if TS_REAL or not WRITE_ASSETS else Path(tempfile.mkdtemp())
 
@@ -1251,15 +1262,12 @@ else:
 
 # %% tags=["hide_input"]
 QKV_SHAPES = RESULTS / "training_shapes_qkv_h200.json"
-try:
-    QKV = json.loads(QKV_SHAPES.read_text())
-except (OSError, ValueError):
-    QKV = None
+QKV = saved_run(QKV_SHAPES)
 if QKV is None:
     print(f"no {QKV_SHAPES.relative_to(REPO)}: run benchmarks/training_shapes.py --layout qkv "
           "on a GPU (benchmarks/README.md)")
 else:
-    QKV_BY_KEY = {(c["shape"], c["mode"], c["impl"]): c for c in QKV["cases"]}
+    QKV_BY_KEY = cases_by_key(QKV["cases"])
     print(f"results: {QKV_SHAPES.relative_to(REPO)} | layout {QKV['settings'].get('layout')} "
           f"| {QKV.get('gpu')} | commit {QKV['git']['commit'][:10]} | {QKV.get('date')}")
     qkv_shapes = list(dict.fromkeys(c["shape"] for c in QKV["cases"]))
