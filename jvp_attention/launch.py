@@ -173,8 +173,8 @@ def sound_ptxas(arch: int) -> str | None:
         from triton.backends.nvidia.compiler import get_ptxas
 
         own, newer = get_ptxas(arch), triton.knobs.nvidia.ptxas_blackwell
-    except (ImportError, AttributeError, RuntimeError):  # no such Triton API, or no ptxas
-        return None
+    except (ImportError, AttributeError, RuntimeError, OSError):  # no such Triton API,
+        return None  # or no ptxas, or one that cannot be run
     if own.version not in MISCOMPILING_PTXAS:
         return None
     return newer.path if version_tuple(newer.version) > version_tuple(own.version) else None

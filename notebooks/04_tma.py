@@ -83,14 +83,18 @@ for helper in (tiles.tile_source, tiles.load_rows):
 # CPU tests cover this path). The decision is part of the autotuning key (`USE_TMA`), so
 # each path keeps its own best tile.
 #
-# One more rule is about length, not layout. Each program of the forward builds its
-# descriptors in global memory before its first key block, and a short row has few key
-# blocks to repay that: below 512 keys (`FORWARD_TMA_MIN_KEYS`, chapter 2) the forward reads
-# through pointers. On the H200 (bf16) that took the forward with the tangent at 256 tokens
-# from 0.194 to 0.162 ms at (64, 12, 256, 64) and from 0.285 to 0.225 ms at (32, 16, 256,
-# 72); at 512 keys the two paths measured within 4% of each other, and at 1024 keys
-# descriptors were as fast or faster (`benchmarks/results/training_shapes_h200.json`,
-# `tile_sweep_h200.json`).
+# One more rule is about length, not layout. Each program builds its descriptors in global
+# memory before its first block, and a short loop has few blocks to repay that. Once the
+# pointer loads carry their alignment (chapter 2's `row_alignment`), they are as fast as
+# descriptors on all but long rows. On the H200 (bf16, GPU time per call, pointers against
+# descriptors) the forward with the tangent took 0.59 against 0.79 ms at (48, 12, 512,
+# 72), 0.99 against 1.12 ms at (16, 16, 1024, 72) and 2.07 against 2.16 ms at (8, 16,
+# 2048, 128); from 4096 keys descriptors led by up to 3%. So the forward reads through
+# pointers below 4096 keys (`FORWARD_TMA_MIN_KEYS`, chapter 2). The first-order backward,
+# whose dQ loop runs over the keys and dK/dV loop over the queries, switches at 1024 of both
+# (`BACKWARD_TMA_MIN_TOKENS`, chapter 5): below that pointers were 1-13% faster (0.31
+# against 0.35 ms at (64, 12, 256, 64)), above it descriptors were (1.20 against 1.39 ms at
+# (32, 12, 1024, 64)).
 
 # %%
 from jvp_attention.launch import descriptor_compatible
@@ -260,8 +264,8 @@ else:
 # already hide most of the load latency at these tile sizes; what descriptors add is
 # registers, which the tables above show and which the causal backward, with its masked
 # diagonal tiles, turns into speed. The automatic choice therefore stays on descriptors
-# wherever the rules allow, except for the second-order backward and the forward on rows
-# shorter than 512 keys.
+# for long rows wherever the rules allow, except for the second-order backward (lengths
+# in the section above).
 #
 # ## What bounds the kernels
 #

@@ -771,6 +771,14 @@ _backward_dq = autotuned(_attention_backward_dq_kernel, [
 _backward_dq_tangent = autotuned(_attention_backward_dq_kernel, [
     (32, 32, 8, 2), (128, 16, 8, 2), (32, 32, 4, 1), (128, 32, 8, 2)])
 _ROW_BLOCK = 64
+# The first-order kernels read through tensor descriptors (chapter 4) only when both loops
+# are long: the dQ kernel's runs over the keys, the dK/dV kernel's over the queries, and
+# each program builds its descriptors before its first block. H200, bf16, the primal
+# backward of a MeanFlow call (GPU time), pointers against descriptors: 0.31 against 0.35 ms
+# at (64, 12, 256, 64), 0.72 against 0.77 at (48, 12, 512, 64); from 1024 tokens
+# descriptors lead, 1.20 against 1.39 ms at (32, 12, 1024, 64), 2.25 against 2.83 at
+# (4, 16, 4096, 64).
+BACKWARD_TMA_MIN_TOKENS = 1024
 
 
 def flash_attention_backward(
@@ -884,7 +892,8 @@ def flash_attention_backward(
              next_power_of_2(n_q), next_power_of_2(n_k))
     # Descriptors (chapter 4) for the first-order kernels only: compiled for sm_90, the
     # second-order kernels spill hundreds of bytes per thread with them (tools/kernel_resources.py).
-    use_tma = not has_tangent and tma_eligible(q, k, v, grad_operand)
+    use_tma = not has_tangent and tma_eligible(
+        q, k, v, grad_operand, long_enough=min(n_q, n_k) >= BACKWARD_TMA_MIN_TOKENS)
     switches = {"IS_CAUSAL": is_causal, "MASK_KIND": mask_kind, "HAS_TANGENT": has_tangent,
                 "USE_TMA": use_tma, "CARRY": carry,
                 "ALIGN": row_alignment((q, k, v, tq, tk, tv, grad_operand, dto),

@@ -24,7 +24,9 @@ from helpers import (
     make_problem,
 )
 
+from jvp_attention import backward as backward_module
 from jvp_attention import forward as forward_module
+from jvp_attention.backward import BACKWARD_TMA_MIN_TOKENS
 from jvp_attention.forward import FORWARD_TMA_MIN_KEYS
 from jvp_attention.launch import descriptor_compatible, tma_eligible
 
@@ -106,6 +108,32 @@ def test_forward_takes_descriptors_from_its_minimum_keys(monkeypatch, n_k: int) 
     k = torch.randn(1, 1, n_k, 16, device=DEVICE, dtype=torch.float16)
     forward_module.flash_attention_forward(q, k, k)
     assert asked == [n_k >= FORWARD_TMA_MIN_KEYS]
+
+
+@pytest.mark.parametrize("n_q, n_k", [(BACKWARD_TMA_MIN_TOKENS - 1, BACKWARD_TMA_MIN_TOKENS),
+                                      (BACKWARD_TMA_MIN_TOKENS, BACKWARD_TMA_MIN_TOKENS - 1),
+                                      (BACKWARD_TMA_MIN_TOKENS, BACKWARD_TMA_MIN_TOKENS)])
+def test_backward_takes_descriptors_when_both_loops_are_long(monkeypatch, n_q: int,
+                                                            n_k: int) -> None:
+    """The dQ kernel loops over the keys and the dK/dV kernel over the queries: the
+    first-order backward asks for descriptors only when both are long enough. (The call
+    stops at the question: these lengths would take minutes in the interpreter.)"""
+    asked = []
+
+    class Asked(Exception):
+        pass
+
+    def recorded(*tensors, long_enough=True):
+        asked.append(long_enough)
+        raise Asked
+
+    monkeypatch.setattr(backward_module, "tma_eligible", recorded)
+    q = torch.randn(1, 1, n_q, 16, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(1, 1, n_k, 16, device=DEVICE, dtype=torch.float16)
+    lse = torch.zeros(1, 1, n_q, device=DEVICE)
+    with pytest.raises(Asked):
+        backward_module.flash_attention_backward(q, k, k, q, lse, torch.ones_like(q))
+    assert asked == [min(n_q, n_k) >= BACKWARD_TMA_MIN_TOKENS]
 
 
 @pytest.mark.gpu

@@ -64,6 +64,19 @@ def test_sound_ptxas_keeps_a_ptxas_the_user_chose(monkeypatch) -> None:
     assert launch.sound_ptxas.__wrapped__(90) is None
 
 
+def test_sound_ptxas_keeps_triton_s_choice_when_a_ptxas_cannot_be_run(monkeypatch) -> None:
+    """A ptxas that exists but cannot be run (Triton asks it for its version) is no reason
+    to fail: Triton's choice stands."""
+    from triton.backends.nvidia import compiler
+
+    def unrunnable(arch):
+        raise PermissionError(13, "Permission denied", "ptxas")
+
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    monkeypatch.setattr(compiler, "get_ptxas", unrunnable)
+    assert launch.sound_ptxas.__wrapped__(90) is None
+
+
 def test_the_pinned_triton_bundles_the_miscompiling_ptxas() -> None:
     """The case the workaround is for is the one CI runs (Triton 3.6.0)."""
     if triton.__version__ != "3.6.0":
