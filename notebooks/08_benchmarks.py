@@ -1056,7 +1056,7 @@ else:
 # Python, on a host where the floor alone, `v * 1` under the same transform and backward,
 # costs 1.3 ms in this run. What is left of ours is the launchers' Python (output
 # allocation, layout and mask checks) and one C launch per kernel. The call stays
-# host-bound (0.49 ms of GPU work) unless CUDA graphs replay it.
+# host-bound (0.43 ms of GPU work in the training-shapes run) unless CUDA graphs replay it.
 
 # %% [markdown]
 # ### Speed-ups and kernels per call
@@ -1150,19 +1150,18 @@ TS_TABLES
 #   mode fuses the small PyTorch operations around our kernels and removes most of the
 #   Python work, but still launches each kernel. Where the run has these columns, the
 #   printout compares them with the eager call; the price is the compile time of the first
-#   step, printed with them. A replay also copies the step's inputs into the graph's own
+#   step, printed with them. A replay would also copy the step's inputs into the graph's own
 #   buffers, as CUDA graph trees do for every input that is neither a parameter nor an
-#   earlier graph's output: the `multi_tensor_apply_kernel` launches in the kernels table,
-#   4 to 11 per call in the saved rows. At 256 tokens they added about 60% to the GPU time:
-#   0.290 ms for the forward with the tangent at (64, 12, 256, 64), against 0.178 ms
-#   compiled without graphs in the same run. Inside a model the attention's inputs are the
-#   graph's own activations, and nothing is copied, so the benchmark now marks its inputs
-#   and incoming gradients static. The rows of (64, 12, 256, 64) with CUDA graphs were
-#   measured again that way: the forward with the tangent is one kernel, 0.170 ms of GPU
-#   time as in eager mode, with 0.14 ms of host time against 0.70 ms eager; the MeanFlow
-#   call keeps one copy, 0.505 ms against 0.481 ms eager, and 0.79 ms of host time against
-#   1.57 ms. The other shapes' CUDA-graph rows are from the run before and include the
-#   copies.
+#   earlier graph's output (`multi_tensor_apply_kernel` launches): in an earlier run at 256
+#   tokens they added about 60% to the GPU time, 0.290 ms for the forward with the tangent
+#   at (64, 12, 256, 64) against 0.178 ms compiled without graphs. Inside a model the
+#   attention's inputs are the graph's own activations, and nothing is copied, so the
+#   benchmark marks its inputs and incoming gradients static. In the saved run the forward
+#   with the tangent is then the eager call's one kernel, 0.167 ms of GPU time at
+#   (64, 12, 256, 64), with 0.10 ms of host time against 0.71 ms eager; the MeanFlow call
+#   keeps one copy, 0.454 ms against 0.430 ms eager, and 0.78 ms of host time against
+#   1.53 ms. The video shape's rows are from a run before the marking (and before chapter
+#   2's alignment) and still include the copies.
 #
 # To refresh this section, run `benchmarks/training_shapes.py` on the GPU (the command is in
 # `benchmarks/README.md`), save its JSON as `benchmarks/results/training_shapes_h200.json`,
@@ -1257,8 +1256,8 @@ else:
 # and `benchmarks/results/training_shapes_qkv_h200.json` is a run at the three DiT shapes,
 # made after chapter 2 let the kernels see the alignment of such strides at d = 72. Below,
 # per shape and mode: our GPU time in this layout and, for comparison, in the contiguous run
-# above (an earlier commit, before that alignment); then wall times, eager, compiled and
-# under CUDA graphs, against the math path in the same layout.
+# above (the same code); then wall times, eager, compiled and under CUDA graphs, against the
+# math path in the same layout.
 
 # %% tags=["hide_input"]
 QKV_SHAPES = RESULTS / "training_shapes_qkv_h200.json"
@@ -1302,18 +1301,18 @@ else:
 
 # %% [markdown]
 # In this layout the forward with the tangent costs the GPU what it costs on contiguous
-# tensors at d = 64, and less at d = 72 than the contiguous run before the alignment. A
-# MeanFlow call shows more GPU time than in the contiguous run, but not in our kernels: they
-# read the packed views and the transposed gradient where they are, with the same launches
-# and no copy (`tests/library/test_autograd_call_cost.py`), and take 0.489 ms at
-# `dit-b2-256`, as in the contiguous run (0.485). The rest, 0.151 ms there, is two kernels
-# of PyTorch's autograd: its backward through the `unbind` stacks the three gradients into
-# one tensor (`CatArrayBatchedCopy`) and copies them into the projection's layout (the
-# `elementwise_kernel`); the math path pays them too. At d = 72 our kernels take 0.457 and
-# 2.551 ms, against 0.568 and 2.709 in the contiguous run before the alignment. Over the
-# math path in the same layout our eager call is 5.4 to 15x faster for the forward with the
-# tangent and 2.3 to 8.8x for the MeanFlow call, and under CUDA graphs, which take most of
-# the host time away at 256 tokens, 4.5 to 21x.
+# tensors, within 3% at d = 64 and 72. A MeanFlow call shows more GPU time than in the
+# contiguous run, but hardly in our kernels: they read the packed views and the transposed
+# gradient where they are, with the same launches and no copy
+# (`tests/library/test_autograd_call_cost.py`), and take 0.438 ms at `dit-b2-256`, against
+# 0.430 for the whole contiguous call. The rest, 0.151 ms there, is two kernels of
+# PyTorch's autograd: its backward through the `unbind` stacks the three gradients into one
+# tensor (`CatArrayBatchedCopy`) and copies them into the projection's layout (the
+# `elementwise_kernel`); the math path pays them too. At d = 72 our kernels take 0.437 and
+# 2.424 ms, against 0.416 and 2.396 contiguous. Over the math path in the same layout our
+# eager call is 7.7 to 16x faster for the forward with the tangent and 2.6 to 9.3x for the
+# MeanFlow call, and under CUDA graphs, which take most of the host time away at 256
+# tokens, 5.1 to 21x.
 
 # %% [markdown]
 # ### Head dims cut in two
@@ -1368,8 +1367,9 @@ else:
 # pass and copies); kernel against kernel (the run's `ms`), at 61% and 71%. Two
 # column tiles make every product of a key block two tensor-core operations, the second a
 # narrow one. The same file's other runs show that no other tile that compiles without
-# spills does better, and that at 256 tokens pointers beat descriptors, which is why the
-# forward reads short rows through pointers (chapter 4).
+# spills does better, and that with aligned loads pointers beat descriptors at 256 and at
+# 1024 tokens, which is why the forward reads rows shorter than 4096 keys through pointers
+# (chapter 4).
 
 # %% [markdown]
 # ### The first call in a new process
