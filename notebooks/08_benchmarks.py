@@ -567,6 +567,18 @@ else:
 # 3 points at 2048 and by 8–14 points at 1024, where what is left is the carry's own two
 # launches (a range pass and the shifted copies, each O(N)). The saved runs have no
 # shorter sequence; below 1024 keys accurate mode splits.
+#
+# Those two launches are bound by memory, and their traffic alone rules out the goal at
+# 1024 keys. The range pass reads all six inputs for their largest magnitudes; the copies
+# read v and tv again and write their fp16 copies: ten passes over a (B, H, N, d) tensor.
+# At (16, 32, 1024, 64) in bf16 that is 671 MB, 0.156 ms at the 4.3 TB/s a device-to-device
+# copy reaches on this GPU: 15% of the fast call's 1.07 ms before the forward kernel has
+# done anything. (At `dit-b2-512`, (32, 12, 1024, 64), the two kernels took 0.154 ms of
+# the call's 0.927 in `training_shapes_h200.json`'s `kernel_ms`, against 0.117 ms for
+# their 503 MB at that rate.) Coming within 10% at 1024 keys needs a carry without the
+# extra passes: the shifts taken inside the forward kernel, which would convert its v and
+# tv tiles to fp16 in registers, from maxima it finds itself. That is a different design
+# from chapter 2's and not built.
 
 # %% [markdown]
 # ## The headline picture
