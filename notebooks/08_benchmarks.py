@@ -578,7 +578,9 @@ else:
 # their 503 MB at that rate.) Coming within 10% at 1024 keys needs a carry without the
 # extra passes: the shifts taken inside the forward kernel, which would convert its v and
 # tv tiles to fp16 in registers, from maxima it finds itself. That is a different design
-# from chapter 2's and not built.
+# from chapter 2's, and not built: on Hopper the converted tiles would have to go back
+# through shared memory, where the tensor cores read their second operand (`wgmma`), on
+# every key block of every query block, so it is not clear it would be faster.
 
 # %% [markdown]
 # ## The headline picture
