@@ -92,9 +92,9 @@ for helper in (tiles.tile_source, tiles.load_rows):
 # 2048, 128); from 4096 keys descriptors led by up to 3%. So the forward reads through
 # pointers below 4096 keys (`FORWARD_TMA_MIN_KEYS`, chapter 2). The first-order backward,
 # whose dQ loop runs over the keys and dK/dV loop over the queries, switches at 1024 of both
-# (`BACKWARD_TMA_MIN_TOKENS`, chapter 5): below that pointers were 1-13% faster (0.31
-# against 0.35 ms at (64, 12, 256, 64)), above it descriptors were (1.20 against 1.39 ms at
-# (32, 12, 1024, 64)).
+# (`BACKWARD_TMA_MIN_TOKENS`, chapter 5): below that pointers were up to 15% faster (the
+# backward's kernels took 0.26 against 0.31 ms at (64, 12, 256, 64)), above it descriptors
+# were (1.12 against 1.31 ms at (32, 12, 1024, 64)).
 
 # %%
 from jvp_attention.launch import descriptor_compatible

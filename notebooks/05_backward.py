@@ -773,11 +773,11 @@ _backward_dq_tangent = autotuned(_attention_backward_dq_kernel, [
 _ROW_BLOCK = 64
 # The first-order kernels read through tensor descriptors (chapter 4) only when both loops
 # are long: the dQ kernel's runs over the keys, the dK/dV kernel's over the queries, and
-# each program builds its descriptors before its first block. H200, bf16, the primal
-# backward of a MeanFlow call (GPU time), pointers against descriptors: 0.31 against 0.35 ms
-# at (64, 12, 256, 64), 0.72 against 0.77 at (48, 12, 512, 64); from 1024 tokens
-# descriptors lead, 1.20 against 1.39 ms at (32, 12, 1024, 64), 2.25 against 2.83 at
-# (4, 16, 4096, 64).
+# each program builds its descriptors before its first block. H200, bf16, the GPU time of
+# the primal backward's kernels in a MeanFlow call, pointers against descriptors: 0.26
+# against 0.31 ms at (64, 12, 256, 64), 0.66 against 0.71 at (48, 12, 512, 64); from 1024
+# tokens descriptors lead, 1.12 against 1.31 ms at (32, 12, 1024, 64), 2.20 against 2.78
+# at (4, 16, 4096, 64).
 BACKWARD_TMA_MIN_TOKENS = 1024
 
 

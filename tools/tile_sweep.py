@@ -136,10 +136,11 @@ def accuracy_check(inputs, mode: str):
 
 def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
           tiles: list | None = None, kernel: str = "forward_jvp",
-          check: bool = False) -> list[dict]:
+          check: bool = False, auto_only: bool = False) -> list[dict]:
     """One row per tile (and one for the autotuner's choice among them) at `shape` =
     (B, H, N, d); `tiles`: configurations to try in place of the kernel's list; `check`:
-    each row's `error_vs_math` too (see the module's docstring)."""
+    each row's `error_vs_math` too (see the module's docstring); `auto_only`: the
+    autotuner's choice alone."""
     tuner, name, mode, multiple = KERNELS[kernel]
     inputs = make_inputs(shape, dtype, mode)
     call = make_call(inputs, mode)
@@ -149,7 +150,7 @@ def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
     candidates = tiles or every
     rows = []
     try:
-        for config in [*candidates, None]:
+        for config in [None] if auto_only else [*candidates, None]:
             tuner.configs = candidates if config is None else [config]
             tuner.tuned.clear()
             tuner.cache.clear()
@@ -193,6 +194,10 @@ def main() -> None:
     parser.add_argument("--check", action="store_true",
                         help="also compare each tile's outputs with a float64 reference "
                         "(error_vs_math: a multiple of PyTorch's math attention's error)")
+    parser.add_argument("--auto-only", action="store_true",
+                        help="time the autotuner's choice alone, not each tile: the call as "
+                        "users get it (run with JVP_ATTENTION_TMA=0 and =1 to compare "
+                        "pointer loads with tensor descriptors)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--smoke", action="store_true",
                         help="(1, 1, 16, 16) in fp16, once per tile: checks the plumbing (on "
@@ -207,7 +212,7 @@ def main() -> None:
                                          for tile in args.tiles.split(";")])
     rows = [row for b, h, n in (args.shape or [[64, 12, 256]]) for d in args.head_dims
             for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles, args.kernel,
-                             args.check)]
+                             args.check, args.auto_only)]
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "dtype": args.dtype,
                                          "gpu": torch.cuda.get_device_name() if HAS_CUDA

@@ -27,6 +27,17 @@ def test_sweep_restores_the_autotuner(kernel: str) -> None:
     assert tuner.configs == configs and not tuner.tuned
 
 
+def test_auto_only_times_the_autotuners_choice_alone() -> None:
+    """--auto-only: one row, the call as users get it, and the autotuner left as it was."""
+    tuner = tile_sweep.KERNELS["backward_dq"][0]
+    configs = list(tuner.configs)
+    rows = tile_sweep.sweep((1, 1, 16, 16), tile_sweep.DTYPES["fp16"], 1, kernel="backward_dq",
+                            auto_only=True)
+    assert [row["tile"] for row in rows] == ["auto"] and rows[0]["ms"] > 0, rows
+    assert rows[0]["chosen"] in {tile_sweep.tile_name(c) for c in configs}
+    assert tuner.configs == configs and not tuner.tuned
+
+
 def test_the_kernels_are_the_library_autotuners() -> None:
     tuners = {name: entry[0] for name, entry in tile_sweep.KERNELS.items()}
     assert tuners["forward_jvp"] is forward._attention_forward_jvp
