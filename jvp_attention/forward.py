@@ -272,8 +272,8 @@ _attention_forward_jvp = autotuned(_attention_forward_kernel, [
 # long, that costs more than the descriptors save over aligned pointer loads. H200, bf16,
 # forward+JVP GPU time per call, pointers against descriptors: 0.59 against 0.79 ms at
 # (48, 12, 512, 72), 0.99 against 1.12 at (16, 16, 1024, 72), 1.58 against 1.66 at
-# (8, 16, 2048, 72), 2.07 against 2.16 at (8, 16, 2048, 128); from 4096 keys descriptors
-# lead by 0-3% (2.93 against 2.86 at (4, 16, 4096, 72)).
+# (8, 16, 2048, 72), 2.07 against 2.16 at (8, 16, 2048, 128); from 4096 keys the two are
+# within 3%, descriptors ahead at d = 72 and 128 (2.93 against 2.86 at (4, 16, 4096, 72)).
 FORWARD_TMA_MIN_KEYS = 4096
 
 

@@ -85,16 +85,18 @@ for helper in (tiles.tile_source, tiles.load_rows):
 #
 # One more rule is about length, not layout. Each program builds its descriptors in global
 # memory before its first block, and a short loop has few blocks to repay that. Once the
-# pointer loads carry their alignment (chapter 2's `row_alignment`), they are as fast as
-# descriptors on all but long rows. On the H200 (bf16, GPU time per call, pointers against
-# descriptors) the forward with the tangent took 0.59 against 0.79 ms at (48, 12, 512,
-# 72), 0.99 against 1.12 ms at (16, 16, 1024, 72) and 2.07 against 2.16 ms at (8, 16,
-# 2048, 128); from 4096 keys descriptors led by up to 3%. So the forward reads through
-# pointers below 4096 keys (`FORWARD_TMA_MIN_KEYS`, chapter 2). The first-order backward,
-# whose dQ loop runs over the keys and dK/dV loop over the queries, switches at 1024 of both
+# pointer loads carry their alignment (chapter 2's `row_alignment`), they run level with
+# descriptors at d = 64 (within 4%) and ahead of them at d = 72, up to long rows. On the
+# H200 (bf16, GPU time per call, pointers against descriptors) the forward with the
+# tangent took 0.59 against 0.79 ms at (48, 12, 512, 72), 0.99 against 1.12 ms at (16, 16,
+# 1024, 72) and 2.07 against 2.16 ms at (8, 16, 2048, 128); from 4096 keys the two were
+# within 3%, descriptors ahead at d = 72 and 128. So the forward reads through pointers
+# below 4096 keys (`FORWARD_TMA_MIN_KEYS`, chapter 2). The first-order backward, whose dQ
+# loop runs over the keys and dK/dV loop over the queries, switches at 1024 of both
 # (`BACKWARD_TMA_MIN_TOKENS`, chapter 5): below that pointers were up to 15% faster (the
 # backward's kernels took 0.26 against 0.31 ms at (64, 12, 256, 64)), above it descriptors
 # were (1.12 against 1.31 ms at (32, 12, 1024, 64)).
+# `benchmarks/results/descriptors_h200.json` has every case.
 
 # %%
 from jvp_attention.launch import descriptor_compatible
