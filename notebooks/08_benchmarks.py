@@ -1386,6 +1386,83 @@ else:
 # (chapter 4).
 
 # %% [markdown]
+# ### Pointers or descriptors
+#
+# Chapter 4's tensor descriptors pay for themselves only on long rows: each program builds
+# them before its first block, and since chapter 2 aligned the pointer loads, those are as
+# fast or faster on short ones. `benchmarks/results/descriptors_h200.json` times both
+# paths per call at 256 to 4096 tokens (the autotuner's choice on each path, profiler GPU
+# time, bf16). Below, the time through descriptors over the time through pointers: above 1
+# pointers win. The dotted lines are where the library switches to descriptors, 4096 keys in
+# the forward (`FORWARD_TMA_MIN_KEYS`) and 1024 queries and keys in the first-order backward
+# (`BACKWARD_TMA_MIN_TOKENS`); the backward's points time its attention kernels only.
+
+# %% tags=["hide_input"]
+from jvp_attention.backward import BACKWARD_TMA_MIN_TOKENS
+from jvp_attention.forward import FORWARD_TMA_MIN_KEYS
+
+DESCRIPTORS = saved_run(RESULTS / "descriptors_h200.json")
+
+
+def kernel_time(row, prefixes):
+    """The row's GPU time per call in kernels whose names start with one of `prefixes`."""
+    return sum(ms for name, ms in row["kernel_ms"].items() if name.startswith(prefixes))
+
+
+def descriptor_ratios(rows, mode, part, prefixes):
+    """{d: [(N, time through descriptors / time through pointers)]} of one pass (`part`:
+    "forward" or "backward") of one kind of call, where the run timed that pass both ways."""
+    paths = {}
+    for row in rows:
+        if row["mode"] == mode:
+            key = (row["B"], row["H"], row["N"], row["d"])
+            paths.setdefault(key, {})[row["JVP_ATTENTION_TMA"]] = row
+    ratios = {}
+    for (_, _, n, d), pair in sorted(paths.items(), key=lambda item: item[0][2]):
+        pointers, chosen = pair.get("0"), pair.get("auto")
+        if pointers and chosen and chosen[f"{part}_path"] == "descriptors":
+            ratios.setdefault(d, []).append(
+                (n, kernel_time(chosen, prefixes) / kernel_time(pointers, prefixes)))
+    return ratios
+
+
+if DESCRIPTORS is None:
+    print("not measured yet: benchmarks/results/descriptors_h200.json (benchmarks/README.md)")
+else:
+    calls = {"forward with the tangent": ("fwd_jvp", "forward", ("_attention_forward",),
+                                          FORWARD_TMA_MIN_KEYS),
+             "primal backward (MeanFlow call)": ("meanflow", "backward",
+                                                 ("_attention_backward", "_row_statistics"),
+                                                 BACKWARD_TMA_MIN_TOKENS)}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, (title, (mode, part, prefixes, switch)) in zip(axes, calls.items(), strict=True):
+        for d, points in descriptor_ratios(DESCRIPTORS["rows"], mode, part, prefixes).items():
+            ns, ratios = zip(*points, strict=True)
+            ax.plot(ns, ratios, "o-", label=f"d={d}")
+            print(f"{title:32} d={d:3}: " + "  ".join(
+                f"N{n} {r:.2f}" for n, r in points))
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.axvline(switch, color="black", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens N (queries = keys)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("descriptors time / pointers time")
+    fig.suptitle(f"{DESCRIPTORS['gpu']}, {DESCRIPTORS['dtype']}: above 1, pointers are faster",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(FIGURES / "descriptors.png", dpi=110)
+
+# %% [markdown]
+# The forward with the tangent gains most from pointers at d = 72: descriptors take 1.33
+# times as long at 512 tokens and 1.14 to 1.17 times at 1024. At d = 64 the two paths are
+# within 5% at every length, and at 4096 keys descriptors lead by up to 3% (d = 72 and
+# 128). The backward turns over earlier: pointers are faster at 256 tokens (by 12 and 18%)
+# and, at d = 64, at 512; from 1024 tokens descriptors are faster at d = 64 (by 17 to 22%)
+# and d = 128, while at d = 72 the two stay within 8% of each other.
+
+# %% [markdown]
 # ### The first call in a new process
 #
 # Before a training run's first step, Triton compiles the kernels at the run's head
