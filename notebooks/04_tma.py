@@ -96,7 +96,13 @@ for helper in (tiles.tile_source, tiles.load_rows):
 # (`BACKWARD_TMA_MIN_TOKENS`, chapter 5): below that pointers were up to 15% faster (the
 # backward's kernels took 0.26 against 0.31 ms at (64, 12, 256, 64)), above it descriptors
 # were (1.12 against 1.31 ms at (32, 12, 1024, 64)).
-# `benchmarks/results/descriptors_h200.json` has every case.
+# `benchmarks/results/descriptors_h200.json` has every case. These lengths were measured
+# without a mask; a causal program loops over about half the keys, so causal rows might
+# have preferred pointers longer. They do not: causal, at 4096 and 8192 tokens (bf16, d 64
+# and 128), descriptors were level or ahead for the forward with the tangent (2.18 against
+# 2.19 ms at (4, 32, 4096, 64), 4.08 against 4.15 ms at (2, 16, 8192, 128)) and 8 to 24%
+# faster for the backward (2.78 against 3.35 ms at (4, 32, 4096, 64), 4.97 against 6.16 ms
+# at (2, 32, 8192, 64); `benchmarks/results/descriptors_causal_h200.json`).
 
 # %%
 from jvp_attention.launch import descriptor_compatible
@@ -206,12 +212,14 @@ for row in sorted(rows, key=lambda r: (r["kernel"], tuple(r["tile"]), r["use_tma
 # Three things stand out. First, descriptors lower the register count of the plain
 # forward and of the first-order backward kernels (no per-element addresses), at the same
 # shared memory. Second, the **second-order** backward kernels hold four fp32 accumulators
-# and up to eight input tiles: they are at the 255-register ceiling either way (their rows
-# above are pointer-only), and compiled with descriptors forced on they spilled hundreds of
-# bytes per thread (468 and 856 bytes for the 32 × 32 tiles of the dK/dV and dQ kernels
-# with a boolean mask), so the launcher keeps them on pointers (chapter 5). Third, the forward with the tangent fits a 128 × 32 tile on 8 warps
-# with no spills, but not 128 × 64: the tangent doubles the accumulators, which is what
-# bounds its tile size.
+# and up to eight input tiles: they sit at or just under the 255-register ceiling, the
+# dK/dV kernel spills on every tile but 16 × 32 and the dQ kernel on its 128 × 32 one.
+# Their rows above are pointer-only: compiled with descriptors forced on they spilled
+# hundreds of bytes per thread (468 and 856 bytes for the 32 × 32 tiles of the dK/dV and
+# dQ kernels with a boolean mask), so the launcher keeps them on pointers (chapter 5). Third, the
+# forward with the tangent fits a 128 × 32 tile on 8 warps with no spills, but not
+# 128 × 64, and its 64 × 64 tile on 4 warps spills about 100 bytes: the tangent doubles
+# the accumulators, which is what bounds its tile size.
 #
 # ## Does it pay? Timing both paths
 #
