@@ -14,8 +14,9 @@ Modes (one training step's attention call; see MODE_LABELS):
                   stop-gradient (MeanFlow, sCM), so only the primal output is differentiated
     second_order  the same, then a backward through both outputs (grads of q, k, v, tq, tk, tv)
 
-Implementations (columns; see IMPL_LABELS): ours (eager jvp_attention.attention),
-ours_compiled (torch.compile, default mode), ours_cudagraphs (mode="reduce-overhead"), math
+Implementations (columns; see IMPL_LABELS): ours (eager jvp_attention.attention, in the
+default "accurate" precision), ours_fast (the same in "fast" precision), ours_compiled
+(torch.compile, default mode), ours_cudagraphs (mode="reduce-overhead"), math
 (SDPA's math backend under torch.func.jvp), jfa (jvp-flash-attention 0.14, when installed),
 floor (`v * 1` in place of attention: PyTorch's own cost of the same calls, which no
 attention called this way can go below).
@@ -114,9 +115,13 @@ MODE_LABELS = {
                     "torch.autograd.backward((out, t_out), (grad, t_grad)): the backward "
                     "through both outputs; grads of all six",
 }
-IMPLS = ("ours", "ours_compiled", "ours_cudagraphs", "math", "jfa", "floor")
+IMPLS = ("ours", "ours_fast", "ours_compiled", "ours_cudagraphs", "math", "jfa", "floor")
 IMPL_LABELS = {
-    "ours": "jvp_attention.attention under torch.func.jvp, eager",
+    "ours": "jvp_attention.attention under torch.func.jvp, eager, in the precision mode in "
+            "effect (settings.precision; by default \"accurate\")",
+    "ours_fast": "the same inside jvp_attention.precision(\"fast\") (one 16-bit rounding per "
+                 "product, as FlashAttention does; the backward runs in its forward's mode), "
+                 "eager: with ours, what accurate precision costs at these shapes",
     "ours_compiled": "the same forward+JVP function under torch.compile (default mode, "
                      "dynamic=False, Dynamo reset per case); the backward is AOTAutograd's "
                      "compiled backward, run by .backward() as in a compiled training step",
@@ -302,6 +307,12 @@ def attention_function(case: Case, args: argparse.Namespace) -> Callable:
     """The attention (q, k, v) -> out of the case's implementation, or a Skip."""
     if case.impl in ("ours", "ours_compiled", "ours_cudagraphs"):
         return jvp_attention.attention
+    if case.impl == "ours_fast":
+        def fast(q, k, v):
+            with jvp_attention.precision("fast"):
+                return jvp_attention.attention(q, k, v)
+
+        return fast
     if case.impl == "math":
         need = math_memory_estimate(case)
         limit = math_limit_bytes(args)

@@ -112,17 +112,17 @@ def test_smoke_run_writes_the_schema(tmp_path: Path) -> None:
     cases = {(c["impl"], c["mode"]): c for c in data["cases"]}
     assert set(cases) == {(impl, mode) for impl in ts.IMPLS for mode in ts.MODES}
     for (impl, _mode), case in cases.items():
-        if impl in ("ours", "ours_compiled", "math", "floor"):
+        if impl in ("ours", "ours_fast", "ours_compiled", "math", "floor"):
             assert case["status"] == "ok", case
         else:  # CUDA graphs and jvp-flash-attention: CUDA only
             assert case["status"] == "skipped", case
-    assert re.search(r"^\[\s*1/18 ", result.stdout, re.MULTILINE), "progress per case"
+    assert re.search(r"^\[\s*1/21 ", result.stdout, re.MULTILINE), "progress per case"
     assert "wall_ms per call" in result.stdout
 
 
 def test_plan_shapes_modes_and_filters() -> None:
     cases = ts.plan(ts.parse_args([]))
-    assert len(cases) == len(ts.SHAPES) * len(ts.IMPLS) * len(ts.MODES) == 108
+    assert len(cases) == len(ts.SHAPES) * len(ts.IMPLS) * len(ts.MODES) == 126
     assert len({c.key for c in cases}) == len(cases)
     assert {(c.B, c.H, c.N, c.d) for c in cases} == {
         (64, 12, 256, 64), (32, 16, 256, 72), (16, 16, 1024, 72), (32, 12, 1024, 64),
@@ -135,6 +135,16 @@ def test_plan_shapes_modes_and_filters() -> None:
                                   "--mode", "meanflow"]))
     assert [(c.shape, c.impl, c.mode) for c in some] == [("dit-xl2-512", "math", "meanflow"),
                                                         ("dit-xl2-512", "jfa", "meanflow")]
+
+
+def test_fast_column_runs_in_fast_precision_and_restores_the_mode(monkeypatch) -> None:
+    seen = []
+    monkeypatch.setattr(ts.jvp_attention, "attention",
+                        lambda q, k, v: seen.append(ts.jvp_attention.get_precision()) or v)
+    case = ts.Case("smoke", "ours_fast", "fwd_jvp", 1, 1, 16, 16, "fp16")
+    before = ts.jvp_attention.get_precision()
+    ts.attention_function(case, ts.parse_args([]))(*(torch.zeros(1, 1, 16, 16),) * 3)
+    assert seen == ["fast"] and ts.jvp_attention.get_precision() == before
 
 
 def test_flop_count() -> None:
