@@ -566,7 +566,8 @@ else:
 # the backward (split: 67% and 37%). The 10% goal is met from 4096 keys, missed by up to
 # 3 points at 2048 and by 8–14 points at 1024, where what is left is the carry's own two
 # launches (a range pass and the shifted copies, each O(N)). The saved runs have no
-# shorter sequence; below 1024 keys accurate mode splits.
+# shorter sequence; below 1024 keys accurate mode splits, which the training shapes
+# below measure ("What accurate precision costs at these shapes").
 #
 # Those two launches are bound by memory, and their traffic alone rules out the goal at
 # 1024 keys. The range pass reads all six inputs for their largest magnitudes; the copies
@@ -1327,6 +1328,59 @@ else:
 # eager call is 7.7 to 16x faster for the forward with the tangent and 2.6 to 9.3x for the
 # MeanFlow call, and under CUDA graphs, which take most of the host time away at 256
 # tokens, 5.1 to 21x.
+
+# %% [markdown]
+# ### What accurate precision costs at these shapes
+#
+# "Accurate against fast" above starts at 1024 keys. DiT trains at 256 to 1024 tokens per
+# image, where accurate mode splits its products (below `carry_min_keys`: 1024 keys at d = 64 and 128,
+# 2048 at d = 72). `training_shapes.py --impl ours ours_fast` times the calls of a training
+# step both ways in one run (`benchmarks/results/training_shapes_fast_h200.json`, GPU time
+# per call from the profiler; the d = 128 shape's fast rows ran out of the run's time).
+
+# %% tags=["hide_input"]
+from jvp_attention.launch import carry_min_keys
+
+FAST_SHAPES = RESULTS / "training_shapes_fast_h200.json"
+FAST_RUN = saved_run(FAST_SHAPES)
+if FAST_RUN is None:
+    print(f"not measured yet: run benchmarks/training_shapes.py --impl ours ours_fast on a "
+          f"GPU ({FAST_SHAPES.relative_to(REPO)})")
+else:
+    fast_by_key = cases_by_key(FAST_RUN["cases"])
+    print(f"{FAST_RUN['gpu']}, {FAST_RUN['settings']['dtype']}, commit "
+          f"{FAST_RUN['git']['commit'][:10]}; GPU ms per call")
+    print(f"{'shape':12} {'(B, H, N, d)':20} {'forward path':13} {'mode':13} {'accurate':>9} "
+          f"{'fast':>7} {'accurate/fast':>14}")
+    for shape in dict.fromkeys(c["shape"] for c in FAST_RUN["cases"]):
+        first = next(c for c in FAST_RUN["cases"] if c["shape"] == shape)
+        dims = (first["B"], first["H"], first["N"], first["d"])
+        path = "carry" if first["N"] >= carry_min_keys(first["d"]) else "split"
+        for mode in ("fwd_jvp", "meanflow", "second_order"):
+            accurate_ms = ts_value(shape, mode, "ours", "gpu_ms", fast_by_key)
+            fast_ms = ts_value(shape, mode, "ours_fast", "gpu_ms", fast_by_key)
+            ratio = "-" if None in (accurate_ms, fast_ms) else f"{accurate_ms / fast_ms:.2f}"
+            print(f"{shape:12} {str(dims):20} {path:13} {mode:13} "
+                  f"{'-' if accurate_ms is None else format(accurate_ms, '.3f'):>9} "
+                  f"{'-' if fast_ms is None else format(fast_ms, '.3f'):>7} {ratio:>14}")
+
+# %% [markdown]
+# At these shapes accurate mode costs 20 to 48% more GPU time than fast, far from the 10%
+# goal. Splitting rounds the fp32 factor of three of the forward's six products as hi + lo
+# ($P V$, $P\,\dot V$ and the centred $\dot P V$), nine products where fast runs six:
+# the forward with the tangent takes 1.27x at `dit-b2-256`, where not all of its time is
+# products, and 1.48x at d = 72 (`dit-xl2-256`), whose 64 + 16 column tiles double with
+# them. Carrying (`dit-b2-512`, 1024 keys at d = 64) costs 1.21x: the two memory-bound
+# launches above. The backward through the tangent never carries (chapter 5), so the
+# second-order step costs 1.22 to 1.25x at every shape. Where the call is bound by the
+# host rather than the GPU (eager, or `torch.compile` without CUDA graphs, at 256 tokens:
+# "Wall time per call" above) the difference does not reach the step; under CUDA graphs
+# it does, if little of it: 0.43 against 0.34 ms per MeanFlow call at `dit-b2-256`, which
+# is about 0.6 ms of chapter 9's DiT-B/2 step (12 layers, batch 32, 26 ms). Meeting the
+# goal at short sequences needs an accurate product that neither doubles the tensor-core
+# work nor reads the inputs again, such as the in-kernel conversion described under
+# "Accurate against fast"; a user who accepts FlashAttention's rounding can run
+# `jvp_attention.precision("fast")` (chapter 3 compares the errors).
 
 # %% [markdown]
 # ### Head dims cut in two
