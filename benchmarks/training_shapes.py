@@ -19,7 +19,8 @@ default "accurate" precision), ours_fast (the same in "fast" precision), ours_co
 (torch.compile, default mode), ours_cudagraphs (mode="reduce-overhead"), math
 (SDPA's math backend under torch.func.jvp), jfa (jvp-flash-attention 0.14, when installed),
 floor (`v * 1` in place of attention: PyTorch's own cost of the same calls, which no
-attention called this way can go below).
+attention called this way can go below), floor_compiled (the floor under torch.compile,
+default mode: what a compiled call costs with no attention in it).
 
 Per case: GPU time, wall time and host time per call, kernels per call, TFLOP/s, peak memory
 beyond the inputs, first-call (compile) time; the definitions are written into the JSON's
@@ -115,7 +116,8 @@ MODE_LABELS = {
                     "torch.autograd.backward((out, t_out), (grad, t_grad)): the backward "
                     "through both outputs; grads of all six",
 }
-IMPLS = ("ours", "ours_fast", "ours_compiled", "ours_cudagraphs", "math", "jfa", "floor")
+IMPLS = ("ours", "ours_fast", "ours_compiled", "ours_cudagraphs", "math", "jfa", "floor",
+         "floor_compiled")
 IMPL_LABELS = {
     "ours": "jvp_attention.attention under torch.func.jvp, eager, in the precision mode in "
             "effect (settings.precision; by default \"accurate\")",
@@ -138,8 +140,13 @@ IMPL_LABELS = {
              "PyTorch's own cost per call of the transform, its dual tensors and the autograd "
              "engine, with one elementwise product where attention's kernels would be. The "
              "floor of any attention called this way; no FLOPs are credited (tflops None)",
+    "floor_compiled": "the floor's function under torch.compile (default mode, as "
+                      "ours_compiled): the host time of a compiled call and its compiled "
+                      "backward with no attention in them, against which ours_compiled's is "
+                      "read; no FLOPs are credited",
 }
-COMPILE_MODES = {"ours_compiled": "default", "ours_cudagraphs": "reduce-overhead"}
+COMPILE_MODES = {"ours_compiled": "default", "ours_cudagraphs": "reduce-overhead",
+                 "floor_compiled": "default"}
 # The math path's memory per entry of the (B, H, N, N) score matrix (fp32 scores):
 # bench.py's measured 22 bytes for the forward+JVP; the backward modes hold the autograd graph
 # of the forward+JVP (and the backward's temporaries): bench.py's 64 for its bwd2, used as an
@@ -299,7 +306,7 @@ def check_supported(case: Case, args: argparse.Namespace) -> None:
     """Raise Skip for a case that cannot run here (before anything is allocated)."""
     if case.impl == "ours_cudagraphs" and not HAS_CUDA:
         raise Skip("CUDA graphs need CUDA")
-    if case.impl == "ours_compiled" and not HAS_CUDA and not args.cpu_compile:
+    if case.impl in ("ours_compiled", "floor_compiled") and not HAS_CUDA and not args.cpu_compile:
         raise Skip("compiled on CUDA only (on CPU: --cpu-compile, the aot_eager backend)")
 
 
@@ -326,7 +333,7 @@ def attention_function(case: Case, args: argparse.Namespace) -> Callable:
                 return F.scaled_dot_product_attention(q, k, v)
 
         return math
-    if case.impl == "floor":
+    if case.impl in ("floor", "floor_compiled"):
         def floor(q, k, v):
             return v * 1.0
 
@@ -665,7 +672,7 @@ def measure(case: Case, step, args: argparse.Namespace, cycles_per_ms: float | N
         record["tflops"] = tflops(case.flops, record["wall_ms"])
         notes["tflops"] = "from wall_ms (CPU, Triton's interpreter: plumbing, not speed)"
     record["tflops_wall"] = tflops(case.flops, record["wall_ms"])
-    if case.impl == "floor":
+    if case.impl in ("floor", "floor_compiled"):
         record["tflops"] = record["tflops_wall"] = None
         notes["tflops"] = notes["tflops_wall"] = "the floor column does no attention"
     clear_grads(step)
@@ -835,7 +842,7 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                         "group")
     parser.add_argument("--cpu-reps", type=int, default=2, help="timed steps per case on CPU")
     parser.add_argument("--cpu-compile", action="store_true",
-                        help="on CPU, run ours_compiled with the aot_eager backend (slow: "
+                        help="on CPU, run ours_compiled and floor_compiled with the aot_eager backend (slow: "
                              "~10 s per case through the interpreter)")
     parser.add_argument("--math-limit-gb", type=float, default=100.0,
                         help="skip the math path above this memory estimate")
