@@ -459,16 +459,24 @@ def make_optimizer(model: nn.Module, config: TrainConfig):
 
 
 def training_step(model: nn.Module, optimizer, batch, config: TrainConfig,
-                  device: torch.device, *, label_attention: bool = False) -> torch.Tensor:
+                  device: torch.device, *, label_attention: bool = False,
+                  stamps: list[float] | None = None) -> torch.Tensor:
     """One optimisation step on `batch` (this rank's part). Returns the per-sample errors.
-    `label_attention` puts each SDPA call in a profiler range (see `labelled_attention`)."""
+    `label_attention` puts each SDPA call in a profiler range (see `labelled_attention`).
+    `stamps`, if given, receives `time.perf_counter()` at the start and as the forward, the
+    backward and the optimizer return to Python (the host's side; the GPU may lag)."""
+    mark = stamps.append if stamps is not None else (lambda _: None)
+    mark(time.perf_counter())
     x, noise, t, r = (b.to(device, non_blocking=True) for b in batch)
     labels = labelled_attention() if label_attention else contextlib.nullcontext()
     with attention_context(config.attention), labels, autocast(device, config.dtype):
         loss, error = model(x, noise, t, r)
+    mark(time.perf_counter())
     loss.backward()
+    mark(time.perf_counter())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    mark(time.perf_counter())
     return error
 
 
@@ -703,14 +711,20 @@ def benchmark_step(dit: DiTConfig, batch_size: int, attention: str, device: torc
                 result["first_step_s"] = time.perf_counter() - start
         if device.type == "cuda" and not peak_from_warmup:
             torch.cuda.reset_peak_memory_stats(device)
-        times = []
+        times, phases = [], []
         for _ in range(repeats):
             synchronize(device)
             start = time.perf_counter()
-            training_step(run, optimizer, batch, config, device)
+            stamps: list[float] = []
+            training_step(run, optimizer, batch, config, device, stamps=stamps)
             synchronize(device)
             times.append(time.perf_counter() - start)
+            phases.append([b - a for a, b in zip(stamps, stamps[1:], strict=False)])
         result["step_ms"] = 1e3 * statistics.median(times)
+        # Host time per phase: when the three add up to about the step, the step waits on
+        # Python, not on the GPU (HOST_PHASES says what each is).
+        for i, name in enumerate(HOST_PHASES):
+            result[name] = 1e3 * statistics.median(phase[i] for phase in phases)
         if device.type == "cuda":
             result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         if compiled:  # one graph and no breaks: the whole forward + JVP + loss was compiled
@@ -738,6 +752,11 @@ def benchmark_step(dit: DiTConfig, batch_size: int, attention: str, device: torc
             torch.cuda.empty_cache()
     return result
 
+
+# A row's host time per phase of the timed steps (medians, ms): until the training forward
+# (the DiT under torch.func.jvp, and the loss) returns, then `loss.backward()`, then Adam's
+# step and zero_grad; measured on the host without waiting for the GPU.
+HOST_PHASES = ("host_forward_ms", "host_backward_ms", "host_optimizer_ms")
 
 BENCH_IMAGE_SIZES = (32, 64, 128)  # with patch 2: 256, 1024, 4096 tokens
 

@@ -126,7 +126,11 @@ def test_benchmark_records_every_attention():
     by_attention = {row["attention"]: row for row in rows}
     assert set(by_attention) == set(mf.ATTENTIONS)
     for attention in ("jvp_attention", "jvp_attention_fast", "math"):
-        assert by_attention[attention]["step_ms"] > 0, by_attention[attention]
+        row = by_attention[attention]
+        assert row["step_ms"] > 0, row
+        # the host's phases of the same steps, each measured, together within the step
+        phases = [row[name] for name in mf.HOST_PHASES]
+        assert all(ms > 0 for ms in phases) and sum(phases) <= row["step_ms"] * 1.05, row
     from jvp_attention.launch import accurate
     assert accurate()  # "jvp_attention_fast" restored the default precision
     flash = by_attention["jvp_flash_attention"]
