@@ -1333,10 +1333,11 @@ else:
 # ### What accurate precision costs at these shapes
 #
 # "Accurate against fast" above starts at 1024 keys. DiT trains at 256 to 1024 tokens per
-# image, where accurate mode splits its products (below `carry_min_keys`: 1024 keys at d = 64 and 128,
-# 2048 at d = 72). `training_shapes.py --impl ours ours_fast` times the calls of a training
-# step both ways in one run (`benchmarks/results/training_shapes_fast_h200.json`, GPU time
-# per call from the profiler; the d = 128 shape's fast rows ran out of the run's time).
+# image, where accurate mode splits its products (below `carry_min_keys`: 1024 keys at
+# d = 64 and 128, 2048 at d = 72). `training_shapes.py --impl ours ours_fast` times the
+# calls of a training step both ways in one run
+# (`benchmarks/results/training_shapes_fast_h200.json`, GPU time per call from the
+# profiler; the d = 128 shape's fast rows ran out of the run's time).
 
 # %% tags=["hide_input"]
 from jvp_attention.launch import carry_min_keys
@@ -1367,17 +1368,17 @@ else:
 # %% [markdown]
 # At these shapes accurate mode costs 20 to 48% more GPU time than fast, far from the 10%
 # goal. Splitting rounds the fp32 factor of three of the forward's six products as hi + lo
-# ($P V$, $P\,\dot V$ and the centred $\dot P V$), nine products where fast runs six:
-# the forward with the tangent takes 1.27x at `dit-b2-256`, where not all of its time is
-# products, and 1.48x at d = 72 (`dit-xl2-256`), whose 64 + 16 column tiles double with
-# them. Carrying (`dit-b2-512`, 1024 keys at d = 64) costs 1.21x: the two memory-bound
-# launches above. The backward through the tangent never carries (chapter 5), so the
-# second-order step costs 1.22 to 1.25x at every shape. Where the call is bound by the
-# host rather than the GPU (eager, or `torch.compile` without CUDA graphs, at 256 tokens:
-# "Wall time per call" above) the difference does not reach the step; under CUDA graphs
-# it does, if little of it: 0.43 against 0.34 ms per MeanFlow call at `dit-b2-256`, which
-# is about 0.6 ms of chapter 9's DiT-B/2 step (12 layers, batch 32, 26 ms). Meeting the
-# goal at short sequences needs an accurate product that neither doubles the tensor-core
+# ($\tilde P V$, $\tilde P\, t_V$ and $(\tilde P \circ (t_S - \mu))\, V$), nine products
+# where fast runs six: the forward with the tangent takes 1.27x at `dit-b2-256`, where not
+# all of its time is products, and 1.48x at d = 72 (`dit-xl2-256`), whose 64 + 16 column
+# tiles double with them. Carrying (`dit-b2-512`, 1024 keys at d = 64) costs 1.21x: the
+# carry's two memory-bound launches. The backward through the tangent never carries (chapter 5),
+# so the second-order step costs 1.22 to 1.25x at every shape. Where the call is bound by
+# the host rather than the GPU (eager, or `torch.compile` without CUDA graphs, at 256
+# tokens: "Wall time per call" above) the difference does not reach the step; under CUDA
+# graphs it does, if little of it: 0.43 against 0.34 ms per MeanFlow call at `dit-b2-256`,
+# which is about 0.6 ms of chapter 9's DiT-B/2 step (12 layers, batch 32, 26 ms). Meeting
+# the goal at short sequences needs an accurate product that neither doubles the tensor-core
 # work nor reads the inputs again, such as the in-kernel conversion described under
 # "Accurate against fast"; a user who accepts FlashAttention's rounding can run
 # `jvp_attention.precision("fast")` (chapter 3 compares the errors).
