@@ -147,6 +147,8 @@ IMPL_LABELS = {
 }
 COMPILE_MODES = {"ours_compiled": "default", "ours_cudagraphs": "reduce-overhead",
                  "floor_compiled": "default"}
+# The columns with `v * 1` in place of attention: no FLOPs to credit.
+FLOOR_IMPLS = ("floor", "floor_compiled")
 # The math path's memory per entry of the (B, H, N, N) score matrix (fp32 scores):
 # bench.py's measured 22 bytes for the forward+JVP; the backward modes hold the autograd graph
 # of the forward+JVP (and the backward's temporaries): bench.py's 64 for its bwd2, used as an
@@ -333,7 +335,7 @@ def attention_function(case: Case, args: argparse.Namespace) -> Callable:
                 return F.scaled_dot_product_attention(q, k, v)
 
         return math
-    if case.impl in ("floor", "floor_compiled"):
+    if case.impl in FLOOR_IMPLS:
         def floor(q, k, v):
             return v * 1.0
 
@@ -672,7 +674,7 @@ def measure(case: Case, step, args: argparse.Namespace, cycles_per_ms: float | N
         record["tflops"] = tflops(case.flops, record["wall_ms"])
         notes["tflops"] = "from wall_ms (CPU, Triton's interpreter: plumbing, not speed)"
     record["tflops_wall"] = tflops(case.flops, record["wall_ms"])
-    if case.impl in ("floor", "floor_compiled"):
+    if case.impl in FLOOR_IMPLS:
         record["tflops"] = record["tflops_wall"] = None
         notes["tflops"] = notes["tflops_wall"] = "the floor column does no attention"
     clear_grads(step)
@@ -842,8 +844,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                         "group")
     parser.add_argument("--cpu-reps", type=int, default=2, help="timed steps per case on CPU")
     parser.add_argument("--cpu-compile", action="store_true",
-                        help="on CPU, run ours_compiled and floor_compiled with the aot_eager backend (slow: "
-                             "~10 s per case through the interpreter)")
+                        help="on CPU, run ours_compiled and floor_compiled with the aot_eager "
+                             "backend (slow: ~10 s per case through the interpreter)")
     parser.add_argument("--math-limit-gb", type=float, default=100.0,
                         help="skip the math path above this memory estimate")
     parser.add_argument("--autotune-rep-ms", type=float, default=20.0,
