@@ -24,6 +24,7 @@ from jvp_attention.launch import (
     mask_operand,
     next_power_of_2,
     on_device,
+    pair_tails,
     prepare_descriptors,
     row_alignment,
     row_strides,
@@ -42,6 +43,7 @@ from jvp_attention.tiles import (
     key_block_ranges,
     load_head_rows,
     load_head_tail_rows,
+    load_paired_tail_rows,
     load_rows,
     load_tail_rows,
     masked_scores,
@@ -49,6 +51,7 @@ from jvp_attention.tiles import (
     power_of_two,
     query_block_start,
     shift_exponent,
+    split_halves,
     store_rounded,
     tail_accumulator,
     tail_source,
@@ -68,9 +71,11 @@ def _forward_key_block(
     CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
+    PAIR_D: tl.constexpr, PAIR_DV: tl.constexpr,
 ):
     """Fold the key block starting at `start_n` into the softmax state (and the tangent state).
-    A name ending in 2 is the second tile of a head dim cut in two (D_TAIL, DV_TAIL > 0)."""
+    A name ending in 2 is the second tile of a head dim cut in two (D_TAIL, DV_TAIL > 0);
+    with PAIR_D (PAIR_DV) its tangent products are paired (`pair_tails`)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     k = load_rows(k_src, start_n, stride_kn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
     v = load_rows(v_src, start_n, stride_vn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
@@ -95,7 +100,11 @@ def _forward_key_block(
         # Natural units: masked entries have p~ = 0, so their tS never matters.
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION)
-        if D_TAIL > 0:
+        if D_TAIL > 0 and PAIR_D:  # tq2 is [tQ's tail | Q's tail]: one product
+            k_pair = load_paired_tail_rows(k2_src, tk2_src, start_n, stride_kn, stride_tkn,
+                                           n_k, head_dim - BLOCK_D, BLOCK_N, D_TAIL)
+            ts = tl.dot(tq2, tl.trans(k_pair), acc=ts, input_precision=DOT_PRECISION)
+        elif D_TAIL > 0:
             tk2 = load_tail_rows(tk2_src, start_n, stride_tkn, n_k, head_dim, BLOCK_N, BLOCK_D,
                                  D_TAIL, USE_TMA)
             ts = tl.dot(tq2, tl.trans(k2), acc=ts, input_precision=DOT_PRECISION)
@@ -111,11 +120,18 @@ def _forward_key_block(
         acc_t = dot_rounded(p_centred, v, acc_t, DOT_PRECISION, SPLIT)
         acc_t = dot_rounded(p, tv, acc_t, DOT_PRECISION, SPLIT)
         if DV_TAIL > 0:
-            tv2 = load_tail_rows(tv2_src, start_n, stride_tvn, n_k, value_dim, BLOCK_N,
-                                 BLOCK_DV, DV_TAIL, USE_TMA)
+            # Paired, the left halves hold the tails of P~ V and of the centred sum, column
+            # for column, so the centring below is unchanged (the right half of acc_t2 is
+            # never stored).
             acc_t2 = acc_t2 * alpha[:, None] - (mu_new - mu_i)[:, None] * acc_o2
             acc_t2 = dot_rounded(p_centred, v2, acc_t2, DOT_PRECISION, SPLIT)
-            acc_t2 = dot_rounded(p, tv2, acc_t2, DOT_PRECISION, SPLIT)
+            if PAIR_DV:  # P~ tV's tail joins P~ V's product, as acc_o2's right half
+                v2 = load_paired_tail_rows(v2_src, tv2_src, start_n, stride_vn, stride_tvn,
+                                           n_k, value_dim - BLOCK_DV, BLOCK_N, DV_TAIL)
+            else:
+                tv2 = load_tail_rows(tv2_src, start_n, stride_tvn, n_k, value_dim, BLOCK_N,
+                                     BLOCK_DV, DV_TAIL, USE_TMA)
+                acc_t2 = dot_rounded(p, tv2, acc_t2, DOT_PRECISION, SPLIT)
         mu_i = mu_new
     acc_o = dot_rounded(p, v, acc_o, DOT_PRECISION, SPLIT)
     if DV_TAIL > 0:
@@ -167,11 +183,13 @@ def _attention_forward_kernel(
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr, USE_TMA: tl.constexpr, CARRY: tl.constexpr,
     D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr, ALIGN: tl.constexpr,
+    PAIR_D: tl.constexpr = False, PAIR_DV: tl.constexpr = False,
 ):
     """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head).
     With CARRY, v and tv are `jvp_operands`' fp16 copies and `factors_ptr` their factors.
     With D_TAIL (DV_TAIL), the head dim of q and k (of v) is cut into tiles of BLOCK_D and
-    D_TAIL columns (`column_tiles`). Row strides and head dims are multiples of ALIGN."""
+    D_TAIL columns (`column_tiles`), and with PAIR_D (PAIR_DV) the tangent's products over
+    the tails are paired (`pair_tails`). Row strides and head dims are multiples of ALIGN."""
     (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, head_dim,
      value_dim) = aligned_operands(stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn,
                                    stride_tvn, head_dim, value_dim, ALIGN)
@@ -196,8 +214,13 @@ def _attention_forward_kernel(
         tq_base = head_base(tq_ptr, batch, head, stride_tqb, stride_tqh, ALIGN)
         tq = load_head_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D,
                             USE_TMA)
-        tq2 = load_head_tail_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M,
-                                  BLOCK_D, D_TAIL, USE_TMA)
+        if PAIR_D:
+            tq2 = load_paired_tail_rows(tq_base + BLOCK_D, q_base + BLOCK_D, start_m,
+                                        stride_tqm, stride_qm, n_q, head_dim - BLOCK_D,
+                                        BLOCK_M, D_TAIL)
+        else:
+            tq2 = load_head_tail_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M,
+                                      BLOCK_D, D_TAIL, USE_TMA)
         tk_base = head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh, ALIGN)
         tk_src = tile_source(tk_base, n_k, head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
         tk2_src = tail_source(tk_base, n_k, head_dim, stride_tkn, BLOCK_N, BLOCK_D, D_TAIL,
@@ -226,14 +249,16 @@ def _attention_forward_kernel(
             k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src, stride_tkn,
             tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
             head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
-            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA)
+            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA,
+            PAIR_D, PAIR_DV)
     for start_n in range(full_end, end, BLOCK_N):
         acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i = _forward_key_block(
             acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, q, q2, tq, tq2, rows, start_n,
             k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src, stride_tkn,
             tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
             head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
-            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA)
+            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA,
+            PAIR_D, PAIR_DV)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
@@ -242,9 +267,15 @@ def _attention_forward_kernel(
     dims_v = tl.arange(0, BLOCK_DV)
     store_rounded(o_ptr, o_residual_ptr, acc_o * o_factor[:, None], flat_rows, rows, dims_v,
                    n_q, value_dim, STORE_RESIDUAL)
+    o2, t2_paired, dims_v2 = acc_o2, acc_o2, dims_v
+    if PAIR_DV:  # acc_o2 = [O's tail | the tail of P~ tV, which goes to tO's]
+        o2, t2_paired = split_halves(acc_o2, BLOCK_M, DV_TAIL)
+        dims_v2 = BLOCK_DV + tl.arange(0, DV_TAIL // 2)
+    elif DV_TAIL > 0:
+        dims_v2 = BLOCK_DV + tl.arange(0, DV_TAIL)
     if DV_TAIL > 0:
-        store_rounded(o_ptr, o_residual_ptr, acc_o2 * o_factor[:, None], flat_rows, rows,
-                      BLOCK_DV + tl.arange(0, DV_TAIL), n_q, value_dim, STORE_RESIDUAL)
+        store_rounded(o_ptr, o_residual_ptr, o2 * o_factor[:, None], flat_rows, rows,
+                      dims_v2, n_q, value_dim, STORE_RESIDUAL)
     log2_l = tl.log2(tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
     tl.store(lse_ptr + flat_rows, lse, mask=rows < n_q)
@@ -253,9 +284,13 @@ def _attention_forward_kernel(
         t_factor = inv_l * carry_factor(factors_ptr, 2, CARRY, 1.0)
         store_rounded(to_ptr, to_residual_ptr, acc_t * t_factor[:, None], flat_rows, rows,
                        dims_v, n_q, value_dim, STORE_RESIDUAL)
+        if PAIR_DV:
+            t2 = split_halves(acc_t2, BLOCK_M, DV_TAIL)[0] + t2_paired
+        else:
+            t2 = acc_t2
         if DV_TAIL > 0:
-            store_rounded(to_ptr, to_residual_ptr, acc_t2 * t_factor[:, None], flat_rows, rows,
-                          BLOCK_DV + tl.arange(0, DV_TAIL), n_q, value_dim, STORE_RESIDUAL)
+            store_rounded(to_ptr, to_residual_ptr, t2 * t_factor[:, None], flat_rows, rows,
+                          dims_v2, n_q, value_dim, STORE_RESIDUAL)
         tl.store(mu_ptr + flat_rows, mu_i * carry_factor(factors_ptr, 3, CARRY, 1.0),
                  mask=rows < n_q)
 
@@ -348,6 +383,7 @@ def flash_attention_forward(
         with on_device(q):
             v, tv, factors = jvp_operands(q, k, v, tq, tk, tv, scale)
     use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=n_k >= FORWARD_TMA_MIN_KEYS)
+    tiles = column_tiles(head_dim, value_dim)
 
     def grid(meta):
         return cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
@@ -363,7 +399,7 @@ def flash_attention_forward(
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
             ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
             **{**kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry),
-               **column_tiles(head_dim, value_dim)},
+               **tiles, **pair_tails(tiles, head_dim, value_dim, has_tangent and not use_tma)},
         )
     outputs = AttentionOutputs(out, lse, t_out if has_tangent else None,
                                mu if has_tangent else None)

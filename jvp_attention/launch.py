@@ -503,6 +503,18 @@ def column_tiles(head_dim: int, value_dim: int) -> dict:
     return {"BLOCK_D": block_d, "D_TAIL": d_tail, "BLOCK_DV": block_dv, "DV_TAIL": dv_tail}
 
 
+def pair_tails(tiles: dict, head_dim: int, value_dim: int, paired: bool) -> dict:
+    """PAIR_D and PAIR_DV for the forward with the tangent read through pointers (`paired`):
+    a tail tile (`column_tiles`) that its columns fill at most half of (72 = 64 + 8 in a
+    16-column tile) holds two tensors' tails side by side, so that the tangent's products
+    over the tails take one product where they took two."""
+    def half_full(width: int, block: int, tail: int) -> bool:
+        return paired and tail > 0 and width - block <= tail // 2
+
+    return {"PAIR_D": half_full(head_dim, tiles["BLOCK_D"], tiles["D_TAIL"]),
+            "PAIR_DV": half_full(value_dim, tiles["BLOCK_DV"], tiles["DV_TAIL"])}
+
+
 def _two_tiles(width: int) -> tuple[int, int]:
     whole = max(16, next_power_of_2(width))
     first = 1 << (width.bit_length() - 1)  # the largest power of two <= width

@@ -137,6 +137,29 @@ def tail_accumulator(BLOCK_R: tl.constexpr, TAIL: tl.constexpr):
 
 
 @triton.jit
+def load_paired_tail_rows(a_src, b_src, start, stride_a, stride_b, n_rows, width,
+                          BLOCK_R: tl.constexpr, TAIL: tl.constexpr):
+    """Rows start.. of two pointer `tail_source`s whose tails are at most TAIL // 2 wide,
+    side by side in one [BLOCK_R x TAIL] tile: a's tail columns, then b's, zeros past
+    `width` in each half. One product over it does the work of two over half-empty tiles."""
+    half: tl.constexpr = TAIL // 2
+    rows = start + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, TAIL)
+    first = c < half
+    cols = tl.where(first, c, c - half)
+    a_ptrs = a_src + rows[:, None] * stride_a + cols[None, :]
+    b_ptrs = b_src + rows[:, None] * stride_b + cols[None, :]
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < width)
+    return tl.load(tl.where(first[None, :], a_ptrs, b_ptrs), mask=mask, other=0.0)
+
+
+@triton.jit
+def split_halves(x, BLOCK_R: tl.constexpr, TAIL: tl.constexpr):
+    """The left and the right TAIL // 2 columns of a [BLOCK_R x TAIL] tile."""
+    return tl.split(tl.permute(tl.reshape(x, [BLOCK_R, 2, TAIL // 2]), [0, 2, 1]))
+
+
+@triton.jit
 def store_rows(ptr, x, flat_rows, rows, dims, n_rows, n_dims):
     """Store a tile into a contiguous (rows, n_dims) tensor; `flat_rows` index the whole tensor."""
     mask = (rows[:, None] < n_rows) & (dims[None, :] < n_dims)

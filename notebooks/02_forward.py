@@ -98,6 +98,18 @@ from jvp_attention.reference import AttentionOutputs  # noqa: E402  (chapter 1)
 # may use fits too (212 registers, no spills), so the autotuner's candidates count such a
 # head dim by the columns it multiplies, 80, not by its padded 128 (`prune_wide_tiles`).
 #
+# With the tangent, half of such a tail tile is still padding: at $d = 72$ each 16-column
+# tail holds 8 columns. Two half-empty products can become one full one. The tangent
+# scores' tails, $t_Q K^T + Q\,t_K^T$, are one product of $[t_Q \mid Q]$ with
+# $[K \mid t_K]$, each a 16-column tile that holds two tensors' tails side by side
+# (`load_paired_tail_rows`). The output's tails $\tilde P V$ and $\tilde P\,t_V$ are one
+# product of $\tilde P$ with $[V \mid t_V]$; its left half is $O$'s tail and its right half
+# goes to $t_O$'s at the end (`split_halves`). The tangent's running centring on $\mu$
+# subtracts $\Delta\mu$ times $O$'s tail from the centred sum's tail, and both sit in the
+# left halves of their accumulators, so it stays an elementwise update. Per key block the
+# tails take four products instead of six (`pair_tails` decides; descriptors read one
+# tensor per tile, so only pointer loads pair).
+#
 # Fewer columns are not yet the same speed per FLOP everywhere. Timed on the H200 tile by
 # tile (bf16, forward with the tangent, tiles read through pointers, the best tile of each;
 # `tools/tile_sweep.py`, saved in `benchmarks/results/tile_sweep_h200.json`), with the
@@ -272,6 +284,29 @@ def tail_accumulator(BLOCK_R: tl.constexpr, TAIL: tl.constexpr):
     else:
         acc = tl.zeros([1, 1], dtype=tl.float32)
     return acc
+
+
+@triton.jit
+def load_paired_tail_rows(a_src, b_src, start, stride_a, stride_b, n_rows, width,
+                          BLOCK_R: tl.constexpr, TAIL: tl.constexpr):
+    """Rows start.. of two pointer `tail_source`s whose tails are at most TAIL // 2 wide,
+    side by side in one [BLOCK_R x TAIL] tile: a's tail columns, then b's, zeros past
+    `width` in each half. One product over it does the work of two over half-empty tiles."""
+    half: tl.constexpr = TAIL // 2
+    rows = start + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, TAIL)
+    first = c < half
+    cols = tl.where(first, c, c - half)
+    a_ptrs = a_src + rows[:, None] * stride_a + cols[None, :]
+    b_ptrs = b_src + rows[:, None] * stride_b + cols[None, :]
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < width)
+    return tl.load(tl.where(first[None, :], a_ptrs, b_ptrs), mask=mask, other=0.0)
+
+
+@triton.jit
+def split_halves(x, BLOCK_R: tl.constexpr, TAIL: tl.constexpr):
+    """The left and the right TAIL // 2 columns of a [BLOCK_R x TAIL] tile."""
+    return tl.split(tl.permute(tl.reshape(x, [BLOCK_R, 2, TAIL // 2]), [0, 2, 1]))
 
 
 @triton.jit
@@ -472,6 +507,7 @@ from jvp_attention.launch import (
     mask_operand,
     next_power_of_2,
     on_device,
+    pair_tails,
     prepare_descriptors,
     row_alignment,
     row_strides,
@@ -490,6 +526,7 @@ from jvp_attention.tiles import (
     key_block_ranges,
     load_head_rows,
     load_head_tail_rows,
+    load_paired_tail_rows,
     load_rows,
     load_tail_rows,
     masked_scores,
@@ -497,6 +534,7 @@ from jvp_attention.tiles import (
     power_of_two,
     query_block_start,
     shift_exponent,
+    split_halves,
     store_rounded,
     tail_accumulator,
     tail_source,
@@ -517,9 +555,11 @@ def _forward_key_block(
     CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
+    PAIR_D: tl.constexpr, PAIR_DV: tl.constexpr,
 ):
     """Fold the key block starting at `start_n` into the softmax state (and the tangent state).
-    A name ending in 2 is the second tile of a head dim cut in two (D_TAIL, DV_TAIL > 0)."""
+    A name ending in 2 is the second tile of a head dim cut in two (D_TAIL, DV_TAIL > 0);
+    with PAIR_D (PAIR_DV) its tangent products are paired (`pair_tails`)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     k = load_rows(k_src, start_n, stride_kn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
     v = load_rows(v_src, start_n, stride_vn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
@@ -544,7 +584,11 @@ def _forward_key_block(
         # Natural units: masked entries have p~ = 0, so their tS never matters.
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
         ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION)
-        if D_TAIL > 0:
+        if D_TAIL > 0 and PAIR_D:  # tq2 is [tQ's tail | Q's tail]: one product
+            k_pair = load_paired_tail_rows(k2_src, tk2_src, start_n, stride_kn, stride_tkn,
+                                           n_k, head_dim - BLOCK_D, BLOCK_N, D_TAIL)
+            ts = tl.dot(tq2, tl.trans(k_pair), acc=ts, input_precision=DOT_PRECISION)
+        elif D_TAIL > 0:
             tk2 = load_tail_rows(tk2_src, start_n, stride_tkn, n_k, head_dim, BLOCK_N, BLOCK_D,
                                  D_TAIL, USE_TMA)
             ts = tl.dot(tq2, tl.trans(k2), acc=ts, input_precision=DOT_PRECISION)
@@ -560,11 +604,18 @@ def _forward_key_block(
         acc_t = dot_rounded(p_centred, v, acc_t, DOT_PRECISION, SPLIT)
         acc_t = dot_rounded(p, tv, acc_t, DOT_PRECISION, SPLIT)
         if DV_TAIL > 0:
-            tv2 = load_tail_rows(tv2_src, start_n, stride_tvn, n_k, value_dim, BLOCK_N,
-                                 BLOCK_DV, DV_TAIL, USE_TMA)
+            # Paired, the left halves hold the tails of P~ V and of the centred sum, column
+            # for column, so the centring below is unchanged (the right half of acc_t2 is
+            # never stored).
             acc_t2 = acc_t2 * alpha[:, None] - (mu_new - mu_i)[:, None] * acc_o2
             acc_t2 = dot_rounded(p_centred, v2, acc_t2, DOT_PRECISION, SPLIT)
-            acc_t2 = dot_rounded(p, tv2, acc_t2, DOT_PRECISION, SPLIT)
+            if PAIR_DV:  # P~ tV's tail joins P~ V's product, as acc_o2's right half
+                v2 = load_paired_tail_rows(v2_src, tv2_src, start_n, stride_vn, stride_tvn,
+                                           n_k, value_dim - BLOCK_DV, BLOCK_N, DV_TAIL)
+            else:
+                tv2 = load_tail_rows(tv2_src, start_n, stride_tvn, n_k, value_dim, BLOCK_N,
+                                     BLOCK_DV, DV_TAIL, USE_TMA)
+                acc_t2 = dot_rounded(p, tv2, acc_t2, DOT_PRECISION, SPLIT)
         mu_i = mu_new
     acc_o = dot_rounded(p, v, acc_o, DOT_PRECISION, SPLIT)
     if DV_TAIL > 0:
@@ -954,11 +1005,13 @@ def _attention_forward_kernel(
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     STORE_RESIDUAL: tl.constexpr, USE_TMA: tl.constexpr, CARRY: tl.constexpr,
     D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr, ALIGN: tl.constexpr,
+    PAIR_D: tl.constexpr = False, PAIR_DV: tl.constexpr = False,
 ):
     """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head).
     With CARRY, v and tv are `jvp_operands`' fp16 copies and `factors_ptr` their factors.
     With D_TAIL (DV_TAIL), the head dim of q and k (of v) is cut into tiles of BLOCK_D and
-    D_TAIL columns (`column_tiles`). Row strides and head dims are multiples of ALIGN."""
+    D_TAIL columns (`column_tiles`), and with PAIR_D (PAIR_DV) the tangent's products over
+    the tails are paired (`pair_tails`). Row strides and head dims are multiples of ALIGN."""
     (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, head_dim,
      value_dim) = aligned_operands(stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn,
                                    stride_tvn, head_dim, value_dim, ALIGN)
@@ -983,8 +1036,13 @@ def _attention_forward_kernel(
         tq_base = head_base(tq_ptr, batch, head, stride_tqb, stride_tqh, ALIGN)
         tq = load_head_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M, BLOCK_D,
                             USE_TMA)
-        tq2 = load_head_tail_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M,
-                                  BLOCK_D, D_TAIL, USE_TMA)
+        if PAIR_D:
+            tq2 = load_paired_tail_rows(tq_base + BLOCK_D, q_base + BLOCK_D, start_m,
+                                        stride_tqm, stride_qm, n_q, head_dim - BLOCK_D,
+                                        BLOCK_M, D_TAIL)
+        else:
+            tq2 = load_head_tail_rows(tq_base, start_m, stride_tqm, n_q, head_dim, BLOCK_M,
+                                      BLOCK_D, D_TAIL, USE_TMA)
         tk_base = head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh, ALIGN)
         tk_src = tile_source(tk_base, n_k, head_dim, stride_tkn, BLOCK_N, BLOCK_D, USE_TMA)
         tk2_src = tail_source(tk_base, n_k, head_dim, stride_tkn, BLOCK_N, BLOCK_D, D_TAIL,
@@ -1013,14 +1071,16 @@ def _attention_forward_kernel(
             k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src, stride_tkn,
             tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
             head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
-            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA)
+            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA,
+            PAIR_D, PAIR_DV)
     for start_n in range(full_end, end, BLOCK_N):
         acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i = _forward_key_block(
             acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, q, q2, tq, tq2, rows, start_n,
             k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src, stride_tkn,
             tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
             head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
-            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA)
+            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA,
+            PAIR_D, PAIR_DV)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
@@ -1029,9 +1089,15 @@ def _attention_forward_kernel(
     dims_v = tl.arange(0, BLOCK_DV)
     store_rounded(o_ptr, o_residual_ptr, acc_o * o_factor[:, None], flat_rows, rows, dims_v,
                    n_q, value_dim, STORE_RESIDUAL)
+    o2, t2_paired, dims_v2 = acc_o2, acc_o2, dims_v
+    if PAIR_DV:  # acc_o2 = [O's tail | the tail of P~ tV, which goes to tO's]
+        o2, t2_paired = split_halves(acc_o2, BLOCK_M, DV_TAIL)
+        dims_v2 = BLOCK_DV + tl.arange(0, DV_TAIL // 2)
+    elif DV_TAIL > 0:
+        dims_v2 = BLOCK_DV + tl.arange(0, DV_TAIL)
     if DV_TAIL > 0:
-        store_rounded(o_ptr, o_residual_ptr, acc_o2 * o_factor[:, None], flat_rows, rows,
-                      BLOCK_DV + tl.arange(0, DV_TAIL), n_q, value_dim, STORE_RESIDUAL)
+        store_rounded(o_ptr, o_residual_ptr, o2 * o_factor[:, None], flat_rows, rows,
+                      dims_v2, n_q, value_dim, STORE_RESIDUAL)
     log2_l = tl.log2(tl.where(empty, 1.0, l_i))
     lse = tl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
     tl.store(lse_ptr + flat_rows, lse, mask=rows < n_q)
@@ -1040,9 +1106,13 @@ def _attention_forward_kernel(
         t_factor = inv_l * carry_factor(factors_ptr, 2, CARRY, 1.0)
         store_rounded(to_ptr, to_residual_ptr, acc_t * t_factor[:, None], flat_rows, rows,
                        dims_v, n_q, value_dim, STORE_RESIDUAL)
+        if PAIR_DV:
+            t2 = split_halves(acc_t2, BLOCK_M, DV_TAIL)[0] + t2_paired
+        else:
+            t2 = acc_t2
         if DV_TAIL > 0:
-            store_rounded(to_ptr, to_residual_ptr, acc_t2 * t_factor[:, None], flat_rows, rows,
-                          BLOCK_DV + tl.arange(0, DV_TAIL), n_q, value_dim, STORE_RESIDUAL)
+            store_rounded(to_ptr, to_residual_ptr, t2 * t_factor[:, None], flat_rows, rows,
+                          dims_v2, n_q, value_dim, STORE_RESIDUAL)
         tl.store(mu_ptr + flat_rows, mu_i * carry_factor(factors_ptr, 3, CARRY, 1.0),
                  mask=rows < n_q)
 
@@ -1502,6 +1572,18 @@ def column_tiles(head_dim: int, value_dim: int) -> dict:
     return {"BLOCK_D": block_d, "D_TAIL": d_tail, "BLOCK_DV": block_dv, "DV_TAIL": dv_tail}
 
 
+def pair_tails(tiles: dict, head_dim: int, value_dim: int, paired: bool) -> dict:
+    """PAIR_D and PAIR_DV for the forward with the tangent read through pointers (`paired`):
+    a tail tile (`column_tiles`) that its columns fill at most half of (72 = 64 + 8 in a
+    16-column tile) holds two tensors' tails side by side, so that the tangent's products
+    over the tails take one product where they took two."""
+    def half_full(width: int, block: int, tail: int) -> bool:
+        return paired and tail > 0 and width - block <= tail // 2
+
+    return {"PAIR_D": half_full(head_dim, tiles["BLOCK_D"], tiles["D_TAIL"]),
+            "PAIR_DV": half_full(value_dim, tiles["BLOCK_DV"], tiles["DV_TAIL"])}
+
+
 def _two_tiles(width: int) -> tuple[int, int]:
     whole = max(16, next_power_of_2(width))
     first = 1 << (width.bit_length() - 1)  # the largest power of two <= width
@@ -1683,6 +1765,7 @@ def flash_attention_forward(
         with on_device(q):
             v, tv, factors = jvp_operands(q, k, v, tq, tk, tv, scale)
     use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=n_k >= FORWARD_TMA_MIN_KEYS)
+    tiles = column_tiles(head_dim, value_dim)
 
     def grid(meta):
         return cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
@@ -1698,7 +1781,7 @@ def flash_attention_forward(
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
             ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
             **{**kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry),
-               **column_tiles(head_dim, value_dim)},
+               **tiles, **pair_tails(tiles, head_dim, value_dim, has_tangent and not use_tma)},
         )
     outputs = AttentionOutputs(out, lse, t_out if has_tangent else None,
                                mu if has_tangent else None)

@@ -103,6 +103,42 @@ def test_column_tiles_skip_most_of_the_padding() -> None:
                                      "DV_TAIL": 16}
 
 
+def test_tails_pair_when_they_fill_at_most_half_their_tile() -> None:
+    launch = jvp_attention.launch
+    flags = {(d, dv): launch.pair_tails(launch.column_tiles(d, dv), d, dv, True)
+             for d, dv in ((72, 72), (40, 40), (80, 80), (96, 96), (64, 64), (72, 80))}
+    assert flags == {
+        (72, 72): {"PAIR_D": True, "PAIR_DV": True}, (40, 40): {"PAIR_D": True, "PAIR_DV": True},
+        (80, 80): {"PAIR_D": False, "PAIR_DV": False}, (96, 96): {"PAIR_D": False, "PAIR_DV": False},
+        (64, 64): {"PAIR_D": False, "PAIR_DV": False}, (72, 80): {"PAIR_D": True, "PAIR_DV": False}}
+    # without the tangent, or through descriptors, nothing pairs
+    assert launch.pair_tails(launch.column_tiles(72, 72), 72, 72, False) == {
+        "PAIR_D": False, "PAIR_DV": False}
+
+
+@pytest.mark.parametrize("d, dv", [(72, 72), (40, 72), (72, 40), (80, 72)])
+def test_paired_tails_give_the_unpaired_result(monkeypatch, d: int, dv: int) -> None:
+    """The paired tail products (`pair_tails`) change which products run, not their sums:
+    fp32, against the same launch with pairing off."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 45, d, device=DEVICE)
+    k, tk = (torch.randn(2, 2, 37, d, device=DEVICE) for _ in range(2))
+    v, tv = (torch.randn(2, 2, 37, dv, device=DEVICE) for _ in range(2))
+    tq = torch.randn_like(q)
+    keep = torch.rand(2, 1, 45, 37, device=DEVICE) > 0.2
+
+    def run():
+        return flash_attention_forward(q, k, v, keep, True, None, (tq, tk, tv))
+
+    paired = run()
+    monkeypatch.setattr(jvp_attention.forward, "pair_tails",
+                        lambda tiles, *_: {"PAIR_D": False, "PAIR_DV": False})
+    unpaired = run()
+    for name in ("out", "tangent_out", "lse", "mu"):
+        torch.testing.assert_close(getattr(paired, name), getattr(unpaired, name),
+                                   rtol=1e-5, atol=1e-5, msg=name)
+
+
 # --- properties of the kernel beyond accuracy ---------------------------------------------
 
 
