@@ -384,6 +384,7 @@ def flash_attention_forward(
             v, tv, factors = jvp_operands(q, k, v, tq, tk, tv, scale)
     use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=n_k >= FORWARD_TMA_MIN_KEYS)
     tiles = column_tiles(head_dim, value_dim)
+    constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)
 
     def grid(meta):
         return cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
@@ -398,8 +399,8 @@ def flash_attention_forward(
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
             ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
-            **{**kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry),
-               **tiles, **pair_tails(tiles, head_dim, value_dim, has_tangent and not use_tma)},
+            **{**constants, **tiles},  # the column tiles' widths replace the padded ones
+            **pair_tails(tiles, head_dim, value_dim, constants["SPLIT"] and not use_tma),
         )
     outputs = AttentionOutputs(out, lse, t_out if has_tangent else None,
                                mu if has_tangent else None)

@@ -504,10 +504,10 @@ def column_tiles(head_dim: int, value_dim: int) -> dict:
 
 
 def pair_tails(tiles: dict, head_dim: int, value_dim: int, paired: bool) -> dict:
-    """PAIR_D and PAIR_DV for the forward with the tangent read through pointers (`paired`):
-    a tail tile (`column_tiles`) that its columns fill at most half of (72 = 64 + 8 in a
-    16-column tile) holds two tensors' tails side by side, so that the tangent's products
-    over the tails take one product where they took two."""
+    """PAIR_D and PAIR_DV where `paired` (the forward with the tangent, its products split,
+    its tiles read through pointers): a tail tile (`column_tiles`) that its columns fill at
+    most half of (72 = 64 + 8 in a 16-column tile) holds two tensors' tails side by side, so
+    that the tangent's products over the tails take one product where they took two."""
     def half_full(width: int, block: int, tail: int) -> bool:
         return paired and tail > 0 and width - block <= tail // 2
 

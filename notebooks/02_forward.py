@@ -107,8 +107,17 @@ from jvp_attention.reference import AttentionOutputs  # noqa: E402  (chapter 1)
 # goes to $t_O$'s at the end (`split_halves`). The tangent's running centring on $\mu$
 # subtracts $\Delta\mu$ times $O$'s tail from the centred sum's tail, and both sit in the
 # left halves of their accumulators, so it stays an elementwise update. Per key block the
-# tails take four products instead of six (`pair_tails` decides; descriptors read one
-# tensor per tile, so only pointer loads pair).
+# tails take four products instead of six, eight instead of twelve where accurate precision
+# splits each product in two.
+#
+# Pairing pays only where products are dear. Timed on the H200 tile by tile (bf16,
+# `tools/tile_sweep.py`, the same three tiles before and after, at $(32, 16, 256)$,
+# $(48, 12, 512)$ and $(16, 16, 1024)$ for $(B, H, N)$), the best tile of accurate
+# precision's split products got 2-6% faster at $d = 72$ and $d = 40$ (0.154 to 0.149 ms at
+# 256 tokens, 0.966 to 0.910 at 1024, $d = 72$), while "fast" precision, one product per
+# pair, got 1-11% slower: the paired tiles hold more registers, and the products they save
+# are cheap. So `pair_tails` pairs only split products read through pointers (descriptors
+# read one tensor per tile).
 #
 # Fewer columns are not yet the same speed per FLOP everywhere. Timed on the H200 tile by
 # tile (bf16, forward with the tangent, tiles read through pointers, the best tile of each;
@@ -1573,10 +1582,10 @@ def column_tiles(head_dim: int, value_dim: int) -> dict:
 
 
 def pair_tails(tiles: dict, head_dim: int, value_dim: int, paired: bool) -> dict:
-    """PAIR_D and PAIR_DV for the forward with the tangent read through pointers (`paired`):
-    a tail tile (`column_tiles`) that its columns fill at most half of (72 = 64 + 8 in a
-    16-column tile) holds two tensors' tails side by side, so that the tangent's products
-    over the tails take one product where they took two."""
+    """PAIR_D and PAIR_DV where `paired` (the forward with the tangent, its products split,
+    its tiles read through pointers): a tail tile (`column_tiles`) that its columns fill at
+    most half of (72 = 64 + 8 in a 16-column tile) holds two tensors' tails side by side, so
+    that the tangent's products over the tails take one product where they took two."""
     def half_full(width: int, block: int, tail: int) -> bool:
         return paired and tail > 0 and width - block <= tail // 2
 
@@ -1766,6 +1775,7 @@ def flash_attention_forward(
             v, tv, factors = jvp_operands(q, k, v, tq, tk, tv, scale)
     use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=n_k >= FORWARD_TMA_MIN_KEYS)
     tiles = column_tiles(head_dim, value_dim)
+    constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)
 
     def grid(meta):
         return cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
@@ -1780,8 +1790,8 @@ def flash_attention_forward(
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
             ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
-            **{**kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry),
-               **tiles, **pair_tails(tiles, head_dim, value_dim, has_tangent and not use_tma)},
+            **{**constants, **tiles},  # the column tiles' widths replace the padded ones
+            **pair_tails(tiles, head_dim, value_dim, constants["SPLIT"] and not use_tma),
         )
     outputs = AttentionOutputs(out, lse, t_out if has_tangent else None,
                                mu if has_tangent else None)

@@ -119,24 +119,51 @@ def test_tails_pair_when_they_fill_at_most_half_their_tile() -> None:
 @pytest.mark.parametrize("d, dv", [(72, 72), (40, 72), (72, 40), (80, 72)])
 def test_paired_tails_give_the_unpaired_result(monkeypatch, d: int, dv: int) -> None:
     """The paired tail products (`pair_tails`) change which products run, not their sums:
-    fp32, against the same launch with pairing off."""
+    fp16 in accurate precision (split products, where tails pair), against the same launch
+    with pairing off, to within one fp16 rounding of the outputs."""
     torch.manual_seed(0)
-    q = torch.randn(2, 4, 45, d, device=DEVICE)
-    k, tk = (torch.randn(2, 2, 37, d, device=DEVICE) for _ in range(2))
-    v, tv = (torch.randn(2, 2, 37, dv, device=DEVICE) for _ in range(2))
+    q = torch.randn(2, 4, 45, d, device=DEVICE, dtype=torch.float16)
+    k, tk = (torch.randn(2, 2, 37, d, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    v, tv = (torch.randn(2, 2, 37, dv, device=DEVICE, dtype=torch.float16) for _ in range(2))
     tq = torch.randn_like(q)
     keep = torch.rand(2, 1, 45, 37, device=DEVICE) > 0.2
+    chosen = []
+    pair_tails = jvp_attention.forward.pair_tails
+
+    def spy(*args):
+        chosen.append(pair_tails(*args))
+        return chosen[-1]
 
     def run():
-        return flash_attention_forward(q, k, v, keep, True, None, (tq, tk, tv))
+        with jvp_attention.precision("accurate"):
+            return flash_attention_forward(q, k, v, keep, True, None, (tq, tk, tv))
 
+    monkeypatch.setattr(jvp_attention.forward, "pair_tails", spy)
     paired = run()
+    assert chosen == [{"PAIR_D": d != 80, "PAIR_DV": dv != 80}]
     monkeypatch.setattr(jvp_attention.forward, "pair_tails",
                         lambda tiles, *_: {"PAIR_D": False, "PAIR_DV": False})
     unpaired = run()
-    for name in ("out", "tangent_out", "lse", "mu"):
+    for name in ("out", "tangent_out"):
+        torch.testing.assert_close(getattr(paired, name), getattr(unpaired, name),
+                                   rtol=2**-10, atol=2**-12, msg=name)
+    for name in ("lse", "mu"):
         torch.testing.assert_close(getattr(paired, name), getattr(unpaired, name),
                                    rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_tails_pair_only_where_products_split(monkeypatch) -> None:
+    """Fast precision (one product each) and fp32 inputs leave the tails unpaired."""
+    chosen = []
+    pair_tails = jvp_attention.forward.pair_tails
+    monkeypatch.setattr(jvp_attention.forward, "pair_tails",
+                        lambda *args: chosen.append(pair_tails(*args)) or chosen[-1])
+    for dtype, mode in ((torch.float16, "fast"), (torch.float32, "accurate")):
+        q, k, v, tq, tk, tv = (torch.randn(1, 2, 20, 72, device=DEVICE, dtype=dtype)
+                               for _ in range(6))
+        with jvp_attention.precision(mode):
+            flash_attention_forward(q, k, v, None, False, None, (tq, tk, tv))
+    assert chosen == [{"PAIR_D": False, "PAIR_DV": False}] * 2
 
 
 # --- properties of the kernel beyond accuracy ---------------------------------------------
