@@ -1261,6 +1261,94 @@ else:
                           + (f"  compile {compile_s:.0f} s" if compile_s is not None else ""))
 
 # %% [markdown]
+# ### Compiled calls against PyTorch's compiled floor
+#
+# Under `torch.compile` the transform and the dual tensors around our call are traced away,
+# but the yardstick for what is left is the floor compiled the same way, not the eager one.
+# `training_shapes.py --impl ours_compiled floor_compiled` times both in one run at the five
+# shapes up to 1024 tokens (`benchmarks/results/training_shapes_compiled_h200.json`, the
+# command in its `command` field): `floor_compiled` is `v * 1` in place of attention, under
+# `torch.compile` in its default mode as `ours_compiled` is. Below, per call: both host
+# times, their difference (our own host work once compiled), our GPU time, the kernels our
+# compiled call launches, and whether the host or the GPU bounds it.
+
+# %% tags=["hide_input"]
+COMPILED_SHAPES = RESULTS / "training_shapes_compiled_h200.json"
+COMPILED_RUN = saved_run(COMPILED_SHAPES)
+
+
+def ms_cell(value, width, star=""):
+    """A time in ms, right-aligned in `width` characters; '-' when not measured."""
+    return f"{'-' if value is None else format(value, '.3f') + star:>{width}}"
+
+
+if COMPILED_RUN is None:
+    print(f"not measured yet: run benchmarks/training_shapes.py --impl ours_compiled "
+          f"floor_compiled on a GPU ({COMPILED_SHAPES.relative_to(REPO)})")
+else:
+    compiled_by_key = cases_by_key(COMPILED_RUN["cases"])
+    print(f"{COMPILED_RUN['gpu']}, {COMPILED_RUN['settings']['dtype']}, commit "
+          f"{COMPILED_RUN['git']['commit'][:10]}, {COMPILED_RUN['date'][:10]}; ms per call, "
+          "both columns under torch.compile (default mode)")
+    print(f"{'shape':12} {'(B, H, N, d)':20} {'mode':13} {'host ours':>10} {'host floor':>11} "
+          f"{'ours - floor':>13} {'GPU ours':>9} {'kernels':>8}  bound")
+    waited = False
+    for shape in dict.fromkeys(c["shape"] for c in COMPILED_RUN["cases"]):
+        first = next(c for c in COMPILED_RUN["cases"] if c["shape"] == shape)
+        dims = (first["B"], first["H"], first["N"], first["d"])
+        for mode in dict.fromkeys(c["mode"] for c in COMPILED_RUN["cases"]):
+            host, floor_host = (ts_value(shape, mode, impl, "host_ms", compiled_by_key)
+                                for impl in ("ours_compiled", "floor_compiled"))
+            gpu = ts_value(shape, mode, "ours_compiled", "gpu_ms", compiled_by_key)
+            kernels = ts_value(shape, mode, "ours_compiled", "kernels_per_call", compiled_by_key)
+            stars = ["" if ts_value(shape, mode, impl, "host_overlapped", compiled_by_key)
+                     is not False else "*" for impl in ("ours_compiled", "floor_compiled")]
+            waited = waited or "*" in stars
+            own = None if None in (host, floor_host) else host - floor_host
+            bound = "-" if None in (host, gpu) else ("host" if host > gpu else "GPU")
+            print(f"{shape:12} {str(dims):20} {mode:13} {ms_cell(host, 10, stars[0])} "
+                  f"{ms_cell(floor_host, 11, stars[1])} {ms_cell(own, 13)} {ms_cell(gpu, 9)} "
+                  f"{'-' if kernels is None else kernels:>8}  {bound}")
+    if waited:
+        print("* measured while a call waited for the GPU: includes GPU time")
+
+# %% [markdown]
+# Compiled, the floor costs the host 0.075 to 0.135 ms per forward with the tangent and 0.50
+# to 0.73 ms per MeanFlow or second-order call: Dynamo's guards, the compiled forward,
+# AOTAutograd's compiled backward and the autograd engine, around two to four elementwise
+# kernels. Our compiled call costs 0.20 to 0.78 ms per forward with the tangent and 1.41 to
+# 2.54 ms per MeanFlow or second-order call. The difference, 0.07 to 0.71 ms and 0.69 to
+# 2.04 ms, is ours: the operators' Python. That is our launchers, our autotuner's dispatch,
+# and the operators' dispatch, which run on every call in a compiled graph too. The wrappers
+# that `torch.library.custom_op` puts around each operator (its autograd layer and its
+# backend dispatch) are a small part of it: on a CPU (torch 2.13), a trivial operator took
+# 17 µs per call through them against 15 µs registered with `torch.library.Library`
+# directly. It grows with the kernels a call launches: 0.07 to 0.31 ms where the forward with the
+# tangent is one kernel, 0.54 and 0.71 ms where accurate precision carries (1024 keys at
+# d = 64 and 128, three kernels), 1.54 and 2.04 ms for those two shapes' MeanFlow call
+# (seven kernels). Both columns ran on one host in one run; host times vary between runs
+# (the same compiled MeanFlow call at `dit-b2-256` took 1.38 ms in the main run above and
+# 1.48 ms here), so compare them within a run.
+#
+# At 256 tokens every compiled call is host-bound. The MeanFlow call takes 1.48 ms of host
+# time against 0.43 ms of GPU time at `dit-b2-256`, and 1.89 against 0.41 ms at
+# `dit-xl2-256`: the GPU idles most of each call. From 1024 tokens the GPU time about
+# matches the host time or exceeds it: for the MeanFlow call 2.05 ms of GPU time against
+# 2.08 ms of host time at `dit-b2-512`, 2.44 against 2.54 ms at `n1k-d128`, 2.35 against
+# 1.68 ms at `dit-xl2-512`. The forward with the tangent and the second-order call are
+# GPU-bound at all three of those shapes (the second-order call at 6.46 to 7.11 ms of GPU
+# time against 1.78 to 2.24 ms of host time).
+#
+# Where the shapes are static, CUDA graphs already take this host time away: a replay runs
+# none of the Python (`ours_cudagraphs`, earlier in this section). Without them, the route
+# that would remove most of it is to let Inductor launch the kernels itself: operators
+# registered with `torch.library.triton_op` that call the kernels through `wrap_triton`, so
+# that the compiled graph holds the launches and neither our launchers nor the custom-op
+# wrappers run per call. That is a plan, not done. It needs the launchers' decisions (which
+# kernels a call runs, with which tiles and grids) to work on fake tensors, from shapes,
+# strides and dtypes alone, as Inductor sees them when it traces.
+
+# %% [markdown]
 # ### In a fused-QKV layout
 #
 # The runs above give q, k, v and their tangents each its own contiguous (B, H, N, d)
@@ -1337,7 +1425,8 @@ else:
 # d = 64 and 128, 2048 at d = 72). `training_shapes.py --impl ours ours_fast` times the
 # calls of a training step both ways in one run
 # (`benchmarks/results/training_shapes_fast_h200.json`, GPU time per call from the
-# profiler; the d = 128 shape's fast rows ran out of the run's time).
+# profiler; the d = 72 shapes and `n1k-d128`'s fast rows were measured again after chapter
+# 2's paired tails, the other rows copied from the run before: its `git.note` says which).
 
 # %% tags=["hide_input"]
 from jvp_attention.launch import carry_min_keys
@@ -1366,14 +1455,18 @@ else:
                   f"{'-' if fast_ms is None else format(fast_ms, '.3f'):>7} {ratio:>14}")
 
 # %% [markdown]
-# At these shapes accurate mode costs 20 to 48% more GPU time than fast, far from the 10%
-# goal. Splitting rounds the fp32 factor of three of the forward's six products as hi + lo
-# ($\tilde P V$, $\tilde P\, t_V$ and $(\tilde P \circ (t_S - \mu))\, V$), nine products
-# where fast runs six: the forward with the tangent takes 1.27x at `dit-b2-256`, where not
-# all of its time is products, and 1.48x at d = 72 (`dit-xl2-256`), whose 64 + 16 column
-# tiles double with them. Carrying (`dit-b2-512`, 1024 keys at d = 64) costs 1.21x: the
-# carry's two memory-bound launches. The backward through the tangent never carries (chapter 5),
-# so the second-order step costs 1.22 to 1.25x at every shape. Where the call is bound by
+# At these shapes accurate mode costs 7 to 29% more GPU time than fast, short of the 10%
+# goal everywhere but one row. Splitting rounds the fp32 factor of three of the forward's
+# six products as hi + lo ($\tilde P V$, $\tilde P\, t_V$ and
+# $(\tilde P \circ (t_S - \mu))\, V$), nine products where fast runs six: the forward with
+# the tangent takes 1.27x at `dit-b2-256`, where not all of its time is products. At d = 72
+# (`dit-xl2-256`), whose 64 + 16 column tiles double the products, it took 1.48x before
+# chapter 2 paired the tails of split products; it takes 1.07x in this run, whose fast call
+# was slower than in chapter 2's tile-by-tile comparison (0.136 against 0.127 ms: the
+# benchmark's quick autotuning timer varies from run to run). On the same 64 × 64 tile the
+# two take 0.149 and 0.127 ms, 1.17x. Carrying (`dit-b2-512` and `n1k-d128`, 1024 keys at d = 64 and 128) costs
+# 1.17 to 1.21x: the carry's two memory-bound launches. The backward through the tangent
+# never carries (chapter 5), so the second-order step costs 1.19 to 1.23x at every shape. Where the call is bound by
 # the host rather than the GPU (eager, or `torch.compile` without CUDA graphs, at 256
 # tokens: "Wall time per call" above) the difference does not reach the step; under CUDA
 # graphs it does, if little of it: 0.43 against 0.34 ms per MeanFlow call at `dit-b2-256`,
