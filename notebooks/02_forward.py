@@ -111,7 +111,8 @@ from jvp_attention.reference import AttentionOutputs  # noqa: E402  (chapter 1)
 # splits each product in two.
 #
 # Pairing pays only where products are dear. Timed on the H200 tile by tile (bf16,
-# `tools/tile_sweep.py`, the same three tiles before and after, at $(32, 16, 256)$,
+# `tools/tile_sweep.py`, saved in `benchmarks/results/paired_tails_h200.json`: the same
+# three tiles before and after, at $(32, 16, 256)$,
 # $(48, 12, 512)$ and $(16, 16, 1024)$ for $(B, H, N)$), the best tile of accurate
 # precision's split products got 2-6% faster at $d = 72$ and $d = 40$ (0.154 to 0.149 ms at
 # 256 tokens, 0.966 to 0.910 at 1024, $d = 72$), while "fast" precision, one product per

@@ -299,7 +299,13 @@ else:
 # 2. **Registers.** The tangent doubles the fp32 accumulators, and the second-order
 #    backward quadruples them: the table above shows those kernels at the 255-register
 #    ceiling, which limits their tiles to 32-64 rows and costs them tensor-core efficiency
-#    (a Hopper warpgroup multiply wants 64 rows per warpgroup).
+#    (a Hopper warpgroup multiply wants 64 rows per warpgroup). Halving the second-order
+#    dK/dV kernel's accumulators by splitting it into two launches, one for $dK$ and
+#    $dt_K$ and one for $dV$ and $dt_V$, does not pay: each launch recomputes the scores and
+#    their tangents (21 products per tile between them where one kernel runs 18), and in an
+#    experiment on the H200 (bf16, autotuned, not kept) the pair took 17 to 26% longer than
+#    the one kernel, 19.9 against 15.8 ms at B4 H16 N4096 d128 and 0.64 against 0.54 ms at
+#    (64, 12, 256, 64), with the autotuner still choosing 16 × 32 tiles for $dK$.
 # 3. **No warp specialisation.** SDPA's Hopper kernels dedicate warps to the copy engine
 #    and overlap the softmax of one tile with the matrix products of the next (FlashAttention
 #    3's ping-pong schedule). Triton 3.6 on Hopper pipelines the copies but issues products
