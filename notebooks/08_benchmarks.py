@@ -1277,19 +1277,26 @@ COMPILED_SHAPES = RESULTS / "training_shapes_compiled_h200.json"
 COMPILED_RUN = saved_run(COMPILED_SHAPES)
 
 
+def announce_run(run: dict | None, path: Path, impls: str, what: str) -> bool:
+    """Print the line that names a saved training-shapes run (GPU, dtype, commit, date and
+    `what` its table shows), or how to make the missing file; whether the run exists."""
+    if run is None:
+        print(f"not measured yet: run benchmarks/training_shapes.py --impl {impls} on a GPU "
+              f"({path.relative_to(REPO)})")
+        return False
+    print(f"{run['gpu']}, {run['settings']['dtype']}, commit {run['git']['commit'][:10]}, "
+          f"{run['date'][:10]}; {what}")
+    return True
+
+
 def ms_cell(value, width, star=""):
     """A time in ms, right-aligned in `width` characters; '-' when not measured."""
     return f"{'-' if value is None else format(value, '.3f') + star:>{width}}"
 
 
-if COMPILED_RUN is None:
-    print(f"not measured yet: run benchmarks/training_shapes.py --impl ours_compiled "
-          f"floor_compiled on a GPU ({COMPILED_SHAPES.relative_to(REPO)})")
-else:
+if announce_run(COMPILED_RUN, COMPILED_SHAPES, "ours_compiled floor_compiled",
+                "ms per call, both columns under torch.compile (default mode)"):
     compiled_by_key = cases_by_key(COMPILED_RUN["cases"])
-    print(f"{COMPILED_RUN['gpu']}, {COMPILED_RUN['settings']['dtype']}, commit "
-          f"{COMPILED_RUN['git']['commit'][:10]}, {COMPILED_RUN['date'][:10]}; ms per call, "
-          "both columns under torch.compile (default mode)")
     print(f"{'shape':12} {'(B, H, N, d)':20} {'mode':13} {'host ours':>10} {'host floor':>11} "
           f"{'ours - floor':>13} {'GPU ours':>9} {'kernels':>8}  bound")
     waited = False
@@ -1433,13 +1440,8 @@ from jvp_attention.launch import carry_min_keys
 
 FAST_SHAPES = RESULTS / "training_shapes_fast_h200.json"
 FAST_RUN = saved_run(FAST_SHAPES)
-if FAST_RUN is None:
-    print(f"not measured yet: run benchmarks/training_shapes.py --impl ours ours_fast on a "
-          f"GPU ({FAST_SHAPES.relative_to(REPO)})")
-else:
+if announce_run(FAST_RUN, FAST_SHAPES, "ours ours_fast", "GPU ms per call"):
     fast_by_key = cases_by_key(FAST_RUN["cases"])
-    print(f"{FAST_RUN['gpu']}, {FAST_RUN['settings']['dtype']}, commit "
-          f"{FAST_RUN['git']['commit'][:10]}; GPU ms per call")
     print(f"{'shape':12} {'(B, H, N, d)':20} {'forward path':13} {'mode':13} {'accurate':>9} "
           f"{'fast':>7} {'accurate/fast':>14}")
     for shape in dict.fromkeys(c["shape"] for c in FAST_RUN["cases"]):
