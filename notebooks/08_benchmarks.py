@@ -1353,7 +1353,14 @@ if announce_run(COMPILED_RUN, COMPILED_SHAPES, "ours_compiled floor_compiled",
 # that the compiled graph holds the launches and neither our launchers nor the custom-op
 # wrappers run per call. That is a plan, not done. It needs the launchers' decisions (which
 # kernels a call runs, with which tiles and grids) to work on fake tensors, from shapes,
-# strides and dtypes alone, as Inductor sees them when it traces.
+# strides and dtypes alone, as Inductor sees them when it traces. A first attempt on the
+# H200, the forward with the tangent at `dit-b2-256` behind `triton_op` with one fixed tile,
+# traced but did not compile: Inductor types a Python float argument of a user's kernel as
+# fp64 where Triton's own launch types it fp32, so the scale arguments turned the tangent
+# scores, and with them the tangent's accumulator, into fp64, and the product into it
+# failed Triton's type check. The same happens when the kernel is compiled for sm_90 on a
+# CPU with those two arguments typed fp64, and the backward kernels compile but run those
+# scores in fp64. Casting the float arguments to fp32 inside the kernels is the first step.
 
 # %% [markdown]
 # ### In a fused-QKV layout
