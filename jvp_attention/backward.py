@@ -36,6 +36,7 @@ from jvp_attention.tiles import (
     carry_factor,
     dot_rounded,
     head_base,
+    in_fp32,
     key_block_ranges,
     load_head_rows,
     load_head_tail_rows,
@@ -267,9 +268,10 @@ def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @triton.jit
 def _carried_units(factors_ptr, qk_scale, CARRY: tl.constexpr):
-    """Both backward kernels' prologue: the score scale, the factor of delta and the exponent
-    shift of P in the units of the carried fp16 copies (identities without CARRY)."""
-    qk_scale *= carry_factor(factors_ptr, 0, CARRY, 1.0)
+    """Both backward kernels' prologue: the score scale (in fp32, `in_fp32`), the factor of
+    delta and the exponent shift of P in the units of the carried fp16 copies (identities
+    without CARRY)."""
+    qk_scale = in_fp32(qk_scale) * carry_factor(factors_ptr, 0, CARRY, 1.0)
     delta_factor = carry_factor(factors_ptr, 1, CARRY, 1.0)
     p_exponent = carry_factor(factors_ptr, 5, CARRY, 0.0)
     return qk_scale, delta_factor, p_exponent
@@ -310,6 +312,7 @@ def _attention_backward_dkdv_kernel(
         stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
         stride_dtom, head_dim, value_dim, ALIGN)
     qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
+    scale = in_fp32(scale)
     start_n = tl.program_id(0) * BLOCK_N
     batch = (tl.program_id(1) // n_kv_heads).to(tl.int64)
     kv_head = tl.program_id(1) % n_kv_heads
@@ -459,6 +462,7 @@ def _attention_backward_dq_kernel(
         stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
         stride_dtom, head_dim, value_dim, ALIGN)
     qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
+    scale = in_fp32(scale)
     start_m = query_block_start(BLOCK_M, IS_CAUSAL)  # causal: longest tiles first
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads

@@ -40,6 +40,7 @@ from jvp_attention.tiles import (
     carry_factor,
     dot_rounded,
     head_base,
+    in_fp32,
     key_block_ranges,
     load_head_rows,
     load_head_tail_rows,
@@ -144,7 +145,7 @@ def jvp_shifts(maxima, t_scale):
     """From max |v|, |tv|, |q|, |k|, |tq|, |tk|: the shifts 2**e_v of v and 2**(e_w + e_v) of
     tv, then the forward+JVP kernel's factors w = 2**e_w, 2**-e_v, 2**-(e_w + e_v), 2**-e_w."""
     # |tS| <= s d (max|tQ| max|K| + max|Q| max|tK|), and |mu| too
-    t_bound = t_scale * (vector_entry(maxima, 4) * vector_entry(maxima, 3)
+    t_bound = in_fp32(t_scale) * (vector_entry(maxima, 4) * vector_entry(maxima, 3)
                          + vector_entry(maxima, 2) * vector_entry(maxima, 5))
     e_v = shift_exponent(vector_entry(maxima, 0), 0)
     e_w = tl.minimum(shift_exponent(2 * t_bound, 14),
@@ -193,6 +194,7 @@ def _attention_forward_kernel(
     (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, head_dim,
      value_dim) = aligned_operands(stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn,
                                    stride_tvn, head_dim, value_dim, ALIGN)
+    qk_scale, scale = in_fp32(qk_scale), in_fp32(scale)
     start_m = query_block_start(BLOCK_M, IS_CAUSAL)
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = tl.program_id(1) % n_heads

@@ -32,6 +32,14 @@ def head_base(ptr, batch, head, stride_b, stride_h, ALIGN: tl.constexpr = 1):
 
 
 @triton.jit
+def in_fp32(x):
+    """A float argument in fp32. Triton's launch passes a Python float as fp32, but Inductor,
+    launching a user's kernel from a compiled graph, passes it as fp64, which would carry
+    fp64 into everything computed from it, down to the accumulators of the products."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def aligned(n, ALIGN: tl.constexpr):
     """`n`, a row stride or a width that the launch found to be a multiple of ALIGN, written
     so that the compiler sees it is one (it cannot tell 72 from 73). Then each row of a tile
