@@ -63,10 +63,12 @@ class Recorder:
         self.launches.append((self.name, self.tuned.fn, configs, bound))
 
 
-def compile_report(kernel, bound: dict, config: triton.Config) -> dict:
+def compile_report(kernel, bound: dict, config: triton.Config, float_type: str = "fp32") -> dict:
     """Compile one launch under one configuration for sm_90, specialised as a launch on a GPU
     would be (16-byte alignment of pointers and strides, ints equal to 1), since alignment
-    decides vectorised and asynchronous copies and so the shared memory taken."""
+    decides vectorised and asynchronous copies and so the shared memory taken. The float
+    arguments are typed `float_type`: fp32 as Triton's launch types them, fp64 as Inductor's
+    launch of a user's kernel (`torch.library.triton_op`) does."""
     backend = make_backend(HOPPER)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     kwargs = {**{k: v for k, v in bound.items() if k in constexpr_names(kernel)},
@@ -76,6 +78,9 @@ def compile_report(kernel, bound: dict, config: triton.Config) -> dict:
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args,
                                                               specialization, options)
+    for name, value in bound.items():
+        if isinstance(value, float) and signature.get(name) == "fp32":
+            signature[name] = float_type
     with sound_compiler(HOPPER.arch):  # the ptxas the library compiles with on a GPU
         compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
                                   target=HOPPER, options=options.__dict__)
@@ -192,6 +197,9 @@ def main() -> None:
                         help="only the tile JVP_ATTENTION_AUTOTUNE=0 runs with")
     parser.add_argument("--tiles", default="",
                         help="try these tiles instead of the pruned list: 'M,N,warps,stages;...'")
+    parser.add_argument("--float-args", choices=("fp32", "fp64"), default="fp32",
+                        help="type the kernels' float arguments as Triton's launch does (fp32) "
+                        "or as Inductor's launch of a user's kernel does (fp64)")
     parser.add_argument("--json", help="also write the rows as JSON")
     args = parser.parse_args()
     os.environ["JVP_ATTENTION_AUTOTUNE"] = "0" if args.first_only else "1"
@@ -205,7 +213,7 @@ def main() -> None:
             configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
                        for m, n, w, st in (map(int, t.split(",")) for t in args.tiles.split(";"))]
         for config in configs:
-            report = compile_report(kernel, bound, config)
+            report = compile_report(kernel, bound, config, args.float_args)
             tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
                     config.num_stages)
             row = {"kernel": name, "tangent": tangent, "tile": tile, "dtype": args.dtype,
