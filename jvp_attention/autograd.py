@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from jvp_attention.backward import flash_attention_backward
-from jvp_attention.forward import flash_attention_forward
+from jvp_attention.forward import flash_attention_forward, traceable_forward
 from jvp_attention.launch import accurate, get_precision, interpreting
 from jvp_attention.reference import check_sdpa_arguments, reference_attention, tiled_attention
 
@@ -50,6 +50,8 @@ def _launch(name: str, *args):
     should see the operator."""
     if _plain_eager(args):
         return _LAUNCHERS[name](*args)
+    if torch.compiler.is_compiling():
+        name = _TRACED.get(name, name)
     return getattr(torch.ops.jvp_attention, name)(*args)
 
 
@@ -98,7 +100,8 @@ def _forward_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv:
 
 
 @_forward_jvp_op.register_fake
-def _(q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual, precision):
+def _forward_jvp_fake(q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual,
+                      precision):
     out_like = _empty_out(q, v) if residual else _NO_TENSOR(q)
     return (_empty_out(q, v), _empty_out(q, v), _empty_rows(q), _empty_rows(q), out_like,
             out_like.new_empty(out_like.shape))
@@ -402,6 +405,29 @@ torch.library.register_autograd("jvp_attention::forward", _Attention.backward,
                                 setup_context=_Attention.setup_context)
 torch.library.register_autograd("jvp_attention::forward_jvp", _FusedTangent.backward,
                                 setup_context=_FusedTangent.setup_context)
+
+
+def _forward_jvp_traced(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv: Tensor,
+                        attn_mask: Tensor | None, mask_tangent: Tensor | None, is_causal: bool,
+                        scale: float, residual: bool, precision: str,
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`forward_jvp` as Inductor may launch it (`torch.library.triton_op`): traced, its kernel
+    launch enters the compiled graph (`launchable`); where the launcher's choices cannot be
+    traced yet (`traceable_forward`), the opaque operator instead."""
+    args = (q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual, precision)
+    if traceable_forward(q, k, v, precision):
+        return _LAUNCHERS["forward_jvp"](*args)
+    return torch.ops.jvp_attention.forward_jvp(*args)
+
+
+# Under Triton's interpreter `wrap_triton` runs kernels even on traced tensors, so there the
+# compiled path keeps the opaque operator.
+_TRACED = {} if interpreting() else {"forward_jvp": "forward_jvp_traced"}
+if _TRACED:
+    torch.library.triton_op("jvp_attention::forward_jvp_traced", _forward_jvp_traced,
+                            mutates_args=()).register_fake(_forward_jvp_fake)
+    torch.library.register_autograd("jvp_attention::forward_jvp_traced", _FusedTangent.backward,
+                                    setup_context=_FusedTangent.setup_context)
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

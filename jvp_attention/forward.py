@@ -20,7 +20,9 @@ from jvp_attention.launch import (
     check_kernel_shapes,
     check_mask_tangent,
     column_tiles,
+    interpreting,
     kernel_meta,
+    launchable,
     mask_operand,
     next_power_of_2,
     on_device,
@@ -28,6 +30,7 @@ from jvp_attention.launch import (
     prepare_descriptors,
     row_alignment,
     row_strides,
+    sound_ptxas,
     tma_eligible,
     unit_last_stride,
 )
@@ -314,6 +317,22 @@ _attention_forward_jvp = autotuned(_attention_forward_kernel, [
 FORWARD_TMA_MIN_KEYS = 4096
 
 
+def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str) -> bool:
+    """Whether the forward's launches may enter a compiled graph (`launchable`): not where
+    accurate bf16 carries (its copy kernel takes a jit function as an argument), nor where
+    rows are long enough for tensor descriptors (they ask for the data's alignment, which a
+    traced tensor has not got), nor at head dims cut into two column tiles where the library
+    compiles with its own ptxas (`sound_ptxas`: Inductor's compile workers would not)."""
+    n_k = k.shape[-2]
+    if accurate(precision) and carries(q, n_k):
+        return False
+    if n_k >= FORWARD_TMA_MIN_KEYS or interpreting():
+        return False
+    tiles = column_tiles(q.shape[-1], v.shape[-1])
+    cut = tiles["D_TAIL"] > 0 or tiles["DV_TAIL"] > 0
+    return not (cut and q.is_cuda and sound_ptxas(90) is not None)
+
+
 def flash_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -393,7 +412,7 @@ def flash_attention_forward(
 
     with on_device(q):
         prepare_descriptors(use_tma)
-        (_attention_forward_jvp if has_tangent else _attention_forward)[grid](
+        launchable(_attention_forward_jvp if has_tangent else _attention_forward, q)[grid](
             q, k, v, tq, tk, tv, q if mask is None else mask, out, t_out, lse, mu,
             out_res, t_out_res, factors, *row_strides(q, k, v, tq, tk, tv), *mask_strides,
             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,

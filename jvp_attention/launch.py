@@ -13,6 +13,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import triton
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.library import wrap_triton
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.driver import driver
 
@@ -351,6 +353,42 @@ class KeyedAutotuner(Autotuner):
             return result
         self.best_config = config
         return self.launcher.run(*args, **kwargs, **config.all_kwargs())
+
+
+def launchable(kernel, like: torch.Tensor):
+    """How a launch site runs `kernel` (a `KeyedAutotuner` or a `@triton.jit` function), as
+    `launchable(kernel, q)[grid](...)`. On real tensors: our own launch path (the autotuner,
+    or `cached`). On the functional tensors of a compiled graph being traced, inside a
+    `torch.library.triton_op` (chapter 7): through `wrap_triton`, so that the graph holds the
+    launch and Inductor runs it, with none of this Python per call."""
+    if not isinstance(like, FunctionalTensor):
+        return kernel if isinstance(kernel, KeyedAutotuner) else cached(kernel)
+    return TracedLaunch(kernel)
+
+
+class TracedLaunch:
+    """`kernel[grid](...)` recorded for Inductor. An autotuned kernel becomes a plain
+    `triton.autotune` over the tiles that `prune_wide_tiles` keeps for this launch, which
+    Inductor times itself when it compiles the graph."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            kernel = self.kernel
+            if isinstance(kernel, KeyedAutotuner):
+                named = {**dict(zip(kernel.arg_names, args, strict=False)), **kwargs}
+                kernel = plain_autotuner(kernel.fn, tuple(prune_wide_tiles(kernel.configs, named,
+                                                                           **named)))
+            return wrap_triton(kernel)[grid](*args, **kwargs)
+        return launch
+
+
+@functools.cache
+def plain_autotuner(kernel, configs: tuple[triton.Config, ...]) -> Autotuner:
+    """One `triton.autotune` object per kernel and tile list, so that traces share it."""
+    return triton.autotune(configs=list(configs), key=[])(kernel)
 
 
 def autotuned(kernel, gpu_tiles: list[tuple[int, int, int, int]]) -> KeyedAutotuner:

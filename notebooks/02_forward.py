@@ -521,7 +521,9 @@ from jvp_attention.launch import (
     check_kernel_shapes,
     check_mask_tangent,
     column_tiles,
+    interpreting,
     kernel_meta,
+    launchable,
     mask_operand,
     next_power_of_2,
     on_device,
@@ -529,6 +531,7 @@ from jvp_attention.launch import (
     prepare_descriptors,
     row_alignment,
     row_strides,
+    sound_ptxas,
     tma_eligible,
     unit_last_stride,
 )
@@ -868,6 +871,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import triton
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.library import wrap_triton
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.driver import driver
 
@@ -1442,6 +1447,42 @@ class KeyedAutotuner(Autotuner):
         return self.launcher.run(*args, **kwargs, **config.all_kwargs())
 
 
+def launchable(kernel, like: torch.Tensor):
+    """How a launch site runs `kernel` (a `KeyedAutotuner` or a `@triton.jit` function), as
+    `launchable(kernel, q)[grid](...)`. On real tensors: our own launch path (the autotuner,
+    or `cached`). On the functional tensors of a compiled graph being traced, inside a
+    `torch.library.triton_op` (chapter 7): through `wrap_triton`, so that the graph holds the
+    launch and Inductor runs it, with none of this Python per call."""
+    if not isinstance(like, FunctionalTensor):
+        return kernel if isinstance(kernel, KeyedAutotuner) else cached(kernel)
+    return TracedLaunch(kernel)
+
+
+class TracedLaunch:
+    """`kernel[grid](...)` recorded for Inductor. An autotuned kernel becomes a plain
+    `triton.autotune` over the tiles that `prune_wide_tiles` keeps for this launch, which
+    Inductor times itself when it compiles the graph."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            kernel = self.kernel
+            if isinstance(kernel, KeyedAutotuner):
+                named = {**dict(zip(kernel.arg_names, args, strict=False)), **kwargs}
+                kernel = plain_autotuner(kernel.fn, tuple(prune_wide_tiles(kernel.configs, named,
+                                                                           **named)))
+            return wrap_triton(kernel)[grid](*args, **kwargs)
+        return launch
+
+
+@functools.cache
+def plain_autotuner(kernel, configs: tuple[triton.Config, ...]) -> Autotuner:
+    """One `triton.autotune` object per kernel and tile list, so that traces share it."""
+    return triton.autotune(configs=list(configs), key=[])(kernel)
+
+
 def autotuned(kernel, gpu_tiles: list[tuple[int, int, int, int]]) -> KeyedAutotuner:
     """`kernel` autotuned over `gpu_tiles` (in order of preference: with autotuning off the
     first tile that survives `prune_wide_tiles` runs), keyed by AUTOTUNE_KEYS."""
@@ -1714,6 +1755,22 @@ _attention_forward_jvp = autotuned(_attention_forward_kernel, [
 FORWARD_TMA_MIN_KEYS = 4096
 
 
+def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str) -> bool:
+    """Whether the forward's launches may enter a compiled graph (`launchable`): not where
+    accurate bf16 carries (its copy kernel takes a jit function as an argument), nor where
+    rows are long enough for tensor descriptors (they ask for the data's alignment, which a
+    traced tensor has not got), nor at head dims cut into two column tiles where the library
+    compiles with its own ptxas (`sound_ptxas`: Inductor's compile workers would not)."""
+    n_k = k.shape[-2]
+    if accurate(precision) and carries(q, n_k):
+        return False
+    if n_k >= FORWARD_TMA_MIN_KEYS or interpreting():
+        return False
+    tiles = column_tiles(q.shape[-1], v.shape[-1])
+    cut = tiles["D_TAIL"] > 0 or tiles["DV_TAIL"] > 0
+    return not (cut and q.is_cuda and sound_ptxas(90) is not None)
+
+
 def flash_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1793,7 +1850,7 @@ def flash_attention_forward(
 
     with on_device(q):
         prepare_descriptors(use_tma)
-        (_attention_forward_jvp if has_tangent else _attention_forward)[grid](
+        launchable(_attention_forward_jvp if has_tangent else _attention_forward, q)[grid](
             q, k, v, tq, tk, tv, q if mask is None else mask, out, t_out, lse, mu,
             out_res, t_out_res, factors, *row_strides(q, k, v, tq, tk, tv), *mask_strides,
             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,

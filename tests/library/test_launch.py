@@ -238,3 +238,62 @@ def test_row_alignment_divides_every_batch_and_head_stride(extra: int, align: in
     assert launch.row_alignment((x,), (d,)) == align
     bnhd = torch.zeros(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)
     assert launch.row_alignment((bnhd,), (d,)) == 8
+
+
+# --- launches that a compiled graph may hold (torch.library.triton_op, chapter 7) ---------
+
+
+def test_launchable_keeps_our_launch_path_on_real_tensors() -> None:
+    import jvp_attention.forward as forward
+    import jvp_attention.tiles as tiles
+
+    q = torch.zeros(1)
+    assert launch.launchable(forward._attention_forward_jvp, q) is forward._attention_forward_jvp
+    assert launch.launchable(tiles.range_partials_kernel, q) is launch.cached(
+        tiles.range_partials_kernel)
+
+
+def test_forward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> None:
+    """`traceable_forward`: not where bf16 accurate carries, nor from the descriptors' row
+    length, nor under the interpreter; the fast precision never carries."""
+    import jvp_attention.forward as forward
+
+    def q_k(dtype, n, d=64):
+        return torch.zeros(1, 2, n, d, dtype=dtype), torch.zeros(1, 2, n, d, dtype=dtype)
+
+    assert not forward.traceable_forward(*q_k(torch.float16, 256), q_k(torch.float16, 256)[1],
+                                         "accurate")  # the interpreter runs this test
+    monkeypatch.setattr(forward, "interpreting", lambda: False)
+    for dtype, n, precision, expected in [
+            (torch.float16, 256, "accurate", True), (torch.bfloat16, 256, "accurate", True),
+            (torch.bfloat16, 1024, "accurate", False), (torch.bfloat16, 1024, "fast", True),
+            (torch.float16, forward.FORWARD_TMA_MIN_KEYS, "fast", False)]:
+        q, k = q_k(dtype, n)
+        assert forward.traceable_forward(q, k, k, precision) == expected, (dtype, n, precision)
+
+
+@pytest.mark.gpu
+def test_compiled_forward_jvp_is_launched_by_inductor() -> None:
+    """Under torch.compile the forward with the tangent at a short, d = 64 shape is a kernel
+    launch in Inductor's code (no call into our operator per step), with eager's outputs."""
+    from torch._inductor.utils import run_and_get_code
+
+    from jvp_attention import attention
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    q, k, v, tq, tk, tv = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
+                           for _ in range(6))
+
+    def fwd_jvp(q, k, v, tq, tk, tv):
+        return torch.func.jvp(attention, (q, k, v), (tq, tk, tv))
+
+    (out, t_out), code = run_and_get_code(torch.compile(fwd_jvp), q, k, v, tq, tk, tv)
+    source = "\n".join(code)
+    assert "_attention_forward_kernel" in source
+    assert "jvp_attention.forward_jvp" not in source
+    eager_out, eager_t_out = fwd_jvp(q, k, v, tq, tk, tv)
+    # Inductor times the tiles itself and may pick another than our autotuner: sums in
+    # another order, within bf16's rounding
+    torch.testing.assert_close(out, eager_out, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(t_out, eager_t_out, rtol=2e-2, atol=2e-3)
