@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from torch._functorch import eager_transforms
 from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
 from torch._functorch.utils import unwrap_dead_wrappers
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from jvp_attention.backward import flash_attention_backward
+from jvp_attention.backward import flash_attention_backward, traceable_backward
 from jvp_attention.forward import flash_attention_forward, traceable_forward
 from jvp_attention.launch import accurate, get_precision, interpreting
 from jvp_attention.reference import check_sdpa_arguments, reference_attention, tiled_attention
@@ -47,12 +49,19 @@ def _launch(name: str, *args):
     AOTAutograd's tracing (fake and functional tensors: the operator is opaque and has a fake
     implementation), for functorch's wrapped tensors (a backward inside torch.func.grad: the
     operator unwraps them), and under a dispatch mode (make_fx, FlopCounterMode), which
-    should see the operator."""
+    should see the operator. For a compiled graph, the operator's traced twin (`_TRACED`)."""
     if _plain_eager(args):
         return _LAUNCHERS[name](*args)
-    if torch.compiler.is_compiling():
+    if _in_compiled_graph(args):
         name = _TRACED.get(name, name)
     return getattr(torch.ops.jvp_attention, name)(*args)
+
+
+def _in_compiled_graph(args) -> bool:
+    """Dynamo is tracing, or AOTAutograd is (a backward rule runs on fake and functional
+    tensors; before torch 2.13, `is_compiling()` is False there)."""
+    return torch.compiler.is_compiling() or any(
+        isinstance(x, (FakeTensor, FunctionalTensor)) for x in args)
 
 
 def _plain_eager(args) -> bool:
@@ -78,7 +87,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_ca
 
 
 @_forward_op.register_fake
-def _(q, k, v, attn_mask, is_causal, scale, residual, precision):
+def _forward_fake(q, k, v, attn_mask, is_causal, scale, residual, precision):
     return _empty_out(q, v), _empty_rows(q), _empty_out(q, v) if residual else _NO_TENSOR(q)
 
 
@@ -119,8 +128,8 @@ def _backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
 
 
 @_backward_op.register_fake
-def _(q, k, v, out, lse, out_residual, grad_out, attn_mask, is_causal, scale, mask_grad,
-      precision):
+def _backward_fake(q, k, v, out, lse, out_residual, grad_out, attn_mask, is_causal, scale,
+                   mask_grad, precision):
     # contiguous, like the kernels' results
     return (*(x.new_empty(x.shape) for x in (q, k, v)), _empty_mask_grad(q, k, mask_grad))
 
@@ -142,9 +151,9 @@ def _backward_tangent_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor
 
 
 @_backward_tangent_op.register_fake
-def _(q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual, tangent_out_residual,
-      grad_out, grad_tangent_out, attn_mask, mask_tangent, is_causal, scale, mask_grad,
-      precision):
+def _backward_tangent_fake(q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_residual,
+                           tangent_out_residual, grad_out, grad_tangent_out, attn_mask,
+                           mask_tangent, is_causal, scale, mask_grad, precision):
     return (*(x.new_empty(x.shape) for x in (q, k, v, q, k, v)),
             _empty_mask_grad(q, k, mask_grad), _empty_mask_grad(q, k, mask_grad))
 
@@ -407,27 +416,51 @@ torch.library.register_autograd("jvp_attention::forward_jvp", _FusedTangent.back
                                 setup_context=_FusedTangent.setup_context)
 
 
-def _forward_jvp_traced(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv: Tensor,
-                        attn_mask: Tensor | None, mask_tangent: Tensor | None, is_causal: bool,
-                        scale: float, residual: bool, precision: str,
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """`forward_jvp` as Inductor may launch it (`torch.library.triton_op`): traced, its kernel
-    launch enters the compiled graph (`launchable`); where the launcher's choices cannot be
-    traced yet (`traceable_forward`), the opaque operator instead."""
-    args = (q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual, precision)
-    if traceable_forward(q, k, v, precision):
-        return _LAUNCHERS["forward_jvp"](*args)
-    return torch.ops.jvp_attention.forward_jvp(*args)
+def _traced_twin(name: str, fake, traceable) -> None:
+    """Register `name_traced`: operator `name` as a `torch.library.triton_op`, with its
+    signature and `fake`. Traced, its body runs the launcher, whose launches enter the compiled graph
+    (`launchable`); where `traceable(*args)` says the launcher's choices cannot be traced,
+    it calls the opaque operator instead."""
+    opaque = getattr(torch.ops.jvp_attention, name).default
+
+    def body(*args):
+        return _LAUNCHERS[name](*args) if traceable(*args) else opaque(*args)
+
+    body.__signature__ = inspect.signature(_LAUNCHERS[name])  # the schema is inferred from it
+    torch.library.triton_op(f"jvp_attention::{name}_traced", body,
+                            mutates_args=()).register_fake(fake)
+    _TRACED[name] = f"{name}_traced"
+
+
+# Which calls of each operator may be traced (the operators' arguments: q, k, v first,
+# `precision` last, `mask_grad` before it in the backward's).
+def _primal_forward_traceable(q, k, v, *args) -> bool:
+    return traceable_forward(q, k, v, args[-1], has_tangent=False)
+
+
+def _forward_jvp_traceable(q, k, v, *args) -> bool:
+    return traceable_forward(q, k, v, args[-1], has_tangent=True)
+
+
+def _backward_traceable(q, k, v, *args) -> bool:
+    return traceable_backward(q, k, v, args[-1], has_tangent=False, mask_grad=args[-2])
+
+
+def _backward_tangent_traceable(q, k, v, *args) -> bool:
+    return traceable_backward(q, k, v, args[-1], has_tangent=True, mask_grad=args[-2])
 
 
 # Under Triton's interpreter `wrap_triton` runs kernels even on traced tensors, so there the
-# compiled path keeps the opaque operator.
-_TRACED = {} if interpreting() else {"forward_jvp": "forward_jvp_traced"}
-if _TRACED:
-    torch.library.triton_op("jvp_attention::forward_jvp_traced", _forward_jvp_traced,
-                            mutates_args=()).register_fake(_forward_jvp_fake)
-    torch.library.register_autograd("jvp_attention::forward_jvp_traced", _FusedTangent.backward,
-                                    setup_context=_FusedTangent.setup_context)
+# compiled path keeps the opaque operators.
+_TRACED: dict[str, str] = {}
+if not interpreting():
+    _traced_twin("forward", _forward_fake, _primal_forward_traceable)
+    _traced_twin("forward_jvp", _forward_jvp_fake, _forward_jvp_traceable)
+    _traced_twin("backward", _backward_fake, _backward_traceable)
+    _traced_twin("backward_tangent", _backward_tangent_fake, _backward_tangent_traceable)
+    for _function, _name in ((_Attention, "forward"), (_FusedTangent, "forward_jvp")):
+        torch.library.register_autograd(f"jvp_attention::{_name}_traced", _function.backward,
+                                        setup_context=_function.setup_context)
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -20,7 +20,7 @@ from jvp_attention.launch import (
     check_kernel_shapes,
     check_mask_tangent,
     column_tiles,
-    interpreting,
+    cut_in_two,
     kernel_meta,
     launchable,
     mask_operand,
@@ -30,8 +30,8 @@ from jvp_attention.launch import (
     prepare_descriptors,
     row_alignment,
     row_strides,
-    sound_ptxas,
     tma_eligible,
+    traceable_launches,
     unit_last_stride,
 )
 from jvp_attention.reference import AttentionOutputs
@@ -317,20 +317,14 @@ _attention_forward_jvp = autotuned(_attention_forward_kernel, [
 FORWARD_TMA_MIN_KEYS = 4096
 
 
-def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str) -> bool:
-    """Whether the forward's launches may enter a compiled graph (`launchable`): not where
-    accurate bf16 carries (its copy kernel takes a jit function as an argument), nor where
-    rows are long enough for tensor descriptors (they ask for the data's alignment, which a
-    traced tensor has not got), nor at head dims cut into two column tiles where the library
-    compiles with its own ptxas (`sound_ptxas`: Inductor's compile workers would not)."""
+def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str,
+                      has_tangent: bool) -> bool:
+    """Whether the forward's launches may enter a compiled graph (`traceable_launches`); a
+    forward with the tangent that might carry (bf16 "accurate" with long rows) may not."""
     n_k = k.shape[-2]
-    if accurate(precision) and carries(q, n_k):
-        return False
-    if n_k >= FORWARD_TMA_MIN_KEYS or interpreting():
-        return False
-    tiles = column_tiles(q.shape[-1], v.shape[-1])
-    cut = tiles["D_TAIL"] > 0 or tiles["DV_TAIL"] > 0
-    return not (cut and q.is_cuda and sound_ptxas(90) is not None)
+    return traceable_launches(q, carry=has_tangent and accurate(precision) and carries(q, n_k),
+                              long_rows=n_k >= FORWARD_TMA_MIN_KEYS,
+                              cut=cut_in_two(q.shape[-1], v.shape[-1]))
 
 
 def flash_attention_forward(

@@ -391,6 +391,18 @@ def plain_autotuner(kernel, configs: tuple[triton.Config, ...]) -> Autotuner:
     return triton.autotune(configs=list(configs), key=[])(kernel)
 
 
+def traceable_launches(q: torch.Tensor, *, carry: bool, long_rows: bool, cut: bool) -> bool:
+    """Whether a launcher's kernels may enter a compiled graph (`launchable`): not when it
+    carries (the copy kernel takes a jit function as an argument, which Inductor cannot
+    paste), nor with rows long enough for tensor descriptors (choosing them reads the data's
+    alignment, which a traced tensor has not got), nor at head dims cut into two column
+    tiles where this library compiles with its own ptxas (`sound_ptxas`: Inductor's compile
+    workers would not), nor under the interpreter."""
+    if carry or long_rows or interpreting() or os.environ.get("JVP_ATTENTION_TMA") == "1":
+        return False
+    return not (cut and q.is_cuda and sound_ptxas(90) is not None)
+
+
 def autotuned(kernel, gpu_tiles: list[tuple[int, int, int, int]]) -> KeyedAutotuner:
     """`kernel` autotuned over `gpu_tiles` (in order of preference: with autotuning off the
     first tile that survives `prune_wide_tiles` runs), keyed by AUTOTUNE_KEYS."""
@@ -539,6 +551,12 @@ def column_tiles(head_dim: int, value_dim: int) -> dict:
     not 128), 96 = 64 + 32, 48 = 32 + 16."""
     (block_d, d_tail), (block_dv, dv_tail) = (_two_tiles(n) for n in (head_dim, value_dim))
     return {"BLOCK_D": block_d, "D_TAIL": d_tail, "BLOCK_DV": block_dv, "DV_TAIL": dv_tail}
+
+
+def cut_in_two(head_dim: int, value_dim: int) -> bool:
+    """Whether `column_tiles` cuts either head dim into two column tiles."""
+    tiles = column_tiles(head_dim, value_dim)
+    return tiles["D_TAIL"] > 0 or tiles["DV_TAIL"] > 0
 
 
 def pair_tails(tiles: dict, head_dim: int, value_dim: int, paired: bool) -> dict:

@@ -521,7 +521,7 @@ from jvp_attention.launch import (
     check_kernel_shapes,
     check_mask_tangent,
     column_tiles,
-    interpreting,
+    cut_in_two,
     kernel_meta,
     launchable,
     mask_operand,
@@ -531,8 +531,8 @@ from jvp_attention.launch import (
     prepare_descriptors,
     row_alignment,
     row_strides,
-    sound_ptxas,
     tma_eligible,
+    traceable_launches,
     unit_last_stride,
 )
 from jvp_attention.reference import AttentionOutputs
@@ -1483,6 +1483,18 @@ def plain_autotuner(kernel, configs: tuple[triton.Config, ...]) -> Autotuner:
     return triton.autotune(configs=list(configs), key=[])(kernel)
 
 
+def traceable_launches(q: torch.Tensor, *, carry: bool, long_rows: bool, cut: bool) -> bool:
+    """Whether a launcher's kernels may enter a compiled graph (`launchable`): not when it
+    carries (the copy kernel takes a jit function as an argument, which Inductor cannot
+    paste), nor with rows long enough for tensor descriptors (choosing them reads the data's
+    alignment, which a traced tensor has not got), nor at head dims cut into two column
+    tiles where this library compiles with its own ptxas (`sound_ptxas`: Inductor's compile
+    workers would not), nor under the interpreter."""
+    if carry or long_rows or interpreting() or os.environ.get("JVP_ATTENTION_TMA") == "1":
+        return False
+    return not (cut and q.is_cuda and sound_ptxas(90) is not None)
+
+
 def autotuned(kernel, gpu_tiles: list[tuple[int, int, int, int]]) -> KeyedAutotuner:
     """`kernel` autotuned over `gpu_tiles` (in order of preference: with autotuning off the
     first tile that survives `prune_wide_tiles` runs), keyed by AUTOTUNE_KEYS."""
@@ -1633,6 +1645,12 @@ def column_tiles(head_dim: int, value_dim: int) -> dict:
     return {"BLOCK_D": block_d, "D_TAIL": d_tail, "BLOCK_DV": block_dv, "DV_TAIL": dv_tail}
 
 
+def cut_in_two(head_dim: int, value_dim: int) -> bool:
+    """Whether `column_tiles` cuts either head dim into two column tiles."""
+    tiles = column_tiles(head_dim, value_dim)
+    return tiles["D_TAIL"] > 0 or tiles["DV_TAIL"] > 0
+
+
 def pair_tails(tiles: dict, head_dim: int, value_dim: int, paired: bool) -> dict:
     """PAIR_D and PAIR_DV where `paired` (the forward with the tangent, its products split,
     its tiles read through pointers): a tail tile (`column_tiles`) that its columns fill at
@@ -1755,20 +1773,14 @@ _attention_forward_jvp = autotuned(_attention_forward_kernel, [
 FORWARD_TMA_MIN_KEYS = 4096
 
 
-def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str) -> bool:
-    """Whether the forward's launches may enter a compiled graph (`launchable`): not where
-    accurate bf16 carries (its copy kernel takes a jit function as an argument), nor where
-    rows are long enough for tensor descriptors (they ask for the data's alignment, which a
-    traced tensor has not got), nor at head dims cut into two column tiles where the library
-    compiles with its own ptxas (`sound_ptxas`: Inductor's compile workers would not)."""
+def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str,
+                      has_tangent: bool) -> bool:
+    """Whether the forward's launches may enter a compiled graph (`traceable_launches`); a
+    forward with the tangent that might carry (bf16 "accurate" with long rows) may not."""
     n_k = k.shape[-2]
-    if accurate(precision) and carries(q, n_k):
-        return False
-    if n_k >= FORWARD_TMA_MIN_KEYS or interpreting():
-        return False
-    tiles = column_tiles(q.shape[-1], v.shape[-1])
-    cut = tiles["D_TAIL"] > 0 or tiles["DV_TAIL"] > 0
-    return not (cut and q.is_cuda and sound_ptxas(90) is not None)
+    return traceable_launches(q, carry=has_tangent and accurate(precision) and carries(q, n_k),
+                              long_rows=n_k >= FORWARD_TMA_MIN_KEYS,
+                              cut=cut_in_two(q.shape[-1], v.shape[-1]))
 
 
 def flash_attention_forward(

@@ -85,14 +85,15 @@ import triton.language as tl
 from jvp_attention.launch import (
     accurate,
     autotuned,
-    cached,
     carried_operands,
     carries,
     cdiv,
     check_kernel_shapes,
     check_mask_tangent,
     column_tiles,
+    cut_in_two,
     kernel_meta,
+    launchable,
     mask_operand,
     next_power_of_2,
     on_device,
@@ -100,6 +101,7 @@ from jvp_attention.launch import (
     row_alignment,
     row_strides,
     tma_eligible,
+    traceable_launches,
     unit_last_stride,
 )
 from jvp_attention.tiles import (
@@ -785,6 +787,20 @@ _ROW_BLOCK = 64
 BACKWARD_TMA_MIN_TOKENS = 1024
 
 
+def traceable_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str,
+                       has_tangent: bool, mask_grad: bool) -> bool:
+    """Whether the backward's launches may enter a compiled graph (`traceable_launches`):
+    the first-order backward carries as the forward does, reads through descriptors from
+    BACKWARD_TMA_MIN_TOKENS and cuts head dims in its dQ kernel; the second-order backward
+    does none of these."""
+    if has_tangent:
+        return traceable_launches(q, carry=False, long_rows=False, cut=False)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    return traceable_launches(q, carry=accurate(precision) and not mask_grad and carries(q, n_k),
+                              long_rows=min(n_q, n_k) >= BACKWARD_TMA_MIN_TOKENS,
+                              cut=cut_in_two(q.shape[-1], v.shape[-1]))
+
+
 def flash_attention_backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -911,19 +927,19 @@ def flash_attention_backward(
     with on_device(q):
         prepare_descriptors(use_tma)
         if not (carry or delta_in_dq):
-            cached(_row_statistics_kernel)[(cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
+            launchable(_row_statistics_kernel, q)[(cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
                 out, grad_out, t_out, dto, mu, delta, c, residual, t_residual,
                 *row_strides(grad_out, dto), n_heads, n_q, value_dim,
                 HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
                 BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"], ALIGN=switches["ALIGN"])
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
-        dq_kernel[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
+        launchable(dq_kernel, q)[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, out, residual, lse, delta, mu, c,
             factors, dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes, **switches,
             **dq_meta, MASK_GRAD=mask_grad, DELTA_HERE=delta_in_dq,
             HAS_RESIDUAL=out_residual is not None)
         dkdv = _backward_dkdv_tangent if has_tangent else _backward_dkdv
-        dkdv[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
+        launchable(dkdv, q)[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
             q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
             dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches, **meta)
     grads = (dq, dk, dv, dtq, dtk, dtv) if has_tangent else (dq, dk, dv)

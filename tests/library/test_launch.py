@@ -255,21 +255,53 @@ def test_launchable_keeps_our_launch_path_on_real_tensors() -> None:
 
 def test_forward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> None:
     """`traceable_forward`: not where bf16 accurate carries, nor from the descriptors' row
-    length, nor under the interpreter; the fast precision never carries."""
+    length, nor under the interpreter; the fast precision and the primal forward never
+    carry."""
     import jvp_attention.forward as forward
 
     def q_k(dtype, n, d=64):
         return torch.zeros(1, 2, n, d, dtype=dtype), torch.zeros(1, 2, n, d, dtype=dtype)
 
-    assert not forward.traceable_forward(*q_k(torch.float16, 256), q_k(torch.float16, 256)[1],
-                                         "accurate")  # the interpreter runs this test
-    monkeypatch.setattr(forward, "interpreting", lambda: False)
-    for dtype, n, precision, expected in [
-            (torch.float16, 256, "accurate", True), (torch.bfloat16, 256, "accurate", True),
-            (torch.bfloat16, 1024, "accurate", False), (torch.bfloat16, 1024, "fast", True),
-            (torch.float16, forward.FORWARD_TMA_MIN_KEYS, "fast", False)]:
+    q, k = q_k(torch.float16, 256)
+    assert not forward.traceable_forward(q, k, k, "accurate", True)  # the interpreter runs this
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    for dtype, n, precision, tangent, expected in [
+            (torch.float16, 256, "accurate", True, True),
+            (torch.bfloat16, 256, "accurate", True, True),
+            (torch.bfloat16, 1024, "accurate", True, False),
+            (torch.bfloat16, 1024, "accurate", False, True),
+            (torch.bfloat16, 1024, "fast", True, True),
+            (torch.float16, forward.FORWARD_TMA_MIN_KEYS, "fast", True, False)]:
         q, k = q_k(dtype, n)
-        assert forward.traceable_forward(q, k, k, precision) == expected, (dtype, n, precision)
+        assert forward.traceable_forward(q, k, k, precision, tangent) == expected, (
+            dtype, n, precision, tangent)
+
+
+def test_backward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> None:
+    """`traceable_backward`: the first-order backward not where bf16 accurate carries (unless
+    the mask's gradient is asked for, which splits), nor from the descriptors' row length;
+    the second-order backward does neither."""
+    import jvp_attention.backward as backward
+
+    def qkv(dtype, n, d=64):  # 256 queries: descriptors need both loops long
+        return (torch.zeros(1, 2, min(n, 256), d, dtype=dtype),
+                *(torch.zeros(1, 2, n, d, dtype=dtype) for _ in range(2)))
+
+    assert not backward.traceable_backward(*qkv(torch.float16, 256), "accurate", False, False)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    long = backward.BACKWARD_TMA_MIN_TOKENS
+    assert launch.carry_min_keys(64) <= 4 * long
+    for dtype, n, precision, tangent, mask_grad, expected in [
+            (torch.float16, 256, "accurate", False, False, True),
+            (torch.bfloat16, 4 * long, "accurate", False, False, False),
+            (torch.bfloat16, 4 * long, "accurate", False, True, True),
+            (torch.bfloat16, 4 * long, "fast", False, False, True),
+            (torch.bfloat16, 4 * long, "accurate", True, False, True)]:
+        assert backward.traceable_backward(*qkv(dtype, n), precision, tangent,
+                                           mask_grad) == expected, (dtype, n, precision, tangent)
+    q, k, v = (torch.zeros(1, 2, long, 64, dtype=torch.float16) for _ in range(3))
+    assert not backward.traceable_backward(q, k, v, "fast", False, False)
+    assert backward.traceable_backward(q, k, v, "fast", True, False)
 
 
 @pytest.mark.gpu
@@ -297,3 +329,36 @@ def test_compiled_forward_jvp_is_launched_by_inductor() -> None:
     # another order, within bf16's rounding
     torch.testing.assert_close(out, eager_out, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(t_out, eager_t_out, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", ["meanflow", "second_order"])
+def test_compiled_training_step_is_launched_by_inductor(step: str) -> None:
+    """Compiled, a MeanFlow step (the tangent under a stop-gradient) and a second-order step
+    (the loss reads both outputs) at a short d = 64 shape launch the forward and backward
+    kernels from Inductor's code, with no call into our operators, and match eager's
+    gradients."""
+    from torch._inductor.utils import run_and_get_code
+
+    from jvp_attention import attention
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    tq, tk, tv = (torch.randn_like(q) for _ in range(3))
+
+    def grads(q, k, v, tq, tk, tv):
+        out, t_out = torch.func.jvp(attention, (q, k, v), (tq, tk, tv))
+        t_out = t_out.detach() if step == "meanflow" else t_out
+        loss = (out.float() * t_out.float()).sum() + out.float().square().sum()
+        return torch.autograd.grad(loss, (q, k, v))
+
+    compiled, code = run_and_get_code(torch.compile(grads), q, k, v, tq, tk, tv)
+    source = "\n".join(code)
+    assert "_attention_forward_kernel" in source
+    assert "_attention_backward_dq_kernel" in source
+    assert "_attention_backward_dkdv_kernel" in source
+    assert "torch.ops.jvp_attention" not in source
+    for ours, eager in zip(compiled, grads(q, k, v, tq, tk, tv), strict=True):
+        torch.testing.assert_close(ours, eager, rtol=2e-2, atol=2e-2)
