@@ -61,6 +61,8 @@ print(f"device: {DEVICE}, interpreter: {os.environ.get('TRITON_INTERPRET', '0') 
 
 import triton  # noqa: E402  (after the interpreter switch)
 import triton.language as tl  # noqa: E402
+from torch._subclasses.functional_tensor import FunctionalTensor  # noqa: E402
+from torch.library import wrap_triton  # noqa: E402
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
