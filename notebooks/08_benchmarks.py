@@ -1348,19 +1348,61 @@ if announce_run(COMPILED_RUN, COMPILED_SHAPES, "ours_compiled floor_compiled",
 #
 # Where the shapes are static, CUDA graphs already take this host time away: a replay runs
 # none of the Python (`ours_cudagraphs`, earlier in this section). Without them, the route
-# that would remove most of it is to let Inductor launch the kernels itself: operators
-# registered with `torch.library.triton_op` that call the kernels through `wrap_triton`, so
-# that the compiled graph holds the launches and neither our launchers nor the custom-op
-# wrappers run per call. That is a plan, not done. It needs the launchers' decisions (which
-# kernels a call runs, with which tiles and grids) to work on fake tensors, from shapes,
-# strides and dtypes alone, as Inductor sees them when it traces. A first attempt on the
-# H200, the forward with the tangent at `dit-b2-256` behind `triton_op` with one fixed tile,
-# traced but did not compile: Inductor types a Python float argument of a user's kernel as
-# fp64 where Triton's own launch types it fp32, so the scale arguments turned the tangent
-# scores, and with them the tangent's accumulator, into fp64, and the product into it
-# failed Triton's type check. The same happens when the kernel is compiled for sm_90 on a
-# CPU with those two arguments typed fp64, and the backward kernels compile but run those
-# scores in fp64. Casting the float arguments to fp32 inside the kernels is the first step.
+# that removes most of it is to let Inductor launch the kernels itself, which is the next
+# subsection.
+#
+# ### Kernels that Inductor launches
+#
+# Chapter 7's traced twins register each operator again with `torch.library.triton_op`:
+# traced, their launchers call the kernels through `wrap_triton`, so the compiled graph holds
+# the launches, and neither our launchers nor the custom-op wrappers run per call. The
+# first attempt traced but did not compile: Inductor types a Python float argument of a
+# user's kernel as fp64 where Triton's own launch types it fp32, which turned the tangent
+# scores and the tangent's accumulator into fp64, and the product into it failed Triton's
+# type check. The kernels now take their float arguments in fp32 (`in_fp32`, chapter 2).
+# `benchmarks/results/training_shapes_traced_h200.json` is `ours_compiled` again with the
+# twins, at the two 256-token shapes; its `floor_compiled` rows are from a run minutes
+# earlier in the same session. Below, per call: host time with the opaque operators (the
+# run above), with the twins, and the floor; our GPU time; the kernels that Inductor's code
+# launches; and the first compiled call's seconds.
+
+# %% tags=["hide_input"]
+TRACED_SHAPES = RESULTS / "training_shapes_traced_h200.json"
+TRACED_RUN = saved_run(TRACED_SHAPES)
+if announce_run(TRACED_RUN, TRACED_SHAPES, "ours_compiled floor_compiled",
+                "ms per call under torch.compile (default mode), the opaque operators "
+                "against the traced twins"):
+    traced_by_key = cases_by_key(TRACED_RUN["cases"])
+    print(f"{'shape':12} {'mode':13} {'host opaque':>12} {'host traced':>12} {'host floor':>11} "
+          f"{'GPU traced':>11} {'kernels':>8} {'first call':>11}")
+    for shape, mode, impl in traced_by_key:
+        if impl != "ours_compiled":
+            continue
+        opaque = ts_value(shape, mode, impl, "host_ms", compiled_by_key) if COMPILED_RUN else None
+        traced, gpu, kernels, first = (ts_value(shape, mode, impl, key, traced_by_key) for key
+                                       in ("host_ms", "gpu_ms", "kernels_per_call",
+                                           "first_call_s"))
+        floor = ts_value(shape, mode, "floor_compiled", "host_ms", traced_by_key)
+        print(f"{shape:12} {mode:13} {ms_cell(opaque, 12)} {ms_cell(traced, 12)} "
+              f"{ms_cell(floor, 11)} {ms_cell(gpu, 11)} {'-' if kernels is None else kernels:>8} "
+              f"{'-' if first is None else format(first, '.1f') + ' s':>11}")
+
+# %% [markdown]
+# At `dit-b2-256` every kernel of each call is launched by Inductor (one for the forward
+# with the tangent, three for the MeanFlow call, four for the second-order call), and our
+# host time per compiled call fell from 0.21 to 0.19 ms for the forward with the tangent,
+# from 1.48 to 1.01 ms for the MeanFlow call and from 1.41 to 1.08 ms for the second-order
+# call, against the floor's 0.15, 0.79 and 0.67 ms in the same session. The first two are
+# still host-bound (0.43 ms of GPU time for the MeanFlow call); the second-order call is
+# now within 8% of its GPU time. What is left above the floor is Inductor's launcher for
+# each user kernel and the AOTAutograd backward around it. At `dit-xl2-256`, d = 72 is cut
+# into two column tiles, which Triton 3.6's own ptxas miscompiles (chapter 2); Inductor's
+# compile workers would use it, so there the twins call the opaque operators. Nothing
+# changes there but the noise: the forward with the tangent took 0.35 ms of host time in
+# the session's earlier run of the same code and 0.54 ms in this one (the budget of this
+# run stopped before its MeanFlow and second-order calls). The
+# first compiled call takes 10-15 s where it took 1-4 s: Inductor compiles every candidate
+# tile of each kernel and times them itself, once per process and shape.
 
 # %% [markdown]
 # ### In a fused-QKV layout
