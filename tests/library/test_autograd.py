@@ -87,7 +87,7 @@ def test_torch_compile_fullgraph_forward_backward_and_attention_jvp() -> None:
             xs = leaves(*inputs)
             outputs = candidate(*xs)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-            sum((o * torch.randn_like(o, generator=torch.Generator().manual_seed(i))).sum()
+            sum((o * torch.randn_like(o, generator=torch.Generator(o.device).manual_seed(i))).sum()
                 for i, o in enumerate(outputs)).backward()
             results.append([*outputs, *(x.grad for x in xs)])
         for i, (eager, compiled) in enumerate(zip(*results, strict=True)):

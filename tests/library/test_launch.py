@@ -362,3 +362,37 @@ def test_compiled_training_step_is_launched_by_inductor(step: str) -> None:
     assert "torch.ops.jvp_attention" not in source
     for ours, eager in zip(compiled, grads(q, k, v, tq, tk, tv), strict=True):
         torch.testing.assert_close(ours, eager, rtol=2e-2, atol=2e-2)
+
+
+def test_traced_twins_register_with_their_operators_signatures() -> None:
+    """Outside the interpreter (as on a GPU), importing the autograd layer registers a traced
+    twin of each operator, with the opaque operator's schema; on the CPU this runs in a
+    subprocess without TRITON_INTERPRET, which only imports."""
+    import subprocess
+    import sys
+
+    code = ("import torch, jvp_attention.autograd as a\n"
+            "ops = torch.ops.jvp_attention\n"
+            "assert a._TRACED == {n: n + '_traced' for n in "
+            "('forward', 'forward_jvp', 'backward', 'backward_tangent')}, a._TRACED\n"
+            "for name, twin in a._TRACED.items():\n"
+            "    opaque, traced = (str(getattr(ops, n).default._schema) for n in (name, twin))\n"
+            "    assert traced == opaque.replace(name + '(', twin + '(', 1), (opaque, traced)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, check=False, cwd=os.path.dirname(os.path.dirname(
+                                os.path.dirname(os.path.abspath(__file__)))))
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_fake_and_functional_tensors_are_in_a_compiled_graph() -> None:
+    """`_launch` picks the traced twins for AOTAutograd's fake and functional tensors too,
+    not only while Dynamo traces; plain tensors are not in a compiled graph."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import jvp_attention.autograd as autograd
+
+    assert not autograd._in_compiled_graph((torch.zeros(2), 1.0, None))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.zeros(2))
+    assert autograd._in_compiled_graph((fake, 1.0))
