@@ -591,7 +591,12 @@ if not interpreting():
 # tokens), and head dims cut in two while this library compiles with its own ptxas
 # (`sound_ptxas`: Inductor's compile workers would use Triton's, which faults at d = 40 and
 # 72). Under Triton's interpreter there is nothing to trace: `wrap_triton` runs interpreted
-# kernels directly, so the CPU keeps the opaque operators.
+# kernels directly, so the CPU keeps the opaque operators. The graphs can still be traced
+# there: `tests/library/test_traced.py` traces every twin on fake CUDA tensors with Triton
+# given a Hopper target, and checks which calls launch kernels and that Inductor's analysis
+# of each launch finds exactly the arguments the kernel writes (where that analysis fails,
+# Inductor assumes every argument is written, and `out`, passed again as its own residual
+# when there is none, would come back as an unwritten copy).
 #
 # On the H200 (bf16, DiT-B/2 at 256 px, (64, 12, 256, 64), `torch.compile` with the
 # default mode), every kernel of a MeanFlow step and of a second-order step is launched by

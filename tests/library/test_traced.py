@@ -1,0 +1,169 @@
+"""The operators' traced twins (chapter 7) as AOTAutograd traces them under torch.compile.
+
+`tests/traced_graphs.py` traces each twin on fake tensors, outside Triton's interpreter (the
+twins are not registered under it), with Triton given a Hopper target. These tests check
+which calls become kernel launches in the graph and which stay with the opaque operator,
+and that Inductor's analysis of each launch finds exactly the arguments the kernel writes.
+That analysis matters for correctness: where it fails, Inductor assumes that every argument
+is written, and a tensor passed under two names (the forward passes `out` as its own
+residual when there is none) would come back as an unwritten copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jvp_attention.launch as launch
+
+TESTS = Path(__file__).resolve().parents[1]
+FORWARD = ["o_ptr", "lse_ptr"]
+FORWARD_JVP = ["o_ptr", "to_ptr", "lse_ptr", "mu_ptr"]
+RESIDUALS = ["o_residual_ptr", "to_residual_ptr"]
+KEY_GRADS = ["dk_ptr", "dv_ptr"]
+SECOND_ORDER = [["delta_ptr", "c_ptr"], ["dq_ptr", "dtq_ptr"],
+                ["dk_ptr", "dv_ptr", "dtk_ptr", "dtv_ptr"]]
+# Triton 3.6's own ptxas miscompiles head dims cut into two column tiles (chapter 2): where
+# this library compiles with another, a compiled graph keeps the opaque operator there.
+CUT_IS_OPAQUE = launch.sound_ptxas(90) is not None
+
+# (case, the arguments each launch writes, in launch order; None: the opaque operator).
+# "device": "cpu" where fake CUDA tensors cannot run an operation the launcher needs
+# (torch.stack in a CPU build of PyTorch); the graphs are the same.
+CASES = [
+    ({"op": "forward"}, [FORWARD]),
+    ({"op": "forward", "mask": "bool", "causal": True, "hkv": 2}, [FORWARD]),
+    ({"op": "forward", "residual": True, "dtype": "bf16"}, [FORWARD + ["o_residual_ptr"]]),
+    ({"op": "forward_jvp"}, [FORWARD_JVP]),
+    ({"op": "forward_jvp", "causal": True, "hkv": 2}, [FORWARD_JVP]),
+    ({"op": "forward_jvp", "mask": "bool"}, [FORWARD_JVP]),
+    ({"op": "forward_jvp", "mask": "float", "mask_tangent": True, "device": "cpu"},
+     [FORWARD_JVP]),
+    ({"op": "forward_jvp", "residual": True, "dtype": "bf16"}, [FORWARD_JVP + RESIDUALS]),
+    ({"op": "forward_jvp", "dtype": "fp32"}, [FORWARD_JVP]),
+    # dynamic shapes: a symbolic batch stays symbolic in the launch; a symbolic token count
+    # is specialised by the launcher's guards (a new count recompiles), and either traces
+    ({"op": "forward_jvp", "dynamic": "batch", "device": "cpu"}, [FORWARD_JVP]),
+    ({"op": "forward_jvp", "dynamic": "tokens", "device": "cpu"}, [FORWARD_JVP]),
+    # bf16 "accurate" from carry_min_keys keys carries: its copy kernel takes a jit function
+    ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64]}, None),
+    ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "precision": "fast"},
+     [FORWARD_JVP]),
+    # from FORWARD_TMA_MIN_KEYS keys, tensor descriptors: chosen by the data's alignment
+    ({"op": "forward_jvp", "shape": [1, 2, 4096, 64], "precision": "fast"}, None),
+    ({"op": "forward_jvp", "shape": [2, 4, 64, 72]}, None if CUT_IS_OPAQUE else [FORWARD_JVP]),
+    ({"op": "backward"}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
+    ({"op": "backward", "mask": "float", "mask_grad": True, "causal": True},
+     [["delta_ptr", "dq_ptr", "dmask_ptr"], KEY_GRADS]),
+    ({"op": "backward", "residual": True, "hkv": 2, "dtype": "bf16"},
+     [["delta_ptr", "dq_ptr"], KEY_GRADS]),
+    # d = 40: rows not 16-aligned, so the row-statistics kernel writes delta first
+    ({"op": "backward", "shape": [2, 4, 64, 40], "device": "cpu"},
+     [["delta_ptr"], ["dq_ptr"], KEY_GRADS]),
+    ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64]}, None),
+    ({"op": "backward", "shape": [2, 4, 64, 72]},
+     None if CUT_IS_OPAQUE else [["dq_ptr"], KEY_GRADS]),
+    ({"op": "backward_tangent"}, SECOND_ORDER),
+    ({"op": "backward_tangent", "mask": "float", "mask_tangent": True, "mask_grad": True,
+      "residual": True, "device": "cpu"},
+     [SECOND_ORDER[0], SECOND_ORDER[1] + ["dmask_ptr", "dtmask_ptr"], SECOND_ORDER[2]]),
+    # the second-order kernels keep d = 72 in one padded column tile: no cut, traced
+    ({"op": "backward_tangent", "dtype": "bf16", "shape": [2, 4, 64, 72], "causal": True,
+      "hkv": 2}, SECOND_ORDER),
+]
+
+
+@pytest.fixture(scope="module")
+def traced() -> list[dict]:
+    """Every case traced in one subprocess without TRITON_INTERPRET (about 25 s)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(TESTS / "traced_graphs.py"), json.dumps([c for c, _ in CASES])],
+        capture_output=True, text=True, env=env, check=False, cwd=TESTS.parent, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("number", range(len(CASES)),
+                         ids=[json.dumps(c, separators=(",", ":")) for c, _ in CASES])
+def test_twin_launches_what_the_kernels_write(traced: list[dict], number: int) -> None:
+    case, expected = CASES[number]
+    graph = traced[number]
+    assert graph["case"] == case
+    assert graph["traced"], graph["error"]
+    if expected is None:
+        assert graph["opaque"] and graph["launches"] == 0, graph
+    else:
+        assert not graph["opaque"], graph
+        assert graph["written"] == expected
+
+
+# --- on the GPU: compiled steps through the twins give eager's numbers ----------------------
+
+COMPILED_CONFIGS = {
+    "fp16-causal-gqa": {"dtype": "fp16", "causal": True, "hkv": 2},
+    "bf16-bool-mask": {"dtype": "bf16", "mask": "bool"},
+    "bf16-learnable-bias": {"dtype": "bf16", "mask": "bias"},
+    "fp32": {"dtype": "fp32"},
+    "bf16-fast": {"dtype": "bf16", "precision": "fast"},
+}
+DTYPE_OF = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", ["meanflow", "second_order"])
+@pytest.mark.parametrize("config", list(COMPILED_CONFIGS))
+def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -> None:
+    """A MeanFlow step (the tangent under a stop-gradient) and a second-order step compiled
+    with Inductor, whose graphs launch the kernels themselves at these shapes, against the
+    same steps in eager mode: every gradient within the dtype's rounding (Inductor times the
+    tiles itself and may sum in another order), for masks, a learnable bias whose tangent
+    enters the kernels, causal GQA, fp32 and the fast precision."""
+    import torch
+
+    from jvp_attention import attention, precision
+
+    options = COMPILED_CONFIGS[config]
+    dtype = getattr(torch, DTYPE_OF[options["dtype"]])
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    b, h, n, d = 4, 4, 256, 64
+    hkv = options.get("hkv", h)
+
+    def tensor(heads):
+        return torch.randn(b, heads, n, d, device="cuda", dtype=dtype, requires_grad=True)
+
+    q, k, v = tensor(h), tensor(hkv), tensor(hkv)
+    primals = [q, k, v]
+    if options.get("mask") == "bool":
+        mask = torch.rand(b, 1, n, n, device="cuda") > 0.2
+    elif options.get("mask") == "bias":
+        mask = None
+        primals.append(torch.randn(1, h, n, n, device="cuda", dtype=dtype, requires_grad=True))
+    else:
+        mask = None
+    tangents = [torch.randn_like(x) for x in primals]
+
+    def attend(q, k, v, bias=None):
+        return attention(q, k, v, attn_mask=bias if bias is not None else mask,
+                         is_causal=options.get("causal", False), enable_gqa=hkv != h)
+
+    def grads(*primals):
+        out, t_out = torch.func.jvp(attend, tuple(primals), tuple(tangents))
+        t_out = t_out.detach() if step == "meanflow" else t_out
+        loss = (out.float() * t_out.float()).mean() + out.float().square().mean()
+        return torch.autograd.grad(loss, primals)
+
+    with precision(options.get("precision", "accurate")):
+        compiled = torch.compile(grads)(*primals)
+        eager = grads(*primals)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for number, (ours, expected) in enumerate(zip(compiled, eager, strict=True)):
+        scale = expected.float().abs().max().clamp_min(1e-30)
+        error = ((ours.float() - expected.float()).abs().max() / scale).item()
+        assert error <= tolerance, (config, step, number, error)
