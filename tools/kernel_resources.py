@@ -143,10 +143,12 @@ def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str,
     saved = {(forward, "_attention_forward"), (forward, "_attention_forward_jvp"),
              (backward, "_backward_dkdv"), (backward, "_backward_dkdv_tangent"),
              (backward, "_backward_dq"), (backward, "_backward_dq_tangent")}
-    originals = {(m, n): getattr(m, n) for m, n in saved}
+    originals = {(m, n): getattr(m, n) for m, n in saved | LAUNCH_SITES}
     try:
         for module, name in saved:
             setattr(module, name, Recorder(originals[(module, name)], name, launches))
+        for module, name in LAUNCH_SITES:
+            setattr(module, name, recorded)
         shape = (1, 2, 256, head_dim)
         q, k, v, tq, tk, tv, do, dto = (
             torch.randn(shape, dtype=dtype) if layout == "contiguous"
@@ -164,19 +166,24 @@ def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str,
     return launches
 
 
+# The launchers run their kernels through `launchable(kernel, q)[grid](...)`.
+LAUNCH_SITES = {(forward, "launchable"), (backward, "launchable")}
+
+
+def recorded(kernel, like):
+    """`launchable` while recording: a recorder records, other kernels (the backward's row
+    statistics) do not run."""
+    return kernel if isinstance(kernel, Recorder) else _NoLaunch()
+
+
 def backward_launch(q, k, v, out, lse, do, attn_mask, causal, tangents, dto):
-    """The backward's two tiled kernels (the row statistics kernel, launched through
-    `cached`, runs for real on CPU tensors only in the interpreter, so it is skipped here)."""
-    launcher = backward.cached
-    backward.cached = lambda kernel: _NoLaunch()
-    try:
-        if tangents is None:
-            backward.flash_attention_backward(q, k, v, out, lse, do, attn_mask, causal)
-        else:
-            backward.flash_attention_backward(q, k, v, out, lse, do, attn_mask, causal, None,
-                                              tangents, out, lse, dto)
-    finally:
-        backward.cached = launcher
+    """The backward's two tiled kernels, recorded (the row statistics kernel, which runs for
+    real on CPU tensors only in the interpreter, is skipped: see `recorded`)."""
+    if tangents is None:
+        backward.flash_attention_backward(q, k, v, out, lse, do, attn_mask, causal)
+    else:
+        backward.flash_attention_backward(q, k, v, out, lse, do, attn_mask, causal, None,
+                                          tangents, out, lse, dto)
 
 
 class _NoLaunch:
