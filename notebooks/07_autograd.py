@@ -528,14 +528,26 @@ def _traced_twin(name: str, fake, traceable) -> None:
     (`launchable`); where `traceable(*args)` says the launcher's choices cannot be traced,
     it calls the opaque operator instead."""
     opaque = getattr(torch.ops.jvp_attention, name).default
+    signature = inspect.signature(_LAUNCHERS[name])
 
     def body(*args):
-        return _LAUNCHERS[name](*args) if traceable(*args) else opaque(*args)
+        masks = signature.bind(*args).arguments
+        if traceable(*args) and _traceable_masks(masks["attn_mask"], masks.get("mask_tangent")):
+            return _LAUNCHERS[name](*args)
+        return opaque(*args)
 
-    body.__signature__ = inspect.signature(_LAUNCHERS[name])  # the schema is inferred from it
+    body.__signature__ = signature  # the schema is inferred from it
     torch.library.triton_op(f"jvp_attention::{name}_traced", body,
                             mutates_args=()).register_fake(fake)
     _TRACED[name] = f"{name}_traced"
+
+
+def _traceable_masks(attn_mask: Tensor | None, mask_tangent: Tensor | None) -> bool:
+    """Masks that Inductor runs as the kernels read them. Not a bool mask: the kernels read it
+    as bytes, a dtype view that Inductor cannot lower from bool. Not a mask tangent: the
+    kernels read each bias's tangent as the element after it (`mask_operand`), and Inductor
+    may store the biases they are handed on their own, without the tangents between them."""
+    return mask_tangent is None and (attn_mask is None or attn_mask.dtype != torch.bool)
 
 
 # Which calls of each operator may be traced (the operators' arguments: q, k, v first,
@@ -590,7 +602,13 @@ if not interpreting():
 # the data's alignment: the forward's from 4096 keys, the first-order backward's from 1024
 # tokens), and head dims cut in two while this library compiles with its own ptxas
 # (`sound_ptxas`: Inductor's compile workers would use Triton's, which faults at d = 40 and
-# 72). Under Triton's interpreter there is nothing to trace: `wrap_triton` runs interpreted
+# 72). Two kinds of mask keep the opaque operators too (`_traceable_masks`), both found by
+# comparing compiled steps with eager ones on the H200: a bool mask, which the kernels read
+# as bytes through a dtype view that Inductor fails to lower from bool, and a mask with a
+# tangent (a learnable bias inside `torch.func.jvp`), whose biases and tangents the kernels
+# read interleaved from one buffer: Inductor computed the view of the biases into a buffer
+# of its own, the tangents read after each bias were garbage, and the compiled MeanFlow
+# step's query gradient was off eager's by 28% of its largest entry. Under Triton's interpreter there is nothing to trace: `wrap_triton` runs interpreted
 # kernels directly, so the CPU keeps the opaque operators. The graphs can still be traced
 # there: `tests/library/test_traced.py` traces every twin on fake CUDA tensors with Triton
 # given a Hopper target, and checks which calls launch kernels and that Inductor's analysis

@@ -37,13 +37,16 @@ CUT_IS_OPAQUE = launch.sound_ptxas(90) is not None
 # (torch.stack in a CPU build of PyTorch); the graphs are the same.
 CASES = [
     ({"op": "forward"}, [FORWARD]),
-    ({"op": "forward", "mask": "bool", "causal": True, "hkv": 2}, [FORWARD]),
+    ({"op": "forward", "causal": True, "hkv": 2}, [FORWARD]),
+    # a bool mask is read as bytes, a view Inductor cannot lower from bool: opaque
+    ({"op": "forward", "mask": "bool", "causal": True, "hkv": 2}, None),
     ({"op": "forward", "residual": True, "dtype": "bf16"}, [FORWARD + ["o_residual_ptr"]]),
     ({"op": "forward_jvp"}, [FORWARD_JVP]),
     ({"op": "forward_jvp", "causal": True, "hkv": 2}, [FORWARD_JVP]),
-    ({"op": "forward_jvp", "mask": "bool"}, [FORWARD_JVP]),
-    ({"op": "forward_jvp", "mask": "float", "mask_tangent": True, "device": "cpu"},
-     [FORWARD_JVP]),
+    ({"op": "forward_jvp", "mask": "bool"}, None),
+    ({"op": "forward_jvp", "mask": "float"}, [FORWARD_JVP]),
+    # a mask tangent is read interleaved with its bias, which Inductor may store alone: opaque
+    ({"op": "forward_jvp", "mask": "float", "mask_tangent": True, "device": "cpu"}, None),
     ({"op": "forward_jvp", "residual": True, "dtype": "bf16"}, [FORWARD_JVP + RESIDUALS]),
     ({"op": "forward_jvp", "dtype": "fp32"}, [FORWARD_JVP]),
     # dynamic shapes: a symbolic batch stays symbolic in the launch; a symbolic token count
@@ -69,9 +72,11 @@ CASES = [
     ({"op": "backward", "shape": [2, 4, 64, 72]},
      None if CUT_IS_OPAQUE else [["dq_ptr"], KEY_GRADS]),
     ({"op": "backward_tangent"}, SECOND_ORDER),
-    ({"op": "backward_tangent", "mask": "float", "mask_tangent": True, "mask_grad": True,
-      "residual": True, "device": "cpu"},
+    ({"op": "backward_tangent", "mask": "float", "mask_grad": True, "residual": True},
      [SECOND_ORDER[0], SECOND_ORDER[1] + ["dmask_ptr", "dtmask_ptr"], SECOND_ORDER[2]]),
+    ({"op": "backward_tangent", "mask": "float", "mask_tangent": True, "mask_grad": True,
+      "residual": True, "device": "cpu"}, None),
+    ({"op": "backward", "mask": "bool"}, None),
     # the second-order kernels keep d = 72 in one padded column tile: no cut, traced
     ({"op": "backward_tangent", "dtype": "bf16", "shape": [2, 4, 64, 72], "causal": True,
       "hkv": 2}, SECOND_ORDER),
@@ -109,6 +114,7 @@ COMPILED_CONFIGS = {
     "fp16-causal-gqa": {"dtype": "fp16", "causal": True, "hkv": 2},
     "bf16-bool-mask": {"dtype": "bf16", "mask": "bool"},
     "bf16-learnable-bias": {"dtype": "bf16", "mask": "bias"},
+    "bf16-bias-parameter": {"dtype": "bf16", "mask": "parameter"},
     "fp32": {"dtype": "fp32"},
     "bf16-fast": {"dtype": "bf16", "precision": "fast"},
 }
@@ -122,8 +128,9 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
     """A MeanFlow step (the tangent under a stop-gradient) and a second-order step compiled
     with Inductor, whose graphs launch the kernels themselves at these shapes, against the
     same steps in eager mode: every gradient within the dtype's rounding (Inductor times the
-    tiles itself and may sum in another order), for masks, a learnable bias whose tangent
-    enters the kernels, causal GQA, fp32 and the fast precision."""
+    tiles itself and may sum in another order), for masks (bool masks and biases with a
+    tangent keep the opaque operators), a bias parameter whose gradient the kernels compute,
+    causal GQA, fp32 and the fast precision."""
     import torch
 
     from jvp_attention import attention, precision
@@ -139,14 +146,14 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
         return torch.randn(b, heads, n, d, device="cuda", dtype=dtype, requires_grad=True)
 
     q, k, v = tensor(h), tensor(hkv), tensor(hkv)
-    primals = [q, k, v]
+    primals, mask, wanted = [q, k, v], None, []
     if options.get("mask") == "bool":
         mask = torch.rand(b, 1, n, n, device="cuda") > 0.2
-    elif options.get("mask") == "bias":
-        mask = None
+    elif options.get("mask") == "bias":  # a primal of the jvp: its tangent enters the kernels
         primals.append(torch.randn(1, h, n, n, device="cuda", dtype=dtype, requires_grad=True))
-    else:
-        mask = None
+    elif options.get("mask") == "parameter":  # outside the jvp: only its gradient is wanted
+        mask = torch.randn(1, h, n, n, device="cuda", dtype=dtype, requires_grad=True)
+        wanted.append(mask)
     tangents = [torch.randn_like(x) for x in primals]
 
     def attend(q, k, v, bias=None):
@@ -157,7 +164,7 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
         out, t_out = torch.func.jvp(attend, tuple(primals), tuple(tangents))
         t_out = t_out.detach() if step == "meanflow" else t_out
         loss = (out.float() * t_out.float()).mean() + out.float().square().mean()
-        return torch.autograd.grad(loss, primals)
+        return torch.autograd.grad(loss, (*primals, *wanted))
 
     with precision(options.get("precision", "accurate")):
         compiled = torch.compile(grads)(*primals)
