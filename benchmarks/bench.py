@@ -696,6 +696,16 @@ def device_info() -> dict:
     return info
 
 
+def command_line() -> list[str]:
+    """sys.argv with paths inside the repository relative to it: the results file names the
+    command to run from a checkout, not the folder or the interpreter it ran from."""
+    def relative(arg: str) -> str:
+        path = Path(arg)
+        return str(path.relative_to(REPO)) if path.is_absolute() and path.is_relative_to(REPO) \
+            else arg
+    return [relative(arg) for arg in sys.argv]
+
+
 def run_record(schema: str, smoke: bool) -> dict:
     """What every results file opens with: its schema, when, the command, the machine, the
     versions and the commit."""
@@ -703,8 +713,8 @@ def run_record(schema: str, smoke: bool) -> dict:
     return {
         "schema": schema,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "argv": sys.argv,
+        "command": shlex.join(["python", *command_line()]),
+        "argv": command_line(),
         "gpu": device["name"],
         "device": device,
         "smoke": bool(smoke),

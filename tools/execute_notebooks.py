@@ -20,6 +20,7 @@ import io
 import json
 import linecache
 import os
+import site
 import sys
 import time
 import traceback
@@ -62,7 +63,17 @@ def parse_percent(text: str) -> list[dict]:
 
 
 def _stream(name: str, text: str) -> dict:
-    return {"output_type": "stream", "name": name, "text": text}
+    return {"output_type": "stream", "name": name, "text": without_local_paths(text)}
+
+
+def without_local_paths(text: str) -> str:
+    """`text` with the paths of this machine's installation (warnings and tracebacks name
+    their files) shortened to `<site-packages>/...` and to paths in the repository, so that
+    the book shows the library, not the machine it was executed on."""
+    prefixes = {*site.getsitepackages(), site.getusersitepackages()}
+    for prefix in sorted(prefixes, key=len, reverse=True):
+        text = text.replace(prefix + os.sep, "<site-packages>/")
+    return text.replace(str(Path(__file__).resolve().parent.parent) + os.sep, "")
 
 
 def _figures() -> list[dict]:
@@ -102,7 +113,7 @@ def run_cell(source: str, namespace: dict, count: int) -> tuple[list[dict], bool
         ok = False
         outputs.append({"output_type": "error", "ename": type(error).__name__,
                         "evalue": str(error),
-                        "traceback": traceback.format_exc().splitlines()})
+                        "traceback": without_local_paths(traceback.format_exc()).splitlines()})
     if stdout.getvalue():
         outputs.insert(0, _stream("stdout", stdout.getvalue()))
     if stderr.getvalue():
