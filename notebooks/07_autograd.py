@@ -596,10 +596,10 @@ if not interpreting():
 # `wrap_triton` (`launchable`, chapter 2), and the compiled graph holds the kernel launches
 # themselves, which Inductor runs with its own lean launcher.
 #
-# Where the launcher's choices need the data or a compiler switch, the twin calls the
-# opaque operator instead (`traceable_forward`, `traceable_backward`): the bf16 carry's copy
-# kernel (it takes a jit function as an argument), tensor descriptors (they are chosen by
-# the data's alignment: the forward's from 4096 keys, the first-order backward's from 1024
+# Where the launcher's choices need the data or a compiler switch, the twin calls the opaque
+# operator instead (`traceable_forward`, `traceable_backward`): the bf16 carry's copy kernel
+# (it takes a jit function as an argument), tensor descriptors (they are chosen by the
+# data's alignment: the forward's from 4096 keys, the first-order backward's from 1024
 # tokens), and head dims cut in two while this library compiles with its own ptxas
 # (`sound_ptxas`: Inductor's compile workers would use Triton's, which faults at d = 40 and
 # 72). Two kinds of mask keep the opaque operators too (`_traceable_masks`), both found by
@@ -608,13 +608,14 @@ if not interpreting():
 # tangent (a learnable bias inside `torch.func.jvp`), whose biases and tangents the kernels
 # read interleaved from one buffer: Inductor computed the view of the biases into a buffer
 # of its own, the tangents read after each bias were garbage, and the compiled MeanFlow
-# step's query gradient was off eager's by 28% of its largest entry. Under Triton's interpreter there is nothing to trace: `wrap_triton` runs interpreted
-# kernels directly, so the CPU keeps the opaque operators. The graphs can still be traced
-# there: `tests/library/test_traced.py` traces every twin on fake CUDA tensors with Triton
-# given a Hopper target, and checks which calls launch kernels and that Inductor's analysis
-# of each launch finds exactly the arguments the kernel writes (where that analysis fails,
-# Inductor assumes every argument is written, and `out`, passed again as its own residual
-# when there is none, would come back as an unwritten copy).
+# step's query gradient was off eager's by 28% of its largest entry. Under Triton's
+# interpreter there is nothing to trace: `wrap_triton` runs interpreted kernels directly, so
+# the CPU keeps the opaque operators. The graphs can still be traced there:
+# `tests/library/test_traced.py` traces every twin on fake CUDA tensors with Triton given a
+# Hopper target, and checks which calls launch kernels and that Inductor's analysis of each
+# launch finds exactly the arguments the kernel writes (where that analysis fails, Inductor
+# assumes every argument is written, and `out`, passed again as its own residual when there
+# is none, would come back as an unwritten copy).
 #
 # On the H200 (bf16, DiT-B/2 at 256 px, (64, 12, 256, 64), `torch.compile` with the
 # default mode), every kernel of a MeanFlow step and of a second-order step is launched by
