@@ -109,6 +109,9 @@ def test_smoke_run_writes_the_schema(tmp_path: Path) -> None:
     check_schema(data)
     assert data["smoke"] and data["complete"] and data["interpreter"]
     assert "--smoke" in data["command"] and data["settings"]["dtype"] == "fp16"
+    # the command as run from a checkout: no interpreter path, the script relative to it
+    assert data["command"].startswith("python benchmarks/training_shapes.py --smoke")
+    assert data["argv"][0] == "benchmarks/training_shapes.py"
     cases = {(c["impl"], c["mode"]): c for c in data["cases"]}
     assert set(cases) == {(impl, mode) for impl in ts.IMPLS for mode in ts.MODES}
     for (impl, _mode), case in cases.items():
