@@ -620,9 +620,10 @@ if not interpreting():
 # On the H200 (bf16, DiT-B/2 at 256 px, (64, 12, 256, 64), `torch.compile` with the
 # default mode), every kernel of a MeanFlow step and of a second-order step is launched by
 # Inductor, and the host time per compiled call fell from 1.48 to 1.01 ms for the MeanFlow
-# step and from 1.41 to 1.08 ms for the second-order step (chapter 8). The price is paid
-# once per process and shape: Inductor compiles and times the kernels' tiles itself, so the
-# first compiled step took 10-15 s there where the opaque operators took 1-4 s.
+# step and from 1.41 to 1.08 ms for the second-order step (chapter 8). The first compiled
+# step at each shape compiles and times the kernels' tiles inside Inductor: 10-15 s there,
+# in a fresh Inductor cache, about what the opaque operators' first call spends compiling
+# and tuning them through Triton (6.5-16.7 s in chapter 8's runs).
 
 # %% [markdown]
 # ## Validation

@@ -1400,9 +1400,11 @@ if announce_run(TRACED_RUN, TRACED_SHAPES, "ours_compiled floor_compiled",
 # compile workers would use it, so there the twins call the opaque operators. Nothing
 # changes there but the noise: the forward with the tangent took 0.35 ms of host time in
 # the session's earlier run of the same code and 0.54 ms in this one (the budget of this
-# run stopped before its MeanFlow and second-order calls). The
-# first compiled call takes 10-15 s where it took 1-4 s: Inductor compiles every candidate
-# tile of each kernel and times them itself, once per process and shape.
+# run stopped before its MeanFlow and second-order calls). The first compiled call takes
+# 10-15 s in a fresh Inductor cache: Inductor compiles every candidate tile of each kernel
+# and times them itself. With the opaque operators that work falls in the uncompiled step
+# that precedes each compiled case (its `eager_warmup_s`, 6.5-16.7 s in the opaque run), so
+# the opaque rows' 0.4-1.2 s of compile time leave it out.
 
 # %% [markdown]
 # ### In a fused-QKV layout
