@@ -606,11 +606,12 @@ if not interpreting():
 # comparing compiled steps with eager ones on the H200: a bool mask, which the kernels read
 # as bytes through a dtype view that Inductor fails to lower from bool, and a mask with a
 # tangent (a learnable bias inside `torch.func.jvp`), whose biases and tangents the kernels
-# read interleaved from one buffer: Inductor computed the view of the biases into a buffer
-# of its own, the tangents read after each bias were garbage, and the compiled MeanFlow
-# step's query gradient was off eager's by 28% of its largest entry. Under Triton's
-# interpreter there is nothing to trace: `wrap_triton` runs interpreted kernels directly, so
-# the CPU keeps the opaque operators. The graphs can still be traced there:
+# read interleaved from one buffer: Inductor, which hands a user's kernel its tensors at the
+# strides they were traced with, copied that view of the biases into a new buffer with the
+# same strides, whose gaps, where the kernels read the tangents, were never written, and the
+# compiled MeanFlow step's query gradient was off eager's by 28% of its largest entry. Under
+# Triton's interpreter there is nothing to trace: `wrap_triton` runs interpreted kernels
+# directly, so the CPU keeps the opaque operators. The graphs can still be traced there:
 # `tests/library/test_traced.py` traces every twin on fake CUDA tensors with Triton given a
 # Hopper target, and checks which calls launch kernels and that Inductor's analysis of each
 # launch finds exactly the arguments the kernel writes (where that analysis fails, Inductor
