@@ -743,6 +743,7 @@ def header(args: argparse.Namespace, cycles_per_ms: float | None) -> dict:
             "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
             "sleep_cycles_per_ms": cycles_per_ms,
             "causal": False, "mask": None, "layout": args.layout,
+            "padded_max_scores": jvp_attention.launch.PADDED_MAX_SCORES,
         },
         "shapes": {name: {"B": b, "H": h, "N": n, "d": d, "label": SHAPE_LABELS.get(name, name)}
                    for name, (b, h, n, d) in (SMOKE_SHAPES if args.smoke else SHAPES).items()},
@@ -832,6 +833,11 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                              + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
     parser.add_argument("--precision", choices=("accurate", "fast"), default=None,
                         help="jvp_attention.set_precision for the run (default: the library's)")
+    parser.add_argument("--padded-max-scores", type=int, default=None,
+                        help="jvp_attention.launch.PADDED_MAX_SCORES for the run: compiled "
+                             "calls of at most this many scores pad head dims cut in two "
+                             "(d = 40, 72) to one column tile, larger ones keep the opaque "
+                             "operators; 0 never pads (default: the library's)")
     parser.add_argument("--out", type=Path, help="the JSON file to write (default: "
                         "benchmarks/results/training_shapes_<date>.json; smoke: a temp file)")
     parser.add_argument("--warmup-steps", type=int, default=None,
@@ -876,6 +882,8 @@ def main(argv: Iterable[str] | None = None) -> dict:
         return {}
     if args.precision:
         jvp_attention.set_precision(args.precision)
+    if args.padded_max_scores is not None:
+        jvp_attention.launch.PADDED_MAX_SCORES = args.padded_max_scores
     device = "cuda" if HAS_CUDA else "cpu"
     if HAS_CUDA:  # initialise the context and cuBLAS before anything is timed
         x = torch.randn(256, 256, device=device)

@@ -425,23 +425,12 @@ def _traced_twin(name: str, fake, traceable) -> None:
     signature = inspect.signature(_LAUNCHERS[name])
 
     def body(*args):
-        masks = signature.bind(*args).arguments
-        if traceable(*args) and _traceable_masks(masks["attn_mask"], masks.get("mask_tangent")):
-            return _LAUNCHERS[name](*args)
-        return opaque(*args)
+        return _LAUNCHERS[name](*args) if traceable(*args) else opaque(*args)
 
     body.__signature__ = signature  # the schema is inferred from it
     torch.library.triton_op(f"jvp_attention::{name}_traced", body,
                             mutates_args=()).register_fake(fake)
     _TRACED[name] = f"{name}_traced"
-
-
-def _traceable_masks(attn_mask: Tensor | None, mask_tangent: Tensor | None) -> bool:
-    """Masks that Inductor runs as the kernels read them. Not a bool mask: the kernels read it
-    as bytes, a dtype view that Inductor cannot lower from bool. Not a mask tangent: the
-    kernels read each bias's tangent as the element after it (`mask_operand`), and Inductor
-    may store the biases they are handed on their own, without the tangents between them."""
-    return mask_tangent is None and (attn_mask is None or attn_mask.dtype != torch.bool)
 
 
 # Which calls of each operator may be traced (the operators' arguments: q, k, v first,

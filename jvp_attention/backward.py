@@ -16,9 +16,9 @@ from jvp_attention.launch import (
     cdiv,
     check_kernel_shapes,
     check_mask_tangent,
-    column_tiles,
     cut_in_two,
     kernel_meta,
+    launch_column_tiles,
     launchable,
     mask_operand,
     next_power_of_2,
@@ -578,9 +578,10 @@ def traceable_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precis
     BACKWARD_TMA_MIN_TOKENS and cuts head dims in its dQ kernel; the second-order backward
     does none of these."""
     if has_tangent:
-        return traceable_launches(q, carry=False, long_rows=False, cut=False)
+        return traceable_launches(q, k.shape[-2], carry=False, long_rows=False, cut=False)
     n_q, n_k = q.shape[-2], k.shape[-2]
-    return traceable_launches(q, carry=accurate(precision) and not mask_grad and carries(q, n_k),
+    return traceable_launches(q, n_k,
+                              carry=accurate(precision) and not mask_grad and carries(q, n_k),
                               long_rows=min(n_q, n_k) >= BACKWARD_TMA_MIN_TOKENS,
                               cut=cut_in_two(q.shape[-1], v.shape[-1]))
 
@@ -665,8 +666,8 @@ def flash_attention_backward(
     dv = torch.empty((batch, n_kv_heads, n_k, value_dim), device=q.device, dtype=v.dtype)
     dtq, dtk, dtv = ((torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv))
                      if has_tangent else (dq, dk, dv))
-    mask, mask_kind = mask_operand(attn_mask, scores_shape,
-                                   mask_tangent if has_tangent else None)
+    mask, mask_strides, mask_kind = mask_operand(attn_mask, scores_shape,
+                                                 mask_tangent if has_tangent else None)
     # The mask's gradients (not written without MASK_GRAD): entries that the dQ programs
     # skip (above the causal band) stay 0.
     dmask = (torch.zeros(scores_shape, device=q.device, dtype=torch.float32) if mask_grad
@@ -688,9 +689,9 @@ def flash_attention_backward(
     # (tools/kernel_resources.py), and so would the second-order kernels, whose registers
     # are full already.
     dq_meta = {**meta, **({"D_TAIL": 0, "DV_TAIL": 0} if has_tangent
-                          else column_tiles(head_dim, value_dim))}
+                          else launch_column_tiles(q, n_k, head_dim, value_dim))}
     strides = (*row_strides(q, k, v, tq, tk, tv),
-               *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+               *mask_strides,
                *row_strides(grad_operand, dto))
     sizes = (n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads, scale * LOG2E.value, scale,
              next_power_of_2(n_q), next_power_of_2(n_k))

@@ -19,9 +19,9 @@ from jvp_attention.launch import (
     cdiv,
     check_kernel_shapes,
     check_mask_tangent,
-    column_tiles,
     cut_in_two,
     kernel_meta,
+    launch_column_tiles,
     launchable,
     mask_operand,
     next_power_of_2,
@@ -322,7 +322,8 @@ def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precisi
     """Whether the forward's launches may enter a compiled graph (`traceable_launches`); a
     forward with the tangent that might carry (bf16 "accurate" with long rows) may not."""
     n_k = k.shape[-2]
-    return traceable_launches(q, carry=has_tangent and accurate(precision) and carries(q, n_k),
+    return traceable_launches(q, n_k,
+                              carry=has_tangent and accurate(precision) and carries(q, n_k),
                               long_rows=n_k >= FORWARD_TMA_MIN_KEYS,
                               cut=cut_in_two(q.shape[-1], v.shape[-1]))
 
@@ -384,8 +385,8 @@ def flash_attention_forward(
     mu = torch.empty_like(lse) if has_tangent else lse
     out_res = torch.empty_like(out) if residuals else out
     t_out_res = torch.empty_like(out) if residuals and has_tangent else out_res
-    mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k), mask_tangent)
-    mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+    mask, mask_strides, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k),
+                                                 mask_tangent)
 
     # bf16 tangents in "accurate" mode: exact fp16 copies of v and tv instead of the split.
     # The shifts bound tS by the inputs' magnitudes, which a mask tangent's tB escapes (the
@@ -398,7 +399,7 @@ def flash_attention_forward(
         with on_device(q):
             v, tv, factors = jvp_operands(q, k, v, tq, tk, tv, scale)
     use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=n_k >= FORWARD_TMA_MIN_KEYS)
-    tiles = column_tiles(head_dim, value_dim)
+    tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
     constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)
 
     def grid(meta):

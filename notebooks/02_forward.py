@@ -522,9 +522,9 @@ from jvp_attention.launch import (
     cdiv,
     check_kernel_shapes,
     check_mask_tangent,
-    column_tiles,
     cut_in_two,
     kernel_meta,
+    launch_column_tiles,
     launchable,
     mask_operand,
     next_power_of_2,
@@ -1202,6 +1202,18 @@ def _attention_forward_kernel(
 # `benchmarks/bench.py`), and the registers, spills and shared memory of every $d = 128$
 # configuration are the same.
 #
+# A compiled graph (chapter 7) cannot make that switch: Inductor compiles the kernels it
+# launches in its own worker processes, with Triton's ptxas. So there a cut head dim is
+# padded to one column tile (`launch_column_tiles`): 72 columns in a 128-column tile,
+# which ptxas 12.8 compiles correctly, at 60% more products than the 64 + 16 cut. Where
+# the call is short that is the better trade, since the graph saves the host time of an
+# opaque operator; where the GPU time dominates it is not. On the H200 (bf16, compiled,
+# the forward with the tangent), at (32, 16, 256, 72), $2^{25}$ scores, a padded call took
+# 0.20 ms against 0.59 ms for the opaque operator, and at (16, 16, 1024, 72), $2^{28}$
+# scores, 1.32 against 0.96 ms. So the graph pads calls of up to `PADDED_MAX_SCORES` =
+# $2^{27}$ scores (`pads_in_graph`) and keeps the opaque operator for larger ones, whose
+# kernels this library compiles itself.
+#
 # The launcher takes `(B, H, N, D)` tensors with any strides (a last dimension that is not
 # contiguous is copied) and launches on the inputs' own device. The public API of chapter 7 validates arguments and handles other ranks;
 # here we only check what would make the kernel read out of bounds.
@@ -1485,16 +1497,50 @@ def plain_autotuner(kernel, configs: tuple[triton.Config, ...]) -> Autotuner:
     return triton.autotune(configs=list(configs), key=[])(kernel)
 
 
-def traceable_launches(q: torch.Tensor, *, carry: bool, long_rows: bool, cut: bool) -> bool:
+def traceable_launches(q: torch.Tensor, n_k: int, *, carry: bool, long_rows: bool,
+                       cut: bool) -> bool:
     """Whether a launcher's kernels may enter a compiled graph (`launchable`): not when it
     carries (the copy kernel takes a jit function as an argument, which Inductor cannot
     paste), nor with rows long enough for tensor descriptors (choosing them reads the data's
-    alignment, which a traced tensor has not got), nor at head dims cut into two column
-    tiles where this library compiles with its own ptxas (`sound_ptxas`: Inductor's compile
-    workers would not), nor under the interpreter."""
+    alignment, which a traced tensor has not got), nor under the interpreter. Head dims cut
+    into two column tiles where this library compiles with its own ptxas (`sound_ptxas`:
+    Inductor's compile workers would not) enter it padded to one tile, when the call is
+    small enough for that to pay (`pads_in_graph`)."""
     if carry or long_rows or interpreting() or os.environ.get("JVP_ATTENTION_TMA") == "1":
         return False
-    return not (cut and q.is_cuda and sound_ptxas(90) is not None)
+    return not (cut and needs_sound_ptxas(q)) or pads_in_graph(q, n_k)
+
+
+def needs_sound_ptxas(q: torch.Tensor) -> bool:
+    """Whether kernels for `q`'s device must be compiled with `sound_ptxas` when their head
+    dims are cut in two (Hopper with Triton 3.6's ptxas)."""
+    return q.is_cuda and sound_ptxas(90) is not None
+
+
+# The most scores (B * Hq * Nq * Nk) of a call whose cut head dims a compiled graph pads to
+# one column tile (`launch_column_tiles`). H200, bf16, d = 72, compiled, padded against the
+# opaque operators: at (32, 16, 256, 72), 2**25 scores, the forward with the tangent took
+# 0.20 against 0.59 ms per call (host time saved outweighs the 60% more columns); at
+# (16, 16, 1024, 72), 2**28 scores, 1.32 against 0.96 ms (the GPU time dominates).
+PADDED_MAX_SCORES = 2**27
+
+
+def pads_in_graph(q: torch.Tensor, n_k: int) -> bool:
+    """Whether a compiled graph's call with queries `q` and `n_k` keys is small enough to
+    take padded column tiles (PADDED_MAX_SCORES)."""
+    batch, heads, n_q, _ = q.shape
+    return batch * heads * n_q * n_k <= PADDED_MAX_SCORES
+
+
+def launch_column_tiles(q: torch.Tensor, n_k: int, head_dim: int, value_dim: int) -> dict:
+    """`column_tiles` for this launch: in a compiled graph on a GPU whose kernels need
+    `sound_ptxas` (Inductor compiles with Triton's own ptxas), one padded tile per head dim
+    (`traceable_launches` lets such a call in only when `pads_in_graph`)."""
+    if isinstance(q, FunctionalTensor) and needs_sound_ptxas(q):
+        whole = (max(16, next_power_of_2(width)) for width in (head_dim, value_dim))
+        return dict(zip(("BLOCK_D", "BLOCK_DV"), whole, strict=True)) | {"D_TAIL": 0,
+                                                                        "DV_TAIL": 0}
+    return column_tiles(head_dim, value_dim)
 
 
 def autotuned(kernel, gpu_tiles: list[tuple[int, int, int, int]]) -> KeyedAutotuner:
@@ -1526,22 +1572,27 @@ def check_mask_tangent(attn_mask: torch.Tensor | None, mask_tangent: torch.Tenso
 
 def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int],
                  mask_tangent: torch.Tensor | None = None):
-    """The mask as the kernel reads it: broadcast to (B, H, Nq, Nk) as a stride-0 view (no
-    copy), booleans reinterpreted as bytes. With `mask_tangent` (see `check_mask_tangent`),
-    the bias and its tangent interleaved, (bias, tangent) pairs stored at their broadcast
-    shape in their common dtype: the view of the biases is returned, each tangent is the
-    element after its bias. Returns (tensor or None, MASK_KIND)."""
+    """The mask as the kernel reads it, broadcast to `shape` = (B, H, Nq, Nk) as a stride-0
+    view (no copy): a bool mask as it is (Triton reads a bool pointer as bytes), an additive
+    one in its own dtype. With `mask_tangent` (see `check_mask_tangent`), the bias and its
+    tangent interleaved: (bias, tangent) pairs stored at their broadcast shape in their
+    common dtype, viewed as (B, H, Nq, Nk, 2), so that each tangent is the element after its
+    bias. The kernel is handed the whole tensor it reads, never a view of part of it, so a
+    compiled graph that stores the operand anew stores all of it (chapter 7).
+
+    Returns:
+        (tensor or None, its strides over (B, H, Nq, Nk), MASK_KIND).
+    """
     if attn_mask is None:
-        return None, NO_MASK.value
+        return None, (0, 0, 0, 0), NO_MASK.value
     if mask_tangent is not None:
         dtype = torch.promote_types(attn_mask.dtype, mask_tangent.dtype)
         pairs = torch.stack(torch.broadcast_tensors(attn_mask.to(dtype), mask_tangent.to(dtype)),
-                            dim=-1)
-        return pairs[..., 0].expand(shape), ADDITIVE_WITH_TANGENT.value
+                            dim=-1).expand(*shape, 2)
+        return pairs, pairs.stride()[:4], ADDITIVE_WITH_TANGENT.value
     attn_mask = attn_mask.expand(shape)
-    if attn_mask.dtype == torch.bool:
-        return attn_mask.view(torch.uint8), BOOL_MASK.value
-    return attn_mask, ADDITIVE_MASK.value
+    kind = BOOL_MASK if attn_mask.dtype == torch.bool else ADDITIVE_MASK
+    return attn_mask, attn_mask.stride(), kind.value
 
 
 PRECISIONS = ("accurate", "fast")
@@ -1780,7 +1831,8 @@ def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precisi
     """Whether the forward's launches may enter a compiled graph (`traceable_launches`); a
     forward with the tangent that might carry (bf16 "accurate" with long rows) may not."""
     n_k = k.shape[-2]
-    return traceable_launches(q, carry=has_tangent and accurate(precision) and carries(q, n_k),
+    return traceable_launches(q, n_k,
+                              carry=has_tangent and accurate(precision) and carries(q, n_k),
                               long_rows=n_k >= FORWARD_TMA_MIN_KEYS,
                               cut=cut_in_two(q.shape[-1], v.shape[-1]))
 
@@ -1842,8 +1894,8 @@ def flash_attention_forward(
     mu = torch.empty_like(lse) if has_tangent else lse
     out_res = torch.empty_like(out) if residuals else out
     t_out_res = torch.empty_like(out) if residuals and has_tangent else out_res
-    mask, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k), mask_tangent)
-    mask_strides = mask.stride() if mask is not None else (0, 0, 0, 0)
+    mask, mask_strides, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k),
+                                                 mask_tangent)
 
     # bf16 tangents in "accurate" mode: exact fp16 copies of v and tv instead of the split.
     # The shifts bound tS by the inputs' magnitudes, which a mask tangent's tB escapes (the
@@ -1856,7 +1908,7 @@ def flash_attention_forward(
         with on_device(q):
             v, tv, factors = jvp_operands(q, k, v, tq, tk, tv, scale)
     use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=n_k >= FORWARD_TMA_MIN_KEYS)
-    tiles = column_tiles(head_dim, value_dim)
+    tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
     constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)
 
     def grid(meta):

@@ -531,23 +531,12 @@ def _traced_twin(name: str, fake, traceable) -> None:
     signature = inspect.signature(_LAUNCHERS[name])
 
     def body(*args):
-        masks = signature.bind(*args).arguments
-        if traceable(*args) and _traceable_masks(masks["attn_mask"], masks.get("mask_tangent")):
-            return _LAUNCHERS[name](*args)
-        return opaque(*args)
+        return _LAUNCHERS[name](*args) if traceable(*args) else opaque(*args)
 
     body.__signature__ = signature  # the schema is inferred from it
     torch.library.triton_op(f"jvp_attention::{name}_traced", body,
                             mutates_args=()).register_fake(fake)
     _TRACED[name] = f"{name}_traced"
-
-
-def _traceable_masks(attn_mask: Tensor | None, mask_tangent: Tensor | None) -> bool:
-    """Masks that Inductor runs as the kernels read them. Not a bool mask: the kernels read it
-    as bytes, a dtype view that Inductor cannot lower from bool. Not a mask tangent: the
-    kernels read each bias's tangent as the element after it (`mask_operand`), and Inductor
-    may store the biases they are handed on their own, without the tangents between them."""
-    return mask_tangent is None and (attn_mask is None or attn_mask.dtype != torch.bool)
 
 
 # Which calls of each operator may be traced (the operators' arguments: q, k, v first,
@@ -596,27 +585,40 @@ if not interpreting():
 # `wrap_triton` (`launchable`, chapter 2), and the compiled graph holds the kernel launches
 # themselves, which Inductor runs with its own lean launcher.
 #
-# Where the launcher's choices need the data or a compiler switch, the twin calls the opaque
-# operator instead (`traceable_forward`, `traceable_backward`): the bf16 carry's copy kernel
-# (it takes a jit function as an argument), tensor descriptors (they are chosen by the
-# data's alignment: the forward's from 4096 keys, the first-order backward's from 1024
-# tokens), and head dims cut in two while this library compiles with its own ptxas
-# (`sound_ptxas`: Inductor's compile workers would use Triton's, which faults at d = 40 and
-# 72). Two kinds of mask keep the opaque operators too (`_traceable_masks`), both found by
-# comparing compiled steps with eager ones on the H200: a bool mask, which the kernels read
-# as bytes through a dtype view that Inductor fails to lower from bool, and a mask with a
-# tangent (a learnable bias inside `torch.func.jvp`), whose biases and tangents the kernels
-# read interleaved from one buffer: Inductor, which hands a user's kernel its tensors at the
-# strides they were traced with, copied that view of the biases into a new buffer with the
-# same strides, whose gaps, where the kernels read the tangents, were never written, and the
-# compiled MeanFlow step's query gradient was off eager's by 28% of its largest entry. Under
-# Triton's interpreter there is nothing to trace: `wrap_triton` runs interpreted kernels
-# directly, so the CPU keeps the opaque operators. The graphs can still be traced there:
-# `tests/library/test_traced.py` traces every twin on fake CUDA tensors with Triton given a
-# Hopper target, and checks which calls launch kernels and that Inductor's analysis of each
-# launch finds exactly the arguments the kernel writes (where that analysis fails, Inductor
-# assumes every argument is written, and `out`, passed again as its own residual when there
-# is none, would come back as an unwritten copy).
+# Where the launcher's choices need the data or a compiler switch, the twin calls the
+# opaque operator instead (`traceable_forward`, `traceable_backward`): the bf16 carry's
+# copy kernel (it takes a jit function as an argument), tensor descriptors (they are
+# chosen by the data's alignment: the forward's from 4096 keys, the first-order backward's
+# from 1024 tokens), and head dims cut in two (d = 40, 72) in calls of more than
+# `PADDED_MAX_SCORES` scores while this library compiles with its own ptxas
+# (`sound_ptxas`: Inductor's compile workers would use Triton's, which faults at d = 40
+# and 72). Smaller calls at those head dims enter the graph with one padded column tile
+# (`launch_column_tiles`, chapter 2), whose host time saved outweighs the extra products.
+#
+# Comparing compiled steps with eager ones on the H200 found two ways in which a graph
+# went wrong, both from handing a kernel something other than the whole tensor it reads. A
+# bool mask was handed as its bytes, `mask.view(torch.uint8)`, a dtype view that Inductor
+# fails to lower from bool. Worse, a bias with a tangent (a learnable bias inside
+# `torch.func.jvp`) was handed as the view of the biases in one buffer of (bias, tangent)
+# pairs, and the kernels read each tangent as the element after its bias, outside that
+# view. Inductor hands a user's kernel its tensors at the strides they were traced with:
+# it copied the view into a new buffer with the same strides, whose gaps, where the
+# kernels read the tangents, were never written, and the compiled MeanFlow step's query
+# gradient was off eager's by 28% of its largest entry, silently. Now `mask_operand`
+# (chapter 2) hands the kernels a bool mask as it is (Triton reads a bool pointer as
+# bytes) and the pairs whole, as a (B, H, Nq, Nk, 2) view: whatever Inductor stores, it
+# stores all that the kernels read, and both masks are launched by the graph.
+# `tests/library/test_traced.py` compares compiled steps with eager ones on the GPU for
+# each mask kind, fp32 biases beside bf16 queries (autocast's way) and the padded head
+# dims.
+#
+# Under Triton's interpreter there is nothing to trace: `wrap_triton` runs interpreted
+# kernels directly, so the CPU keeps the opaque operators. The graphs can still be traced
+# there: `tests/library/test_traced.py` traces every twin on fake CUDA tensors with Triton
+# given a Hopper target, and checks which calls launch kernels and that Inductor's
+# analysis of each launch finds exactly the arguments the kernel writes (where that
+# analysis fails, Inductor assumes every argument is written, and `out`, passed again as
+# its own residual when there is none, would come back as an unwritten copy).
 #
 # On the H200 (bf16, DiT-B/2 at 256 px, (64, 12, 256, 64), `torch.compile` with the
 # default mode), every kernel of a MeanFlow step and of a second-order step is launched by

@@ -29,8 +29,11 @@ KEY_GRADS = ["dk_ptr", "dv_ptr"]
 SECOND_ORDER = [["delta_ptr", "c_ptr"], ["dq_ptr", "dtq_ptr"],
                 ["dk_ptr", "dv_ptr", "dtk_ptr", "dtv_ptr"]]
 # Triton 3.6's own ptxas miscompiles head dims cut into two column tiles (chapter 2): where
-# this library compiles with another, a compiled graph keeps the opaque operator there.
+# this library compiles with another, a compiled graph pads them to one tile in calls of up
+# to PADDED_MAX_SCORES scores and keeps the opaque operator in larger ones.
 CUT_IS_OPAQUE = launch.sound_ptxas(90) is not None
+LARGE_D72 = [16, 16, 1024, 72]  # 2**28 scores
+assert 16 * 16 * 1024 * 1024 > launch.PADDED_MAX_SCORES
 
 # (case, the arguments each launch writes, in launch order; None: the opaque operator).
 # "device": "cpu" where fake CUDA tensors cannot run an operation the launcher needs
@@ -38,15 +41,16 @@ CUT_IS_OPAQUE = launch.sound_ptxas(90) is not None
 CASES = [
     ({"op": "forward"}, [FORWARD]),
     ({"op": "forward", "causal": True, "hkv": 2}, [FORWARD]),
-    # a bool mask is read as bytes, a view Inductor cannot lower from bool: opaque
-    ({"op": "forward", "mask": "bool", "causal": True, "hkv": 2}, None),
+    # a bool mask is handed to the kernels as it is (Triton reads it as bytes)
+    ({"op": "forward", "mask": "bool", "causal": True, "hkv": 2}, [FORWARD]),
     ({"op": "forward", "residual": True, "dtype": "bf16"}, [FORWARD + ["o_residual_ptr"]]),
     ({"op": "forward_jvp"}, [FORWARD_JVP]),
     ({"op": "forward_jvp", "causal": True, "hkv": 2}, [FORWARD_JVP]),
-    ({"op": "forward_jvp", "mask": "bool"}, None),
+    ({"op": "forward_jvp", "mask": "bool"}, [FORWARD_JVP]),
     ({"op": "forward_jvp", "mask": "float"}, [FORWARD_JVP]),
-    # a mask tangent is read interleaved with its bias, which Inductor may store alone: opaque
-    ({"op": "forward_jvp", "mask": "float", "mask_tangent": True, "device": "cpu"}, None),
+    # a mask tangent: the kernels are handed the whole (bias, tangent) pairs they read
+    ({"op": "forward_jvp", "mask": "float", "mask_tangent": True, "device": "cpu"},
+     [FORWARD_JVP]),
     ({"op": "forward_jvp", "residual": True, "dtype": "bf16"}, [FORWARD_JVP + RESIDUALS]),
     ({"op": "forward_jvp", "dtype": "fp32"}, [FORWARD_JVP]),
     # dynamic shapes: a symbolic batch stays symbolic in the launch; a symbolic token count
@@ -59,7 +63,9 @@ CASES = [
      [FORWARD_JVP]),
     # from FORWARD_TMA_MIN_KEYS keys, tensor descriptors: chosen by the data's alignment
     ({"op": "forward_jvp", "shape": [1, 2, 4096, 64], "precision": "fast"}, None),
-    ({"op": "forward_jvp", "shape": [2, 4, 64, 72]}, None if CUT_IS_OPAQUE else [FORWARD_JVP]),
+    # d = 72: padded to one column tile in a small call, opaque in a large one (see above)
+    ({"op": "forward_jvp", "shape": [2, 4, 64, 72]}, [FORWARD_JVP]),
+    ({"op": "forward_jvp", "shape": LARGE_D72}, None if CUT_IS_OPAQUE else [FORWARD_JVP]),
     ({"op": "backward"}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
     ({"op": "backward", "mask": "float", "mask_grad": True, "causal": True},
      [["delta_ptr", "dq_ptr", "dmask_ptr"], KEY_GRADS]),
@@ -69,14 +75,16 @@ CASES = [
     ({"op": "backward", "shape": [2, 4, 64, 40], "device": "cpu"},
      [["delta_ptr"], ["dq_ptr"], KEY_GRADS]),
     ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64]}, None),
-    ({"op": "backward", "shape": [2, 4, 64, 72]},
-     None if CUT_IS_OPAQUE else [["dq_ptr"], KEY_GRADS]),
+    ({"op": "backward", "shape": [2, 4, 64, 72]}, [["delta_ptr"], ["dq_ptr"], KEY_GRADS]),
+    ({"op": "backward", "shape": LARGE_D72},
+     None if CUT_IS_OPAQUE else [["delta_ptr"], ["dq_ptr"], KEY_GRADS]),
     ({"op": "backward_tangent"}, SECOND_ORDER),
     ({"op": "backward_tangent", "mask": "float", "mask_grad": True, "residual": True},
      [SECOND_ORDER[0], SECOND_ORDER[1] + ["dmask_ptr", "dtmask_ptr"], SECOND_ORDER[2]]),
     ({"op": "backward_tangent", "mask": "float", "mask_tangent": True, "mask_grad": True,
-      "residual": True, "device": "cpu"}, None),
-    ({"op": "backward", "mask": "bool"}, None),
+      "residual": True, "device": "cpu"},
+     [SECOND_ORDER[0], SECOND_ORDER[1] + ["dmask_ptr", "dtmask_ptr"], SECOND_ORDER[2]]),
+    ({"op": "backward", "mask": "bool"}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
     # the second-order kernels keep d = 72 in one padded column tile: no cut, traced
     ({"op": "backward_tangent", "dtype": "bf16", "shape": [2, 4, 64, 72], "causal": True,
       "hkv": 2}, SECOND_ORDER),
@@ -115,6 +123,12 @@ COMPILED_CONFIGS = {
     "bf16-bool-mask": {"dtype": "bf16", "mask": "bool"},
     "bf16-learnable-bias": {"dtype": "bf16", "mask": "bias"},
     "bf16-bias-parameter": {"dtype": "bf16", "mask": "parameter"},
+    # autocast's way: an fp32 bias beside bf16 queries
+    "bf16-fp32-bias-parameter": {"dtype": "bf16", "mask": "parameter", "mask_dtype": "fp32"},
+    "fp16-key-padding": {"dtype": "fp16", "mask": "key_padding"},
+    # head dims cut into two column tiles in eager mode, padded to one in the compiled graph
+    "bf16-d72": {"dtype": "bf16", "d": 72},
+    "fp16-d40-causal": {"dtype": "fp16", "d": 40, "causal": True},
     "fp32": {"dtype": "fp32"},
     "bf16-fast": {"dtype": "bf16", "precision": "fast"},
 }
@@ -128,9 +142,9 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
     """A MeanFlow step (the tangent under a stop-gradient) and a second-order step compiled
     with Inductor, whose graphs launch the kernels themselves at these shapes, against the
     same steps in eager mode: every gradient within the dtype's rounding (Inductor times the
-    tiles itself and may sum in another order), for masks (bool masks and biases with a
-    tangent keep the opaque operators), a bias parameter whose gradient the kernels compute,
-    causal GQA, fp32 and the fast precision."""
+    tiles itself and may sum in another order), for bool masks, biases with a tangent, bias
+    parameters whose gradient the kernels compute, causal GQA, head dims padded in the graph
+    (cut in two in eager mode), fp32 and the fast precision."""
     import torch
 
     from jvp_attention import attention, precision
@@ -139,7 +153,7 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
     dtype = getattr(torch, DTYPE_OF[options["dtype"]])
     torch._dynamo.reset()
     torch.manual_seed(0)
-    b, h, n, d = 4, 4, 256, 64
+    b, h, n, d = 4, 4, 256, options.get("d", 64)
     hkv = options.get("hkv", h)
 
     def tensor(heads):
@@ -149,10 +163,14 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
     primals, mask, wanted = [q, k, v], None, []
     if options.get("mask") == "bool":
         mask = torch.rand(b, 1, n, n, device="cuda") > 0.2
+    elif options.get("mask") == "key_padding":  # (B, 1, 1, Nk), as a padded batch masks keys
+        mask = torch.arange(n, device="cuda") < torch.randint(n // 2, n + 1, (b, 1, 1, 1),
+                                                              device="cuda")
     elif options.get("mask") == "bias":  # a primal of the jvp: its tangent enters the kernels
         primals.append(torch.randn(1, h, n, n, device="cuda", dtype=dtype, requires_grad=True))
     elif options.get("mask") == "parameter":  # outside the jvp: only its gradient is wanted
-        mask = torch.randn(1, h, n, n, device="cuda", dtype=dtype, requires_grad=True)
+        mask_dtype = getattr(torch, DTYPE_OF[options.get("mask_dtype", options["dtype"])])
+        mask = torch.randn(1, h, n, n, device="cuda", dtype=mask_dtype, requires_grad=True)
         wanted.append(mask)
     tangents = [torch.randn_like(x) for x in primals]
 
