@@ -413,9 +413,11 @@ def needs_sound_ptxas(q: torch.Tensor) -> bool:
 
 # The most scores (B * Hq * Nq * Nk) of a call whose cut head dims a compiled graph pads to
 # one column tile (`launch_column_tiles`). H200, bf16, d = 72, compiled, padded against the
-# opaque operators: at (32, 16, 256, 72), 2**25 scores, the forward with the tangent took
-# 0.20 against 0.59 ms per call (host time saved outweighs the 60% more columns); at
-# (16, 16, 1024, 72), 2**28 scores, 1.32 against 0.96 ms (the GPU time dominates).
+# opaque operators (benchmarks/results/training_shapes_d72_*_h200.json): at
+# (32, 16, 256, 72), 2**25 scores, the forward with the tangent took 0.20 against 0.48 ms
+# per call and the MeanFlow call 0.77 against 2.01 ms (the host time saved outweighs the
+# GPU time added); at (16, 16, 1024, 72), 2**28 scores, the opaque forward with the tangent
+# is bound by its GPU time (0.92 of 0.97 ms), to which padding would only add.
 PADDED_MAX_SCORES = 2**27
 
 

@@ -1205,14 +1205,18 @@ def _attention_forward_kernel(
 # A compiled graph (chapter 7) cannot make that switch: Inductor compiles the kernels it
 # launches in its own worker processes, with Triton's ptxas. So there a cut head dim is
 # padded to one column tile (`launch_column_tiles`): 72 columns in a 128-column tile,
-# which ptxas 12.8 compiles correctly, at 60% more products than the 64 + 16 cut. Where
-# the call is short that is the better trade, since the graph saves the host time of an
-# opaque operator; where the GPU time dominates it is not. On the H200 (bf16, compiled,
-# the forward with the tangent), at (32, 16, 256, 72), $2^{25}$ scores, a padded call took
-# 0.20 ms against 0.59 ms for the opaque operator, and at (16, 16, 1024, 72), $2^{28}$
-# scores, 1.32 against 0.96 ms. So the graph pads calls of up to `PADDED_MAX_SCORES` =
-# $2^{27}$ scores (`pads_in_graph`) and keeps the opaque operator for larger ones, whose
-# kernels this library compiles itself.
+# which ptxas 12.8 compiles correctly, at 60% more columns than the 64 + 16 cut. Where the
+# call is short that is the better trade, since the graph saves the host time of an opaque
+# operator; where the GPU time dominates it is not. On the H200 (bf16, compiled,
+# `benchmarks/training_shapes.py --padded-max-scores`), at (32, 16, 256, 72), $2^{25}$
+# scores, the forward with the tangent took 0.20 ms padded against 0.48 ms opaque, and the
+# MeanFlow call (with the backward) 0.77 against 2.01 ms, for more GPU time (0.19 against
+# 0.15 ms, 0.45 against 0.41 ms). At (16, 16, 1024, 72), $2^{28}$ scores, the
+# opaque call is already bound by its GPU time (0.92 of its 0.97 ms for the forward with
+# the tangent), so padding could only add to it. So the graph pads calls of up to
+# `PADDED_MAX_SCORES` = $2^{27}$ scores (`pads_in_graph`), the boundary set between the
+# two measured sizes, and keeps the opaque operator for larger ones, whose kernels this
+# library compiles itself.
 #
 # The launcher takes `(B, H, N, D)` tensors with any strides (a last dimension that is not
 # contiguous is copied) and launches on the inputs' own device. The public API of chapter 7 validates arguments and handles other ranks;
@@ -1519,9 +1523,11 @@ def needs_sound_ptxas(q: torch.Tensor) -> bool:
 
 # The most scores (B * Hq * Nq * Nk) of a call whose cut head dims a compiled graph pads to
 # one column tile (`launch_column_tiles`). H200, bf16, d = 72, compiled, padded against the
-# opaque operators: at (32, 16, 256, 72), 2**25 scores, the forward with the tangent took
-# 0.20 against 0.59 ms per call (host time saved outweighs the 60% more columns); at
-# (16, 16, 1024, 72), 2**28 scores, 1.32 against 0.96 ms (the GPU time dominates).
+# opaque operators (benchmarks/results/training_shapes_d72_*_h200.json): at
+# (32, 16, 256, 72), 2**25 scores, the forward with the tangent took 0.20 against 0.48 ms
+# per call and the MeanFlow call 0.77 against 2.01 ms (the host time saved outweighs the
+# GPU time added); at (16, 16, 1024, 72), 2**28 scores, the opaque forward with the tangent
+# is bound by its GPU time (0.92 of 0.97 ms), to which padding would only add.
 PADDED_MAX_SCORES = 2**27
 
 
