@@ -1397,14 +1397,88 @@ if announce_run(TRACED_RUN, TRACED_SHAPES, "ours_compiled floor_compiled",
 # now within 8% of its GPU time. What is left above the floor is Inductor's launcher for
 # each user kernel and the AOTAutograd backward around it. At `dit-xl2-256`, d = 72 is cut
 # into two column tiles, which Triton 3.6's own ptxas miscompiles (chapter 2); Inductor's
-# compile workers would use it, so there the twins call the opaque operators. Nothing
-# changes there but the noise: the forward with the tangent took 0.35 ms of host time in
+# compile workers would use it, so in this run the twins called the opaque operators
+# there (padding now lets them in: the next subsection). Nothing changed there but the
+# noise: the forward with the tangent took 0.35 ms of host time in
 # the session's earlier run of the same code and 0.54 ms in this one (the budget of this
 # run stopped before its MeanFlow and second-order calls). The first compiled call takes
 # 10-15 s in a fresh Inductor cache: Inductor compiles every candidate tile of each kernel
 # and times them itself. With the opaque operators that work falls in the uncompiled step
 # that precedes each compiled case (its `eager_warmup_s`, 6.5-16.7 s in the opaque run), so
 # the opaque rows' 0.4-1.2 s of compile time leave it out.
+
+# %% [markdown]
+# ### Padded head dims, and the twins under CUDA graphs
+#
+# Two things changed what a compiled graph launches after the run above (chapters 2 and
+# 7). Head dims cut in two (d = 40, 72) enter the graph padded to one column tile in calls
+# of up to `PADDED_MAX_SCORES` = $2^{27}$ scores, where before they kept the opaque
+# operators; and bool masks and biases with a tangent are launched by the graph too.
+# `benchmarks/results/training_shapes_d72_padded_h200.json` and `..._opaque_h200.json`
+# time the two d = 72 shapes in one session, padded (the library's default) and opaque
+# (`--padded-max-scores 0`); `dit-xl2-512`, at $2^{28}$ scores, is above the limit and
+# opaque in both runs, a check on the noise between them. Below, per call, padded against
+# opaque: wall, host and GPU time.
+
+# %% tags=["hide_input"]
+D72_RUNS = {kind: RESULTS / f"training_shapes_d72_{kind}_h200.json" for kind in ("padded", "opaque")}
+D72 = {kind: saved_run(path) for kind, path in D72_RUNS.items()}
+if all(announce_run(run, D72_RUNS[kind], "ours_compiled --shape dit-xl2-256 dit-xl2-512",
+                    f"{kind}: PADDED_MAX_SCORES {run['settings'].get('padded_max_scores')}")
+       for kind, run in D72.items() if run is not None) and None not in D72.values():
+    d72_by_key = {kind: cases_by_key(run["cases"]) for kind, run in D72.items()}
+    print(f"{'shape':12} {'mode':13} {'wall padded':>12} {'opaque':>8} {'host padded':>12} "
+          f"{'opaque':>8} {'GPU padded':>11} {'opaque':>8}")
+    for shape, mode, impl in d72_by_key["padded"]:
+        cells = [ts_value(shape, mode, impl, key, d72_by_key[kind])
+                 for key in ("wall_ms", "host_ms", "gpu_ms") for kind in ("padded", "opaque")]
+        print(f"{shape:12} {mode:13} " + " ".join(
+            ms_cell(value, width) for value, width in zip(cells, (12, 8, 12, 8, 11, 8),
+                                                         strict=True)))
+
+# %% [markdown]
+# At `dit-xl2-256` padding took the forward with the tangent from 0.48 to 0.20 ms per call
+# and the MeanFlow call from 2.01 to 0.77 ms: the host time that the graph saves (0.43 to
+# 0.11 ms and 1.93 to 1.05 ms) outweighs the GPU time that the padded columns add (0.15 to
+# 0.19 ms and 0.41 to 0.45 ms). The second-order call, bound by its GPU time, came out
+# level (1.19 against 1.17 ms). At `dit-xl2-512` both runs launch the same opaque
+# operators and agree within 2% in wall time; there the forward with the tangent is bound
+# by its GPU time (0.92 of 0.97 ms), to which padding could only add, which is why larger
+# calls keep the cut tiles.
+#
+# `benchmarks/results/training_shapes_twins_h200.json` then times the four DiT shapes with
+# everything above, compiled in the default mode, with CUDA graphs (`reduce-overhead`),
+# and the compiled floor, in one run. Below, per call: wall time of each, our GPU time,
+# and the host time of the two compiled columns.
+
+# %% tags=["hide_input"]
+TWINS_SHAPES = RESULTS / "training_shapes_twins_h200.json"
+TWINS_RUN = saved_run(TWINS_SHAPES)
+if announce_run(TWINS_RUN, TWINS_SHAPES, "ours_compiled ours_cudagraphs floor_compiled",
+                "ms per call under torch.compile, default mode and CUDA graphs"):
+    twins_by_key = cases_by_key(TWINS_RUN["cases"])
+    print(f"{'shape':12} {'mode':13} {'wall compiled':>14} {'graphs':>8} {'floor':>8} "
+          f"{'GPU':>8} {'host compiled':>14} {'graphs':>8}")
+    for shape, mode, impl in twins_by_key:
+        if impl != "ours_compiled":
+            continue
+        cells = [ts_value(shape, mode, column, key, twins_by_key) for column, key in (
+            ("ours_compiled", "wall_ms"), ("ours_cudagraphs", "wall_ms"),
+            ("floor_compiled", "wall_ms"), ("ours_compiled", "gpu_ms"),
+            ("ours_compiled", "host_ms"), ("ours_cudagraphs", "host_ms"))]
+        print(f"{shape:12} {mode:13} " + " ".join(
+            ms_cell(value, width) for value, width in zip(cells, (14, 8, 8, 8, 14, 8),
+                                                         strict=True)))
+
+# %% [markdown]
+# Compiled in the default mode, at the two 256-token shapes (`dit-b2-256`, `dit-xl2-256`)
+# the forward with the tangent takes 0.17 and 0.20 ms per call (the floor 0.10 and 0.13
+# ms), the MeanFlow call 1.05 and 0.68 ms (the floor 0.50 and 0.63 ms), and the
+# second-order call 1.11 and 1.09 ms for 1.00 and 1.07 ms of GPU time: that one is bound
+# by the GPU. CUDA graphs take the MeanFlow call at `dit-b2-256` from 1.05 to 0.71 ms
+# (host time 1.09 to 0.63 ms); elsewhere they change little, since from 1024 tokens every
+# call is bound by its GPU time (0.92 to 6.89 ms) and at `dit-xl2-256` the default mode is
+# already within 0.05 ms of the floor.
 
 # %% [markdown]
 # ### In a fused-QKV layout

@@ -492,6 +492,16 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   opaque launches, about 1.5 ms of host time per MeanFlow call at these shapes, chapter
 #   8). At 1024 tokens ours wins, 55.3 against 72.5 ms (1.31x), with 36.4 ms of kernels,
 #   and at 4096 tokens 46.3 against 81.0 ms (1.75x; 4.9 against 24.0 GB).
+#   Since then chapter 7's traced twins let Inductor launch our kernels in the graph.
+#   Measured again with them in another session
+#   (`examples/results/bench_dit_b2_twins_h200.json`, same H200 kind), the compiled step
+#   at 256 tokens took 28.9 ms against the math path's 45.7 ms (1.58x; the math path took
+#   39.1 ms in the run above: host-bound steps vary from run to run), and with CUDA graphs
+#   27.1 against 28.7 ms (1.06x). That meets the 1.5x target at 256 tokens in the default
+#   mode only: with CUDA graphs, which take the host out of both, the two steps are within
+#   6%. At 1024 tokens the twins call the same opaque operators (the bf16 carry, tensor
+#   descriptors); that session's one 1024-token row ran on a host slowed in every phase,
+#   the optimizer's included, and is not comparable (the file's notes).
 # - **At 4096 tokens the bound is the attention's arithmetic.** Compiled, our attention is
 #   19.3 of the step's 33.0 ms of kernels (59%): its forward with the tangent runs at about
 #   400 TFLOP/s and its backward at about 300, near what chapter 8 measures for the
