@@ -534,6 +534,13 @@ COMPILE_MODES = ("eager", "default", "reduce-overhead", "max-autotune")
 
 # Operators through which a compiled graph calls our kernels (eager calls skip them).
 OUR_OPERATORS = "jvp_attention::"
+# Our kernels by name, forward or backward: where a compiled graph launches them itself
+# (chapter 7's traced twins), no operator of ours is in the profile, only the kernels, which
+# Inductor names after the Triton function with a number appended.
+OUR_KERNELS = {"_attention_forward_kernel": "forward",
+               "_attention_backward_dq_kernel": "backward",
+               "_attention_backward_dkdv_kernel": "backward",
+               "_row_statistics_kernel": "backward"}
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
 
 
@@ -567,7 +574,9 @@ def attention_profile(events, on_cuda: bool) -> dict:
       torch.func.jvp: our kernels' `_FusedTangentBackward` and the math path's
       Bmm/Softmax/... backward nodes are found this way, and no node from outside;
     - our kernels' custom operators (`jvp_attention::forward_jvp`, `jvp_attention::backward`,
-      ...), which a compiled graph calls: under torch.compile they are what is left to find.
+      ...), which a compiled graph calls where it keeps them opaque;
+    - on CUDA, our kernels by name (`OUR_KERNELS`) wherever else they run: a compiled graph
+      that launches them itself has no operator of ours around them.
 
     Events nested in another counted event are not counted again.
 
@@ -608,10 +617,21 @@ def attention_profile(events, on_cuda: bool) -> dict:
     counted = ranges + [e for e in cpu if linked(e) or e.name.startswith(OUR_OPERATORS)]
     ids = {id(e) for e in counted}
     roots = [e for e in counted if not any(id(a) in ids for a in _ancestors(e))]
-    if not roots:
-        return {"attention_note": "not attributed: no attention ranges or jvp_attention "
-                "operators in the profile (torch.compile drops record_function ranges and "
-                "fuses the attention's operations into its own kernels)"}
+    # Our kernels outside every counted event (microseconds, forward and backward).
+    loose = {"forward": 0.0, "backward": 0.0}
+    if on_cuda:
+        for event in cpu:
+            if id(event) in ids or any(id(a) in ids for a in _ancestors(event)):
+                continue
+            for k in event.kernels:
+                part = next((part for name, part in OUR_KERNELS.items()
+                             if k.name.startswith(name)), None)
+                if part is not None:
+                    loose[part] += k.duration
+    if not roots and not any(loose.values()):
+        return {"attention_note": "not attributed: no attention ranges, jvp_attention "
+                "operators or kernels in the profile (torch.compile drops record_function "
+                "ranges and fuses the math path's attention into its own kernels)"}
     spent = {id(e): 0.0 for e in roots}  # microseconds per counted root
     if on_cuda:
         # Each operator lists the kernels it launched (`FunctionEvent.kernels`, which the
@@ -634,8 +654,8 @@ def attention_profile(events, on_cuda: bool) -> dict:
         return (event.name.startswith(BACKWARD_NODE)
                 or (event.name.startswith(OUR_OPERATORS) and "backward" in event.name))
 
-    bwd = sum(spent[id(e)] for e in roots if backward(e))
-    fwd = sum(spent[id(e)] for e in roots if not backward(e))
+    bwd = sum(spent[id(e)] for e in roots if backward(e)) + loose["backward"]
+    fwd = sum(spent[id(e)] for e in roots if not backward(e)) + loose["forward"]
     nodes: dict[str, int] = {}  # which backward nodes were counted, for the record
     for event in roots:
         if event.name.startswith(BACKWARD_NODE):

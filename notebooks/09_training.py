@@ -357,8 +357,8 @@ del b2_model
 # Every row also has the attention's share of the step: one more step runs under
 # `torch.profiler`, and the CUDA kernel time of the attention's forward, JVP and backward is
 # divided by all kernel time of the step (`mf.attention_profile` says how the backward's
-# kernels are found; under `torch.compile` only our own operators can be found, since the
-# math path's attention is fused into Inductor's kernels).
+# kernels are found; under `torch.compile` only our own operators and kernels, by name,
+# can be found, since the math path's attention is fused into Inductor's kernels).
 #
 # Compiling a 130 M-parameter model takes about a minute per row, so the run is a command
 # of its own, and this chapter reads what it saved. The saved run was made in parts: every

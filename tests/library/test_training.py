@@ -213,6 +213,38 @@ def test_attention_profile_on_cuda_events():
     assert row["attention_basis"] == "cuda kernel time"
 
 
+def test_attention_profile_finds_kernels_a_compiled_graph_launches():
+    """Where Inductor launches our kernels itself (chapter 7's traced twins) the profile has
+    no range or operator of ours, only the kernels, named after the Triton function with a
+    number appended: they count, forward and backward by name, and Inductor's own kernels
+    do not."""
+    from torch.autograd.profiler_util import FunctionEvent
+
+    import jvp_attention.backward
+    import jvp_attention.forward
+
+    for name in mf.OUR_KERNELS:  # the names are the library's kernels
+        module = jvp_attention.forward if "forward" in name else jvp_attention.backward
+        assert hasattr(module, name), name
+
+    def event(number, name, start, end, kernels):
+        e = FunctionEvent(number, name, 1, start, end, use_device="cuda")
+        for kernel_name, duration in kernels:
+            e.append_kernel(kernel_name, 0, duration)
+        return e
+
+    forward = event(1, "CompiledFunction", 0, 100, [("_attention_forward_kernel_0", 30),
+                                                    ("triton_poi_fused_mul_0", 25)])
+    backward = event(2, "CompiledFunctionBackward", 200, 300,
+                     [("_attention_backward_dq_kernel_1", 15),
+                      ("_attention_backward_dkdv_kernel_2", 10), ("triton_red_fused_1", 20)])
+    row = mf.attention_profile([forward, backward], on_cuda=True)
+    assert row["attention_fwd_ms"] == pytest.approx(0.030)
+    assert row["attention_bwd_ms"] == pytest.approx(0.025)
+    assert row["attention_share"] == pytest.approx(55 / 100)
+    assert row["attention_backward_nodes"] == {}
+
+
 def _measured_step(config, batch, attention, device, dtype, warmup, repeats, compile_mode,
                    profile):
     """Stands in for `mf.benchmark_step`: a row measured at 1 ms."""
