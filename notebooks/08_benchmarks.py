@@ -1421,20 +1421,30 @@ if announce_run(TRACED_RUN, TRACED_SHAPES, "ours_compiled floor_compiled",
 # opaque: wall, host and GPU time.
 
 # %% tags=["hide_input"]
+def print_ms_table(columns: list[tuple[str, int]], rows) -> None:
+    """A table of times in ms: a header of (title, width) columns after shape and mode, then
+    one line per (shape, mode, values) row."""
+    print(f"{'shape':12} {'mode':13} " + " ".join(f"{title:>{width}}" for title, width in columns))
+    for shape, mode, values in rows:
+        print(f"{shape:12} {mode:13} " + " ".join(
+            ms_cell(value, width) for value, (_, width) in zip(values, columns, strict=True)))
+
+
 D72_RUNS = {kind: RESULTS / f"training_shapes_d72_{kind}_h200.json" for kind in ("padded", "opaque")}
 D72 = {kind: saved_run(path) for kind, path in D72_RUNS.items()}
-if all(announce_run(run, D72_RUNS[kind], "ours_compiled --shape dit-xl2-256 dit-xl2-512",
-                    f"{kind}: PADDED_MAX_SCORES {run['settings'].get('padded_max_scores')}")
-       for kind, run in D72.items() if run is not None) and None not in D72.values():
+if all([announce_run(run, D72_RUNS[kind], "ours_compiled --shape dit-xl2-256 dit-xl2-512"
+                     + (" --padded-max-scores 0" if kind == "opaque" else ""),
+                     f"{kind}: PADDED_MAX_SCORES "
+                     f"{(run or {}).get('settings', {}).get('padded_max_scores')}")
+        for kind, run in D72.items()]):
     d72_by_key = {kind: cases_by_key(run["cases"]) for kind, run in D72.items()}
-    print(f"{'shape':12} {'mode':13} {'wall padded':>12} {'opaque':>8} {'host padded':>12} "
-          f"{'opaque':>8} {'GPU padded':>11} {'opaque':>8}")
-    for shape, mode, impl in d72_by_key["padded"]:
-        cells = [ts_value(shape, mode, impl, key, d72_by_key[kind])
-                 for key in ("wall_ms", "host_ms", "gpu_ms") for kind in ("padded", "opaque")]
-        print(f"{shape:12} {mode:13} " + " ".join(
-            ms_cell(value, width) for value, width in zip(cells, (12, 8, 12, 8, 11, 8),
-                                                         strict=True)))
+    print_ms_table(
+        [("wall padded", 12), ("opaque", 8), ("host padded", 12), ("opaque", 8),
+         ("GPU padded", 11), ("opaque", 8)],
+        [(shape, mode, [ts_value(shape, mode, impl, key, d72_by_key[kind])
+                        for key in ("wall_ms", "host_ms", "gpu_ms")
+                        for kind in ("padded", "opaque")])
+         for shape, mode, impl in d72_by_key["padded"]])
 
 # %% [markdown]
 # At `dit-xl2-256` padding took the forward with the tangent from 0.48 to 0.20 ms per call
@@ -1454,21 +1464,18 @@ if all(announce_run(run, D72_RUNS[kind], "ours_compiled --shape dit-xl2-256 dit-
 # %% tags=["hide_input"]
 TWINS_SHAPES = RESULTS / "training_shapes_twins_h200.json"
 TWINS_RUN = saved_run(TWINS_SHAPES)
+TWINS_CELLS = (("wall compiled", "ours_compiled", "wall_ms", 14),
+               ("graphs", "ours_cudagraphs", "wall_ms", 8),
+               ("floor", "floor_compiled", "wall_ms", 8), ("GPU", "ours_compiled", "gpu_ms", 8),
+               ("host compiled", "ours_compiled", "host_ms", 14),
+               ("graphs", "ours_cudagraphs", "host_ms", 8))
 if announce_run(TWINS_RUN, TWINS_SHAPES, "ours_compiled ours_cudagraphs floor_compiled",
                 "ms per call under torch.compile, default mode and CUDA graphs"):
     twins_by_key = cases_by_key(TWINS_RUN["cases"])
-    print(f"{'shape':12} {'mode':13} {'wall compiled':>14} {'graphs':>8} {'floor':>8} "
-          f"{'GPU':>8} {'host compiled':>14} {'graphs':>8}")
-    for shape, mode, impl in twins_by_key:
-        if impl != "ours_compiled":
-            continue
-        cells = [ts_value(shape, mode, column, key, twins_by_key) for column, key in (
-            ("ours_compiled", "wall_ms"), ("ours_cudagraphs", "wall_ms"),
-            ("floor_compiled", "wall_ms"), ("ours_compiled", "gpu_ms"),
-            ("ours_compiled", "host_ms"), ("ours_cudagraphs", "host_ms"))]
-        print(f"{shape:12} {mode:13} " + " ".join(
-            ms_cell(value, width) for value, width in zip(cells, (14, 8, 8, 8, 14, 8),
-                                                         strict=True)))
+    print_ms_table([(title, width) for title, _, _, width in TWINS_CELLS],
+                   [(shape, mode, [ts_value(shape, mode, column, key, twins_by_key)
+                                   for _, column, key, _ in TWINS_CELLS])
+                    for shape, mode, impl in twins_by_key if impl == "ours_compiled"])
 
 # %% [markdown]
 # Compiled in the default mode, at the two 256-token shapes (`dit-b2-256`, `dit-xl2-256`)
