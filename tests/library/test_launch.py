@@ -303,6 +303,30 @@ def test_backward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> 
     assert not backward.traceable_backward(q, k, v, "fast", False, False)
     assert backward.traceable_backward(q, k, v, "fast", True, False)
 
+def test_cut_head_dims_are_padded_in_small_compiled_calls(monkeypatch) -> None:
+    """Where the kernels need this library's ptxas (Hopper, Triton 3.6), a head dim cut in
+    two enters a compiled graph in calls of up to PADDED_MAX_SCORES scores, padded to one
+    column tile; larger calls keep the opaque operators. Real tensors keep the cut."""
+    import jvp_attention.backward as backward
+    import jvp_attention.forward as forward
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "needs_sound_ptxas", lambda q: True)
+    small, large = ((torch.empty(shape, device="meta", dtype=torch.float16) for _ in range(3))
+                    for shape in [(32, 16, 256, 72), (16, 16, 1024, 72)])
+    small, large = tuple(small), tuple(large)
+    assert launch.pads_in_graph(small[0], 256) and not launch.pads_in_graph(large[0], 1024)
+    for q, k, v in (small, large):
+        expected = launch.pads_in_graph(q, k.shape[-2])
+        assert forward.traceable_forward(q, k, v, "accurate", True) == expected
+        assert backward.traceable_backward(q, k, v, "fast", False, False) == expected
+        assert backward.traceable_backward(q, k, v, "accurate", True, False)  # never cut
+    monkeypatch.setattr(launch, "PADDED_MAX_SCORES", 0)
+    assert not forward.traceable_forward(*small, "accurate", True)
+    assert launch.launch_column_tiles(small[0], 256, 72, 72) == launch.column_tiles(72, 72)
+    assert launch.column_tiles(72, 72)["D_TAIL"] == 16  # what eager mode multiplies
+
+
 
 @pytest.mark.gpu
 def test_compiled_forward_jvp_is_launched_by_inductor() -> None:
