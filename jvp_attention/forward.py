@@ -63,6 +63,7 @@ from jvp_attention.tiles import (
     vector_entry,
     with_entry,
 )
+from jvp_attention.warp_specialized import takes_warp_specialized, warp_specialized_forward
 
 
 @triton.jit
@@ -376,6 +377,10 @@ def flash_attention_forward(
     if mask_tangent is not None and tangents is None:
         raise ValueError("mask_tangent is part of the tangent: pass tangents=(tq, tk, tv) too")
     scale = head_dim**-0.5 if scale is None else scale
+    if tangents is None and attn_mask is None and takes_warp_specialized(q, k, v):
+        ran = warp_specialized_forward(q, k, v, is_causal, scale, residuals)  # chapter 11
+        if ran is not None:
+            return ran
     out = torch.empty((batch, n_heads, n_q, value_dim), device=q.device, dtype=q.dtype)
     lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=torch.float32)
     has_tangent = tangents is not None

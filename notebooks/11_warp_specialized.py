@@ -1,0 +1,679 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 11: warp specialisation on Hopper, written in Gluon
+#
+# Chapter 4 ended on what bounds our kernels, and one item there is out of reach for Triton's
+# ordinary language: on Hopper, the same warps issue the copies, the matrix products and
+# the exponentials, so a tile's softmax waits for its products and the tensor cores wait
+# for the softmax. FlashAttention-3 (Shah et al., 2024, section 3) removes both waits on the
+# H100 with **warp specialisation**: a *producer* warp does nothing but hand tiles to the
+# copy engine, and two *consumer* warpgroups (4 warps each) run the attention, taking turns
+# at the tensor cores so that one group's softmax runs while the other group's products do
+# ("ping-pong"). Triton 3.6 cannot express this through `tl.range(..., warp_specialize=True)`
+# on our forward (chapter 4), but it ships **Gluon** (`triton.experimental.gluon`), a layer
+# below the Triton language where layouts, shared-memory buffers, barriers, the copy engine
+# (TMA) and Hopper's warpgroup products (`wgmma`) are written out, and where
+# `gl.warp_specialize` gives each partition of warps its own function and register budget.
+#
+# This chapter builds the primal forward that way and measures it against chapter 2's and
+# against SDPA's best backend (cuDNN on the H200). It is the forward without the tangent:
+# the smallest kernel that says whether the schedule pays, and the one a drop-in SDPA user
+# runs. Chapter 2's launcher takes it on an sm_90 GPU for long unmasked rows.
+#
+# ## The schedule
+#
+# One program owns a tile of 128 query rows of one head and sweeps its keys in tiles of
+# $B_N = 128$. Its warps split in three partitions:
+#
+# * the **loader** (one warp, 24 registers a thread) copies the two 64-row query tiles once,
+#   then each key tile and value tile into a **ring** of `STAGES` shared-memory slots;
+# * **compute group 0 and group 1** (a warpgroup each, 240 registers a thread) own 64 of the
+#   query rows each and run the online softmax of chapter 1 on them.
+#
+# Partitions share nothing but shared memory, so they meet at **mbarriers**: 64-bit
+# counters in shared memory that complete a *phase* when the expected arrivals (or, for a
+# copy, the expected bytes) are in, after which the phase's parity flips. A waiter names the
+# parity it waits for. Each ring slot has three: *keys ready* and *values ready* (the copy
+# engine arrives, with the byte count announced by `mbarrier.expect`) and *slot free* (each
+# compute group arrives once it has read the slot, so it expects 2). Pass $j$ uses slot
+# $j \bmod S$ in phase $\lfloor j/S \rfloor \bmod 2$; a fresh barrier counts as having
+# completed the phase before its first, which lets the loader's first sweep of the ring go
+# without waiting.
+#
+# Within a group, pass $j$ issues two asynchronous products back to back: the scores of key
+# tile $j$, $S_j = Q K_j^\top$ (both operands in shared memory), and the value product of
+# the previous tile, $O \mathrel{+}= \tilde P_{j-1} V_{j-1}$ (the probabilities straight
+# from registers, the values from shared memory). Products complete in the order they were
+# issued, so waiting until at most one is outstanding waits for the scores alone; the
+# softmax of $S_j$ then runs while the value product still does (FlashAttention-3's
+# "intra-warpgroup pipelining", `PIPELINE`), and only then does the group wait for it,
+# free the slot and rescale $O$ by the new maxima. Across groups, the **turn barriers**
+# order the issue of products: a group waits for its turn, issues its two products and
+# hands the turn over (`PINGPONG`). Group 0 goes first. So while group 0 computes the
+# exponentials of tile $j$, group 1's products of tile $j$ occupy the tensor cores, and the
+# other way round one step later.
+#
+# ## The budget
+#
+# Registers decide whether this fits. A Hopper SM has 65,536 32-bit registers; a program of
+# 12 warps (8 compute, the loader rounded up to a warpgroup) may start with 168 a thread.
+# `gl.warp_specialize` then moves them with `setmaxnreg`: the loader drops to 24 and each
+# compute group rises to 240. A compute thread holds a quarter-warp's share of a 64 × 128
+# fp32 tile per accumulator: 64 registers for $S$, 64 for $O$, 32 for the 16-bit $\tilde P$
+# (two while the value product reads the previous one), and the row statistics: about 230.
+# Shared memory: the two query tiles take 32 KB at $d = 128$ and each ring slot 64 KB (a key
+# and a value tile), so three slots fill 224 KB of the 227 KB a block may have. The tables
+# below come from compiling the kernel for sm_90 with ptxas on a machine without a GPU, as
+# chapter 4 did for the Triton kernels.
+
+# %%
+import json
+import os
+from pathlib import Path
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+RESULTS = Path("../benchmarks/results/warp_specialized_h200.json")
+print(f"device: {DEVICE}, sm_90: {HOPPER}")
+
+# %% [markdown]
+# ## Building it
+#
+# The module starts with the imports. Gluon is experimental: where a Triton lacks its Hopper
+# layer, a stand-in lets the definitions below load as plain functions, and the launcher
+# never takes them.
+
+# %% tags=["export"]
+"""Chapter 11: a Hopper forward with warp specialisation, written in Gluon.
+
+One warp issues the copy engine's loads; two warpgroups run the online softmax on the
+warpgroup tensor cores and take turns at them (FlashAttention-3's ping-pong schedule), so that
+one group's softmax runs while the other's products do. Chapter 2's primal forward takes this
+kernel on an sm_90 GPU for long unmasked rows (`takes_warp_specialized`);
+`notebooks/11_warp_specialized.py` derives it, budgets it and times it.
+"""
+
+import functools
+import math
+import os
+import warnings
+
+import torch
+import triton
+
+from jvp_attention.launch import interpreting, on_device
+from jvp_attention.reference import AttentionOutputs
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - a Triton without Gluon's Hopper layer
+    GLUON = False
+
+    class _Unavailable:
+        """Stands in for every Gluon name: decorators return the function undecorated."""
+
+        def __getattr__(self, name: str) -> "_Unavailable":
+            return self
+
+        def __call__(self, *args, **kwargs):
+            return args[0] if len(args) == 1 and callable(args[0]) else self
+
+    gluon = gl = mbarrier = tma = _Unavailable()
+    fence_async_shared = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = gl
+else:
+    GLUON = True
+
+# %% [markdown]
+# The wgmma accumulator layout stacks the warps along the rows, 16 rows a warp (so a
+# warpgroup's product is 64 rows), and takes the whole tile width as the instruction's $n$.
+# The loader is short: every copy names its barrier, and `mbarrier.expect` announces the
+# bytes that complete it. The tensors are addressed as 4-D, $(B, H, N, D)$ with their own
+# strides, in blocks of $(1, 1, \text{rows}, D)$: so a head's last tile stops at its own end
+# (the copy engine writes zeros past it) and a $(B, N, H, D)$ layout needs no copy.
+
+# %% tags=["export"]
+LOADER_REGS = gl.constexpr(24)  # registers a loader thread keeps: addresses and phases
+COMPUTE_REGS = gl.constexpr(240)  # a compute thread: what the loader gave up
+
+@gluon.constexpr_function
+def mma_layout(cols: int, num_warps: int):
+    """The wgmma accumulator layout of a tile `cols` wide over `num_warps` warps
+    stacked along the rows (16 rows each)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, cols, 16])
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, k_ready,
+                    v_ready, slot_free, batch, head, kv_head, q_start, n_blocks,
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the query tiles, then each key and value tile into the next free slot
+    of the ring, as soon as every compute group has freed it."""
+    GROUPS: gl.constexpr = q_tiles.shape[0]
+    GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
+    mbarrier.expect(q_ready, GROUPS * q_desc.block_type.nbytes)
+    for g in gl.static_range(GROUPS):
+        tma.async_copy_global_to_shared(q_desc, [batch, head, q_start + g * GROUP_M, 0],
+                                        q_ready, q_tiles.index(g))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        # A fresh barrier counts as having completed the phase before its first, so the
+        # first pass over the ring does not wait.
+        mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
+        start_n = j * BLOCK_N
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0],
+                                        k_ready.index(slot), k_ring.index(slot))
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0],
+                                        v_ready.index(slot), v_ring.index(slot))
+
+# %% [markdown]
+# The score tile's mask and the online softmax step are chapter 1's, in log2 units. Scores
+# past the last key must be masked (the copy engine's zeros would give them weight), as must,
+# with `is_causal`, those of keys after their query; only the tiles that reach either pay
+# for the compare.
+
+# %% tags=["export"]
+@gluon.jit
+def _masked(s, start_n, first_row, n_k, CAUSAL: gl.constexpr):
+    """Scores of keys past the last one (the copy engine fills them with zeros) or, with
+    CAUSAL, after their query, set to -inf; only tiles that reach those pay the compare."""
+    if (start_n + s.shape[1] > n_k) or (CAUSAL and start_n + s.shape[1] > first_row):
+        rows = first_row + gl.arange(0, s.shape[0], gl.SliceLayout(1, s.type.layout))
+        cols = start_n + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+        keep = gl.expand_dims(cols < n_k, 0)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+        s = gl.where(keep, s, -float("inf"))
+    return s
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """Fold one tile of scores into the row maxima and sums (log2 units); return the
+    probabilities as the value product's register operand, and the factor that
+    rescales the accumulator."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
+
+# %% [markdown]
+# Turns are two barriers, one per group, each completing one phase per turn: a group waits on
+# its own barrier and arrives on the other's. Group 0's first wait names the phase before
+# the first, so it passes at once; group 1's first wait needs group 0's first arrival.
+
+# %% tags=["export"]
+@gluon.jit
+def _take_turn(turns, turn, GROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until the other group has issued its products (group 0 goes
+    first); returns the count of turns taken."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(GROUP), (turn & 1) ^ (1 - GROUP))
+    return turn + 1
+
+@gluon.jit
+def _pass_turn(turns, GROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: let the other group issue its products."""
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - GROUP), count=1)
+
+# %% [markdown]
+# A compute group: the pass over the key tiles as described above, then the epilogue. The
+# output leaves through shared memory and the copy engine, in the query tile's slot (no
+# product reads it any more); with `STORE_RESIDUAL` it is followed by its rounding residual,
+# the part of the fp32 output that the 16-bit one dropped, which chapter 5's accurate
+# backward reads.
+
+# %% tags=["export"]
+@gluon.jit
+def _store_rows(desc, tile, block, values, batch, head, row):
+    """Stage `values` in shared memory (`tile`, and `block`: the same bytes, shaped as
+    the descriptor's block) and copy them to global memory; the copy engine drops the
+    rows past the sequence's end."""
+    tile.store(values)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [batch, head, row, 0], block)
+    tma.store_wait(0)
+
+@gluon.jit
+def _compute_partition(q_blocks, q_tiles, k_ring, v_ring, q_ready, k_ready, v_ready, slot_free,
+                       turns, o_desc, r_desc, lse_ptr, batch, head, lse_row, q_start,
+                       n_q, n_k, n_blocks, qk_scale, GROUP: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
+                       CAUSAL: gl.constexpr, STORE_RESIDUAL: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """One group of compute warps, GROUP_M query rows: the online softmax over the key
+    tiles, then the output (and its rounding residual) and the LSE.
+
+    Each pass issues the scores of key tile j and the value product of tile j-1 back to
+    back. With PIPELINE it waits for the scores only (issued first, so done first) and
+    computes their softmax while the value product runs; else it waits for both."""
+    GROUP_M: gl.constexpr = o_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = o_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_tiles.dtype
+    s_layout: gl.constexpr = mma_layout(BLOCK_N, num_warps)
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM, num_warps)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_smem = q_tiles.index(GROUP)
+    first_row = q_start + GROUP * GROUP_M  # this group's first query within the head
+
+    m_i = gl.full([GROUP_M], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([GROUP_M], gl.float32, row_layout)
+    acc = gl.zeros([GROUP_M, HEAD_DIM], gl.float32, o_layout)
+    s_zero = gl.zeros([GROUP_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_ready, 0)
+
+    mbarrier.wait(k_ready.index(0), 0)
+    turn = _take_turn(turns, 0, GROUP, PINGPONG)
+    s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)
+    _pass_turn(turns, GROUP, PINGPONG)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    s = _masked(s, 0, first_row, n_k, CAUSAL)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, p_layout, dtype)
+    for j in range(1, n_blocks):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        turn = _take_turn(turns, turn, GROUP, PINGPONG)
+        s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        p_read = p  # the value product reads these registers until it is done
+        acc = warpgroup_mma(p_read, v_ring.index(prev), acc, is_async=True)
+        _pass_turn(turns, GROUP, PINGPONG)
+        s = warpgroup_mma_wait(1 if PIPELINE else 0, deps=(s,))
+        s = _masked(s, j * BLOCK_N, first_row, n_k, CAUSAL)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, p_layout, dtype)
+        acc, p_read = warpgroup_mma_wait(0, deps=(acc, p_read))
+        mbarrier.arrive(slot_free.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+    last = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    turn = _take_turn(turns, turn, GROUP, PINGPONG)
+    acc = warpgroup_mma(p, v_ring.index(last), acc, is_async=True)
+    _pass_turn(turns, GROUP, PINGPONG)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(slot_free.index(last), count=1)
+
+    # Every product is done, so the query tile is free: the output goes out through it.
+    out = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
+    rounded = out.to(dtype)
+    q_block = q_blocks.index(GROUP)
+    _store_rows(o_desc, q_smem, q_block, rounded, batch, head, first_row)
+    if STORE_RESIDUAL:
+        _store_rows(r_desc, q_smem, q_block, (out - rounded.to(gl.float32)).to(dtype),
+                    batch, head, first_row)
+    rows = first_row + gl.arange(0, GROUP_M, row_layout)
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # log2 units to natural ones
+    gl.store(lse_ptr + lse_row + rows, lse, mask=rows < n_q)
+
+# %% [markdown]
+# The kernel allocates the buffers and barriers, views the 4-D blocks as the 2-D matrices the
+# products read, and forks the partitions. Causal programs run in reverse order, so that the
+# tiles with the most keys start first.
+
+# %% tags=["export"]
+@gluon.jit
+def _as_matrices(buffers, desc):
+    """A stack of (1, 1, rows, D) blocks viewed as a stack of (rows, D) matrices."""
+    rows: gl.constexpr = desc.block_type.shape[2]
+    cols: gl.constexpr = desc.block_type.shape[3]
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([rows, cols], desc.dtype)
+    return buffers._reinterpret(desc.dtype, [buffers.shape[0], rows, cols], layout)
+
+@gluon.jit
+def warp_specialized_forward_kernel(
+        q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_heads, n_q, n_k, group_size,
+        qk_scale, STAGES: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
+        CAUSAL: gl.constexpr, STORE_RESIDUAL: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (cdiv(Nq, BLOCK_M), B·Hq): one tile of BLOCK_M query rows of one head per
+    program. The descriptors address (B, H, N, D) tensors with any strides; their blocks
+    are (1, 1, rows, D). With PINGPONG two groups of 4 warps take 64 rows each and
+    alternate their products; without, one group of 8 warps takes all 128."""
+    GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    GROUPS: gl.constexpr = 2 if PINGPONG else 1
+    BLOCK_M: gl.constexpr = GROUPS * GROUP_M
+    tile = gl.program_id(0)
+    if CAUSAL:  # the longest rows first, so that the short ones fill the tail
+        tile = gl.num_programs(0) - 1 - tile
+    q_start = tile * BLOCK_M
+    batch = gl.program_id(1) // n_heads
+    head = gl.program_id(1) % n_heads
+    if CAUSAL:  # top-left causal: keys up to the tile's last query
+        n_blocks = gl.cdiv(gl.minimum(q_start + BLOCK_M, n_k), BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(n_k, BLOCK_N)
+
+    q_tiles = gl.allocate_shared_memory(q_desc.dtype, [GROUPS] + q_desc.block_type.shape,
+                                        q_desc.layout)
+    k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape,
+                                       k_desc.layout)
+    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape,
+                                       v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    slot_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1],
+                                          mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(slot_free.index(i), count=GROUPS)  # every group frees the slot
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    # The products read 2-D tiles: the same bytes, the (1, 1) block dimensions dropped
+    # (the swizzle depends on the row's bytes alone, so it is the same).
+    q_2d = _as_matrices(q_tiles, q_desc)
+    k_2d = _as_matrices(k_ring, k_desc)
+    v_2d = _as_matrices(v_ring, v_desc)
+
+    lse_row = gl.program_id(1).to(gl.int64) * n_q
+    kv_head = head // group_size
+    # The argument tuples are written out: adding tuples would turn constexprs to tensors.
+    if PINGPONG:
+        gl.warp_specialize([
+            (_compute_partition, (q_tiles, q_2d, k_2d, v_2d, q_ready, k_ready, v_ready, slot_free,
+                                  turns, o_desc, r_desc, lse_ptr, batch, head, lse_row,
+                                  q_start, n_q, n_k, n_blocks, qk_scale, 0, BLOCK_N,
+                                  STAGES, PIPELINE, PINGPONG, CAUSAL, STORE_RESIDUAL,
+                                  num_warps)),
+            (_compute_partition, (q_tiles, q_2d, k_2d, v_2d, q_ready, k_ready, v_ready, slot_free,
+                                  turns, o_desc, r_desc, lse_ptr, batch, head, lse_row,
+                                  q_start, n_q, n_k, n_blocks, qk_scale, 1, BLOCK_N,
+                                  STAGES, PIPELINE, PINGPONG, CAUSAL, STORE_RESIDUAL,
+                                  num_warps)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready,
+                               k_ready, v_ready, slot_free, batch, head, kv_head, q_start,
+                               n_blocks, BLOCK_N, STAGES)),
+        ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_compute_partition, (q_tiles, q_2d, k_2d, v_2d, q_ready, k_ready, v_ready, slot_free,
+                                  turns, o_desc, r_desc, lse_ptr, batch, head, lse_row,
+                                  q_start, n_q, n_k, n_blocks, qk_scale, 0, BLOCK_N,
+                                  STAGES, PIPELINE, PINGPONG, CAUSAL, STORE_RESIDUAL,
+                                  num_warps)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready,
+                               k_ready, v_ready, slot_free, batch, head, kv_head, q_start,
+                               n_blocks, BLOCK_N, STAGES)),
+        ], [1], [LOADER_REGS])
+
+# %% [markdown]
+# ## Launching it
+#
+# The host side builds one descriptor per tensor (Gluon's `TensorDescriptor`: base, shape,
+# strides, block and swizzle, encoded by the launcher) and decides eligibility: an sm_90
+# GPU, 16-bit inputs, $D = D_v \in \{64, 128\}$, strides the copy engine accepts, and rows
+# long enough for the schedule to pay (see the timings below). Any other call runs chapter
+# 2's kernel, as does every call if this Triton cannot compile the Gluon one (warned once).
+
+# %% tags=["export"]
+# Launch: registers a thread may hold at launch, 65,536 per SM over 12 warps (the compute
+# groups' 8 and the loader's one, rounded up to a warpgroup); then the loader gives up all
+# but 24 and the compute groups take them (`setmaxnreg`).
+LAUNCH_REGS = 168
+GROUP_ROWS = 64  # query rows per compute group (a warpgroup's wgmma is 64 rows)
+KEY_BLOCK = 128  # keys per tile
+RING_STAGES = 3  # key/value tiles in flight: 3 x 64 KB at d = 128, with 32 KB of queries
+# Below this many keys the Triton forward of chapter 2 is as fast or faster (H200, bf16,
+# benchmarks/results/warp_specialized_h200.json: 0.95x of it at (32, 12, 1024, 64)).
+WARP_SPECIALIZED_MIN_KEYS = 4096
+
+
+@functools.cache
+def _hopper(index: int | None) -> bool:
+    """Device `index` is an sm_90 GPU: the warpgroup products (wgmma) are Hopper's alone."""
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _describable(t: torch.Tensor) -> bool:
+    """The copy engine can address `t` as a 4-D tensor: unit last stride, positive other
+    strides that are multiples of 16 bytes, a 16-byte aligned base."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
+
+
+_failed = False  # set when this Triton cannot compile the kernel: the Triton forward runs
+
+
+def fits_warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether (B, H, N, D) q, k, v suit this chapter's kernel, wherever they live: fp16 or
+    bf16 alike, D = Dv in (64, 128), at least WARP_SPECIALIZED_MIN_KEYS keys, tensors the
+    copy engine can address."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+            and q.shape[-1] == v.shape[-1] in (64, 128)
+            and k.shape[2] >= WARP_SPECIALIZED_MIN_KEYS and q.numel() > 0
+            and all(_describable(t) for t in (q, k, v)))
+
+
+def takes_warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the primal forward of unmasked q, k, v runs this chapter's kernel: they fit
+    it (`fits_warp_specialized`) and live on an sm_90 GPU, outside the interpreter, with a
+    Triton that compiles it. JVP_ATTENTION_WARP_SPECIALIZED=0 turns it off."""
+    if not GLUON or _failed or os.environ.get("JVP_ATTENTION_WARP_SPECIALIZED", "1") == "0":
+        return False
+    if not q.is_cuda or interpreting() or not _hopper(q.device.index):
+        return False
+    return fits_warp_specialized(q, k, v)
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """A descriptor over (B, H, N, D) `t` whose blocks are (1, 1, rows, D), swizzled as
+    the warpgroup products read them."""
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    block = [1, 1, rows, t.shape[-1]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def launch_warp_specialized(q, k, v, out, out_residual, lse, is_causal: bool, scale: float,
+                            *, stages: int = RING_STAGES, key_block: int = KEY_BLOCK,
+                            pipeline: bool = True, pingpong: bool = True) -> None:
+    """Launch the kernel: `out` and `lse` (and `out_residual` unless None) are written.
+    The keyword options choose the schedule (the chapter times each)."""
+    batch, n_heads, n_q, _ = q.shape
+    group_rows = GROUP_ROWS if pingpong else 2 * GROUP_ROWS
+    residual = out_residual is not None
+    descriptors = (_descriptor(q, group_rows), _descriptor(k, key_block),
+                   _descriptor(v, key_block), _descriptor(out, group_rows),
+                   _descriptor(out_residual if residual else out, group_rows))
+    grid = (triton.cdiv(n_q, 2 * GROUP_ROWS), batch * n_heads)
+    warp_specialized_forward_kernel[grid](
+        *descriptors, lse, n_heads, n_q, k.shape[2], n_heads // k.shape[1],
+        scale * math.log2(math.e), STAGES=stages, PIPELINE=pipeline, PINGPONG=pingpong,
+        CAUSAL=is_causal, STORE_RESIDUAL=residual, num_warps=4 if pingpong else 8,
+        maxnreg=LAUNCH_REGS)
+
+
+def warp_specialized_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             is_causal: bool, scale: float, residuals: bool = False):
+    """The primal forward through this chapter's kernel, returning what chapter 2's
+    `flash_attention_forward` returns for the same call (no tangents), or None when this
+    Triton cannot compile the kernel (warned once; the caller runs the Triton forward)."""
+    global _failed
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], device=q.device, dtype=q.dtype)
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    out_residual = torch.empty_like(out) if residuals else None
+    try:
+        with on_device(q):
+            launch_warp_specialized(q, k, v, out, out_residual, lse, is_causal, scale)
+    except triton.CompilationError as error:
+        _failed = True
+        warnings.warn(f"jvp_attention: the warp-specialised forward does not compile with "
+                      f"Triton {triton.__version__} ({type(error).__name__}); the Triton "
+                      f"forward runs instead", RuntimeWarning, stacklevel=2)
+        return None
+    outputs = AttentionOutputs(out, lse, None, None)
+    return (outputs, (out_residual, None)) if residuals else outputs
+
+# %% [markdown]
+# ## What it costs: registers and shared memory
+#
+# Compiled for sm_90 with Triton 3.6 on a CPU machine (`python benchmarks/warp_specialized.py
+# --resources`): `regs` is the launch's 168; the partitions then set theirs (`setmaxnreg`:
+# 240 for a compute group, 24 for the loader). No variant spills.
+
+# %% tags=["hide_input"]
+record = json.loads(RESULTS.read_text())
+print(f"{'variant':20} {'d':>4} {'causal':>6} {'regs':>5} {'spills':>6} {'shared (KB)':>11}"
+      f" {'wgmma':>6}")
+for row in record["resources_sm90"]["rows"]:
+    print(f"{row['variant']:20} {row['d']:>4} {str(row['causal']):>6} {row['regs']:>5} "
+          f"{row['spills']:>6} {row['shared'] / 1024:>11.1f} {row['wgmma']:>6}")
+
+# %% [markdown]
+# ## Same numbers
+#
+# On an sm_90 GPU the kernel is checked here against float64 attention (chapter 1's
+# reference), on lengths that are not multiples of the tiles, GQA, a $(B, N, H, D)$ layout,
+# causal rows and the residual, next to PyTorch's math path in the same dtype: the criterion
+# of every kernel test, the error as a multiple of the math path's. Elsewhere the cell says
+# so and checks nothing; `tests/library/test_warp_specialized.py` runs the same checks on
+# the GPU, and on the CPU compiles the kernel for sm_90 and checks who takes it.
+
+# %%
+from jvp_attention.reference import reference_attention
+from jvp_attention.warp_specialized import takes_warp_specialized, warp_specialized_forward
+
+
+def sdpa_math(q, k, v, is_causal):
+    """PyTorch's math path in the inputs' dtype: the floor the kernels are judged by."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                                enable_gqa=True)
+
+
+def random_heads(batch, heads, n, d, layout):
+    """bf16 (B, H, N, D) noise, stored as (B, H, N, D) or as a view of (B, N, H, D)."""
+    if layout == "bnhd":
+        return torch.randn(batch, n, heads, d, device=DEVICE,
+                           dtype=torch.bfloat16).transpose(1, 2)
+    return torch.randn(batch, heads, n, d, device=DEVICE, dtype=torch.bfloat16)
+
+
+CASES = [  # (B, Hq, Hkv, N, d, causal, layout)
+    (2, 4, 4, 4096, 128, False, "bhnd"), (1, 8, 2, 4100, 64, True, "bnhd"),
+    (1, 8, 8, 4097, 128, True, "bnhd"), (1, 4, 1, 5000, 64, False, "bhnd"),
+]
+if HOPPER:
+    torch.manual_seed(0)
+    for B, HQ, HKV, N, D, causal, layout in CASES:
+        q = random_heads(B, HQ, N, D, layout)
+        k, v = (random_heads(B, HKV, N, D, layout) for _ in range(2))
+        assert takes_warp_specialized(q, k, v)
+        (ours, lse, _, _), (residual, _) = warp_specialized_forward(q, k, v, causal, D**-0.5,
+                                                                    residuals=True)
+        exact = reference_attention(q.double(), k.double(), v.double(), is_causal=causal,
+                                    enable_gqa=True)
+        floor = (sdpa_math(q, k, v, causal).double() - exact.out).abs().max().item()
+        error = (ours.double() - exact.out).abs().max().item()
+        lse_error = (lse.double() - exact.lse).abs().max().item()
+        kept = (ours.double() + residual.double() - exact.out).abs().max().item()
+        print(f"({B}, {HQ}/{HKV}, {N}, {D}) {layout} causal={causal!s:5}: error "
+              f"{error / floor:.2f}x the math path's, LSE {lse_error:.1e}, "
+              f"out + residual {kept:.1e}")
+else:
+    print("no sm_90 GPU here: the kernel is checked by the GPU tests and the executed chapter")
+
+# %% [markdown]
+# ## Does it pay?
+#
+# Timed on the H200 (bf16; `python benchmarks/warp_specialized.py`), each schedule against
+# chapter 2's forward (`ours`, autotuned) and SDPA's flash and cuDNN backends, with FLOPs
+# credited as $4BHN^2d$ (half of it when causal). The variants switch one thing at a time:
+# `ws_serial` is one group of 8 warps that waits for each product; `ws_pipelined` adds the
+# intra-group overlap; `ws_pingpong` splits the rows between two groups that take turns;
+# `ws_pingpong_s3` deepens the ring to three slots (the library's choice);
+# `ws_pingpong_n64` uses 64-key tiles.
+
+# %% tags=["hide_input"]
+import matplotlib.pyplot as plt  # noqa: E402
+
+rows = [row for row in record["rows"] if "tflops" in row]
+shapes = list(dict.fromkeys((tuple(row["shape"]), row["causal"]) for row in rows))
+impls = list(dict.fromkeys(row["impl"] for row in rows))
+speed = {(tuple(row["shape"]), row["causal"], row["impl"]): row["tflops"] for row in rows}
+print(f"{'(B, H, N, d)':22} {'causal':>6} " + " ".join(f"{name[:14]:>14}" for name in impls))
+for shape, causal in shapes:
+    print(f"{str(shape):22} {str(causal):>6} "
+          + " ".join(f"{speed.get((shape, causal, name), float('nan')):>14.0f}"
+                     for name in impls))
+
+fig, ax = plt.subplots(figsize=(10, 4))
+width = 0.8 / len(impls)
+for i, name in enumerate(impls):
+    ax.bar([x + i * width for x in range(len(shapes))],
+           [speed.get((shape, causal, name), 0) for shape, causal in shapes], width, label=name)
+ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))],
+              [f"{shape}\n{'causal' if causal else 'full'}" for shape, causal in shapes],
+              fontsize=7)
+ax.set_ylabel("TFLOP/s")
+ax.set_title("Primal forward on the H200, bf16")
+ax.legend(fontsize=7, ncol=3)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# What the numbers say (one run; runs on this machine differ by a few percent):
+#
+# * **Ping-pong is what pays.** At $d = 128$ two groups taking turns are 5 to 14% faster than
+#   one group of 8 warps, and the third ring slot adds 1 to 17% more: at (4, 16, 4096, 128)
+#   616 TFLOP/s against chapter 2's 492 (1.25x) and cuDNN's 600; causal 549 against 430 and
+#   533. At (1, 16, 16384, 128), 576 against 514 and cuDNN's 619; causal 610 against 505 and
+#   569. Through the library's call (`ours`, which takes this kernel from 4096 keys) that is
+#   1.01x cuDNN at (4, 16, 4096, 128), 0.99x causal, and 1.00x and 1.04x at 16384 tokens.
+# * **The overlap within a group does not.** `ws_pipelined` is within 3% of `ws_serial`
+#   everywhere: with the value product issued right after the scores, the tensor cores are
+#   already busy while the softmax runs, and a second group does that better.
+# * **$d = 64$ gains less**: 432 against 416 TFLOP/s at (4, 16, 4096, 64) (cuDNN 463), 375
+#   against 363 causal (cuDNN 411). A 64-wide tile halves the products per exponential, so
+#   the softmax weighs more and one extra group cannot hide all of it; FlashAttention-3 runs
+#   $d = 64$ with 192-row tiles, three groups, for that reason.
+# * **Short rows lose.** At (32, 12, 1024, 64) every variant trails chapter 2's kernel
+#   without the mask (354 against 366 TFLOP/s), whose autotuned tiles suit eight key tiles
+#   better than a fixed 128 × 128 tile and a three-deep ring; hence
+#   `WARP_SPECIALIZED_MIN_KEYS = 4096` (causal, there, it was ahead: 253 against 195).
+#
+# The errors match the math path's wherever the Triton kernels' do (the `err_ratio` column of
+# the results file): the same products in the same precision, in another order.
+#
+# What is left for the tangent. Chapter 3's forward with its JVP adds, per compute thread,
+# the tangent's accumulator (64 registers at $d = 128$), a tile of tangent scores (64 at
+# 128 keys) and its 16-bit operand (32): about 160 on top of the 230 used here, where 240
+# are to be had. Carrying the tangent into this schedule means halving the score tiles
+# (64 keys a tile, the `ws_pingpong_n64` row above shows what that costs the primal
+# forward) or giving each group fewer rows; it is the next kernel to build, measured the same
+# way.

@@ -1,0 +1,181 @@
+"""Chapter 11's warp-specialised forward (Gluon, Hopper only).
+
+On CPU: who takes it (`fits_warp_specialized`, `takes_warp_specialized`), that chapter 2's
+launcher hands it exactly the calls it should and falls back when it cannot compile, and that
+it compiles for sm_90 within its budget (ptxas ships with Triton; no GPU needed). On an sm_90
+GPU: out and lse against float64 with the floor-ratio criterion of every kernel test, the
+rounding residual, and the first-order backward from its saved outputs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    DEVICE,
+    Spec,
+    assert_accurate,
+    dtype_name,
+    expected_backward,
+    expected_forward,
+    kernel_backward,
+    kernel_forward,
+    make_problem,
+)
+
+from jvp_attention import forward as forward_module
+from jvp_attention import warp_specialized as ws
+from jvp_attention.reference import AttentionOutputs
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+N = ws.WARP_SPECIALIZED_MIN_KEYS
+
+
+def heads(n: int = N, d: int = 128, dtype: torch.dtype = torch.bfloat16, layout: str = "bhnd",
+          heads: int = 2) -> torch.Tensor:
+    if layout == "bnhd":
+        return torch.zeros(1, n, heads, d, dtype=dtype).transpose(1, 2)
+    return torch.zeros(1, heads, n, d, dtype=dtype)
+
+
+def test_which_inputs_fit() -> None:
+    q = heads()
+    assert ws.fits_warp_specialized(q, q, q)
+    assert ws.fits_warp_specialized(q.half(), q.half(), q.half())
+    assert ws.fits_warp_specialized(*(heads(d=64, layout="bnhd") for _ in range(3)))
+    assert ws.fits_warp_specialized(heads(n=7), q, q)  # few queries, many keys
+    assert ws.fits_warp_specialized(heads(heads=4), q, q)  # GQA
+    short = heads(n=N - 1)
+    assert not ws.fits_warp_specialized(q, short, short)  # too few keys to pay
+    assert not ws.fits_warp_specialized(q.float(), q.float(), q.float())  # fp32
+    assert not ws.fits_warp_specialized(q, q.half(), q.half())  # mixed dtypes
+    d72 = heads(d=72)
+    assert not ws.fits_warp_specialized(d72, d72, d72)
+    assert not ws.fits_warp_specialized(q, q, heads(d=64))  # Dv != D
+    padded = torch.zeros(1, 2, N, 131, dtype=torch.bfloat16)[..., :128]  # 262-byte rows
+    assert not ws.fits_warp_specialized(padded, padded, padded)
+    expanded = torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16).expand(1, 2, N, 128)
+    assert not ws.fits_warp_specialized(q, expanded, expanded)  # stride 0
+    empty = heads(heads=0)
+    assert not ws.fits_warp_specialized(empty, empty, empty)
+
+
+def test_taken_only_on_hopper_gpus(monkeypatch) -> None:
+    q = heads()
+    assert not ws.takes_warp_specialized(q, q, q)  # a CPU tensor
+    if DEVICE == "cuda":
+        g = q.cuda()
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        assert ws.takes_warp_specialized(g, g, g) == hopper
+        monkeypatch.setenv("JVP_ATTENTION_WARP_SPECIALIZED", "0")
+        assert not ws.takes_warp_specialized(g, g, g)
+
+
+def test_forward_hands_over_unmasked_primal_calls(monkeypatch) -> None:
+    """Chapter 2's launcher asks for every call and hands over only those without tangents
+    or a mask; when the kernel cannot compile (None back) it runs its own."""
+    calls = []
+    sentinel = AttentionOutputs(torch.zeros(1), torch.zeros(1), None, None)
+
+    def recorded(q, k, v, is_causal, scale, residuals):
+        calls.append((is_causal, scale, residuals))
+        return sentinel
+
+    monkeypatch.setattr(forward_module, "takes_warp_specialized", lambda q, k, v: True)
+    monkeypatch.setattr(forward_module, "warp_specialized_forward", recorded)
+    q = torch.randn(1, 2, 8, 16, device=DEVICE, dtype=torch.float16)
+    assert forward_module.flash_attention_forward(q, q, q, None, True, 0.5) is sentinel
+    assert forward_module.flash_attention_forward(q, q, q, residuals=True) is sentinel
+    assert calls == [(True, 0.5, False), (False, 16**-0.5, True)]
+    tangents = (q, q, q)
+    with_tangent = forward_module.flash_attention_forward(q, q, q, tangents=tangents)
+    masked = forward_module.flash_attention_forward(q, q, q, torch.ones(8, 8, dtype=torch.bool,
+                                                                        device=DEVICE))
+    assert len(calls) == 2 and with_tangent.tangent_out is not None and masked.out.shape == q.shape
+    monkeypatch.setattr(forward_module, "warp_specialized_forward", lambda *args: None)
+    fallback = forward_module.flash_attention_forward(q, q, q)
+    monkeypatch.setattr(forward_module, "takes_warp_specialized", lambda q, k, v: False)
+    assert torch.equal(fallback.out, forward_module.flash_attention_forward(q, q, q).out)
+
+
+def test_a_failed_compile_falls_back_with_a_warning(monkeypatch) -> None:
+    """A Triton whose Gluon has moved on: warned once, then chapter 2's kernel for good."""
+    import triton
+
+    def broken(*args, **kwargs):
+        raise triton.CompilationError(None, None, "an API this Triton no longer has")
+
+    monkeypatch.setattr(ws, "launch_warp_specialized", broken)
+    monkeypatch.setattr(ws, "_failed", False)
+    q = heads(n=128)
+    with pytest.warns(RuntimeWarning, match="warp-specialised forward does not compile"):
+        assert ws.warp_specialized_forward(q, q, q, False, 0.1) is None
+    assert ws._failed
+    assert not ws.takes_warp_specialized(q, q, q)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_compiles_for_hopper_within_its_budget(d: int) -> None:
+    """The library's schedule (ping-pong, three ring slots), causal with the residual, for
+    sm_90: no spills, within the 227 KB of shared memory a block may take, and the register
+    budgets of the design (240 a compute thread, 24 a loader thread). Triton in GPU mode
+    (not the interpreter the CPU tests run under), hence the subprocess."""
+    code = (f"import sys, json; sys.path.insert(0, {str(BENCHMARKS)!r}); "
+            f"from warp_specialized import compile_for_hopper; print(json.dumps("
+            f"compile_for_hopper('ws_pingpong_s3', causal=True, d={d}, residual=True)))")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=600, check=False, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["spills"] == 0
+    assert report["shared"] <= 232448
+    budgets = {tuple(budget) for budget in report["setmaxnreg"]}
+    assert {("inc", "240"), ("dec", "24")} <= budgets
+    assert report["wgmma"] > 0
+
+
+GPU_SPECS = [
+    Spec(batch=1, hq=8, hkv=2, nq=4250, nk=4250, d=128, causal=True, layout="bnhd"),
+    Spec(batch=2, hq=4, hkv=4, nq=4096, nk=4096, d=64),
+    Spec(batch=1, hq=4, hkv=1, nq=300, nk=4100, d=128, causal=True),  # Nq != Nk, top-left
+    Spec(batch=1, hq=2, hkv=2, nq=4160, nk=5000, d=64, scale=0.3),
+]
+
+
+def hopper_problem(spec: Spec, dtype: torch.dtype):
+    if DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup products need an sm_90 GPU")
+    p = make_problem(spec, dtype, device="cuda")
+    assert ws.takes_warp_specialized(p.q, p.k, p.v)
+    return p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_name)
+@pytest.mark.parametrize("spec", GPU_SPECS, ids=lambda s: s.id)
+def test_forward_on_hopper(spec: Spec, dtype: torch.dtype) -> None:
+    p = hopper_problem(spec, dtype)
+    truth, floor = expected_forward(p, with_tangents=False)
+    assert_accurate(kernel_forward(p, with_tangents=False), truth, floor, dtype, p.label,
+                    "warp-specialised forward")
+    fwd, (residual, _) = ws.warp_specialized_forward(p.q, p.k, p.v, spec.causal,
+                                                     spec.scale or spec.d**-0.5, True)
+    rounded = (fwd.out.double() - truth["out"]).abs().max().item()
+    kept = (fwd.out.double() + residual.double() - truth["out"]).abs().max().item()
+    assert kept <= 0.25 * rounded, f"the residual keeps {kept:.2e} of {rounded:.2e} [{p.label}]"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_name)
+@pytest.mark.parametrize("spec", GPU_SPECS[:2], ids=lambda s: s.id)
+def test_backward_from_its_outputs(spec: Spec, dtype: torch.dtype) -> None:
+    """The backward reads the saved out, lse and residual: the conventions must match."""
+    p = hopper_problem(spec, dtype)
+    truth, floor = expected_backward(p)
+    assert_accurate(kernel_backward(p), truth, floor, dtype, p.label,
+                    "backward from the warp-specialised forward")
