@@ -1820,7 +1820,14 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
 # (H100, H200), a primal call without a mask, in fp16 or bf16, with $D = D_v \in \{64,
 # 128\}$ and at least 4096 keys, goes to chapter 11's forward instead, written in Gluon with
 # warp specialisation, which there is level with cuDNN (1.25x this kernel at (4, 16, 4096,
-# 128), bf16). It returns the same outputs, so nothing downstream can tell.
+# 128), bf16). It returns the same outputs, so nothing downstream can tell. (The module's
+# import of it is in the skipped cell at the top; this notebook imports it here.)
+
+# %%
+from jvp_attention.warp_specialized import (  # noqa: E402  (chapter 11)
+    takes_warp_specialized,
+    warp_specialized_forward,
+)
 
 # %% tags=["export"]
 _attention_forward = autotuned(_attention_forward_kernel, [
