@@ -500,8 +500,14 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   27.1 against 28.7 ms (1.06x). That meets the 1.5x target at 256 tokens in the default
 #   mode only: with CUDA graphs, which take the host out of both, the two steps are within
 #   6%. At 1024 tokens the twins call the same opaque operators (the bf16 carry, tensor
-#   descriptors); that session's one 1024-token row ran on a host slowed in every phase,
-#   the optimizer's included, and is not comparable (the file's notes).
+#   descriptors). That session's one 1024-token row ran on a host slowed in every phase,
+#   the optimizer's included (the file's notes); run again alone in a fresh process
+#   (`examples/results/bench_dit_b2_twins_1024_h200.json`), the step took 63.6 ms against
+#   the math path's 68.1 ms (1.07x), with 12.7 ms of attention kernels (35%). The host
+#   time per phase says why so little: our step spent 58.7 ms of its 63.6 in the host's
+#   forward and backward (the opaque operators' Python, twelve layers of it), the math
+#   path's 33.7 of its 68.1 (GPU-bound). At 1024 tokens the compiled step is bound by the
+#   host cost of the opaque operators, not by the kernels.
 # - **At 4096 tokens the bound is the attention's arithmetic.** Compiled, our attention is
 #   19.3 of the step's 33.0 ms of kernels (59%): its forward with the tangent runs at about
 #   400 TFLOP/s and its backward at about 300, near what chapter 8 measures for the

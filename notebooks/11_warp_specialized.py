@@ -94,7 +94,10 @@ print(f"device: {DEVICE}, sm_90: {HOPPER}")
 #
 # The module starts with the imports. Gluon is experimental: where a Triton lacks its Hopper
 # layer, a stand-in lets the definitions below load as plain functions, and the launcher
-# never takes them.
+# never takes them; and two names changed after Triton 3.6 (the copy engine's load and
+# store, and shared-memory views' `reinterpret`), so the module picks whichever this Triton
+# has. Compiled for sm_90 with Triton 3.9.0, the newest release, the kernel takes the same
+# registers and shared memory as with 3.6 (it has not run on a GPU with 3.9).
 
 # %% tags=["export"]
 """Chapter 11: a Hopper forward with warp specialisation, written in Gluon.
@@ -144,6 +147,10 @@ except ImportError:  # pragma: no cover - a Triton without Gluon's Hopper layer
     fence_async_shared = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = gl
 else:
     GLUON = True
+# The copy engine's load and store: Triton 3.6 names them async_copy_global_to_shared and
+# async_copy_shared_to_global, later releases async_load and async_store.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 # %% [markdown]
 # The wgmma accumulator layout stacks the warps along the rows, 16 rows a warp (so a
@@ -174,7 +181,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, k_
     GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
     mbarrier.expect(q_ready, GROUPS * q_desc.block_type.nbytes)
     for g in gl.static_range(GROUPS):
-        tma.async_copy_global_to_shared(q_desc, [batch, head, q_start + g * GROUP_M, 0],
+        tma_load(q_desc, [batch, head, q_start + g * GROUP_M, 0],
                                         q_ready, q_tiles.index(g))
     for j in range(n_blocks):
         slot = j % STAGES
@@ -183,10 +190,10 @@ def _load_partition(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, k_
         mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
         start_n = j * BLOCK_N
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0],
+        tma_load(k_desc, [batch, kv_head, start_n, 0],
                                         k_ready.index(slot), k_ring.index(slot))
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0],
+        tma_load(v_desc, [batch, kv_head, start_n, 0],
                                         v_ready.index(slot), v_ring.index(slot))
 
 # %% [markdown]
@@ -255,7 +262,7 @@ def _store_rows(desc, tile, block, values, batch, head, row):
     rows past the sequence's end."""
     tile.store(values)
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc, [batch, head, row, 0], block)
+    tma_store(desc, [batch, head, row, 0], block)
     tma.store_wait(0)
 
 @gluon.jit
@@ -341,13 +348,26 @@ def _compute_partition(q_blocks, q_tiles, k_ring, v_ring, q_ready, k_ready, v_re
 # tiles with the most keys start first.
 
 # %% tags=["export"]
-@gluon.jit
-def _as_matrices(buffers, desc):
-    """A stack of (1, 1, rows, D) blocks viewed as a stack of (rows, D) matrices."""
-    rows: gl.constexpr = desc.block_type.shape[2]
-    cols: gl.constexpr = desc.block_type.shape[3]
-    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([rows, cols], desc.dtype)
-    return buffers._reinterpret(desc.dtype, [buffers.shape[0], rows, cols], layout)
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton 3.7 and newer
+
+    @gluon.jit
+    def _as_matrices(buffers, desc):
+        """A stack of (1, 1, rows, D) blocks viewed as a stack of (rows, D) matrices."""
+        rows: gl.constexpr = desc.block_type.shape[2]
+        cols: gl.constexpr = desc.block_type.shape[3]
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([rows, cols], desc.dtype)
+        return buffers.reinterpret(desc.dtype, [buffers.shape[0], rows, cols], layout)
+
+else:  # Triton 3.6 names it _reinterpret
+
+    @gluon.jit
+    def _as_matrices(buffers, desc):
+        """A stack of (1, 1, rows, D) blocks viewed as a stack of (rows, D) matrices."""
+        rows: gl.constexpr = desc.block_type.shape[2]
+        cols: gl.constexpr = desc.block_type.shape[3]
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([rows, cols], desc.dtype)
+        return buffers._reinterpret(desc.dtype, [buffers.shape[0], rows, cols], layout)
+
 
 @gluon.jit
 def warp_specialized_forward_kernel(
