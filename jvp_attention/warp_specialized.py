@@ -55,12 +55,14 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 LOADER_REGS = gl.constexpr(24)  # registers a loader thread keeps: addresses and phases
 COMPUTE_REGS = gl.constexpr(240)  # a compute thread: what the loader gave up
 
+
 @gluon.constexpr_function
 def mma_layout(cols: int, num_warps: int):
     """The wgmma accumulator layout of a tile `cols` wide over `num_warps` warps
     stacked along the rows (16 rows each)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                      instr_shape=[16, cols, 16])
+
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, k_ready,
@@ -73,7 +75,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, k_
     mbarrier.expect(q_ready, GROUPS * q_desc.block_type.nbytes)
     for g in gl.static_range(GROUPS):
         tma_load(q_desc, [batch, head, q_start + g * GROUP_M, 0],
-                                        q_ready, q_tiles.index(g))
+                 q_ready, q_tiles.index(g))
     for j in range(n_blocks):
         slot = j % STAGES
         # A fresh barrier counts as having completed the phase before its first, so the
@@ -82,10 +84,10 @@ def _load_partition(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, k_
         start_n = j * BLOCK_N
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma_load(k_desc, [batch, kv_head, start_n, 0],
-                                        k_ready.index(slot), k_ring.index(slot))
+                 k_ready.index(slot), k_ring.index(slot))
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma_load(v_desc, [batch, kv_head, start_n, 0],
-                                        v_ready.index(slot), v_ring.index(slot))
+                 v_ready.index(slot), v_ring.index(slot))
 
 
 @gluon.jit
@@ -100,6 +102,7 @@ def _masked(s, start_n, first_row, n_k, CAUSAL: gl.constexpr):
             keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
         s = gl.where(keep, s, -float("inf"))
     return s
+
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr):
@@ -121,6 +124,7 @@ def _take_turn(turns, turn, GROUP: gl.constexpr, PINGPONG: gl.constexpr):
         mbarrier.wait(turns.index(GROUP), (turn & 1) ^ (1 - GROUP))
     return turn + 1
 
+
 @gluon.jit
 def _pass_turn(turns, GROUP: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: let the other group issue its products."""
@@ -137,6 +141,7 @@ def _store_rows(desc, tile, block, values, batch, head, row):
     fence_async_shared()
     tma_store(desc, [batch, head, row, 0], block)
     tma.store_wait(0)
+
 
 @gluon.jit
 def _compute_partition(q_blocks, q_tiles, k_ring, v_ring, q_ready, k_ready, v_ready, slot_free,
