@@ -485,7 +485,7 @@ WARP_SPECIALIZED_MIN_WORK = 2**35
 @functools.cache
 def _hopper(index: int | None) -> bool:
     """Device `index` is an sm_90 GPU: the warpgroup products (wgmma) are Hopper's alone."""
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def _describable(t: torch.Tensor) -> bool:
@@ -512,12 +512,14 @@ def fits_warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 def takes_warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the primal forward of unmasked q, k, v runs this chapter's kernel: they fit
     it (`fits_warp_specialized`) and live on an sm_90 GPU, outside the interpreter, with a
-    Triton that compiles it. JVP_ATTENTION_WARP_SPECIALIZED=0 turns it off."""
+    Triton that compiles it. JVP_ATTENTION_WARP_SPECIALIZED=0 turns it off. The device is
+    asked last: a traced graph's fake CUDA tensors, on a machine without CUDA, stop at the
+    shapes."""
     if not GLUON or _failed or os.environ.get("JVP_ATTENTION_WARP_SPECIALIZED", "1") == "0":
         return False
-    if not q.is_cuda or interpreting() or not _hopper(q.device.index):
+    if not q.is_cuda or interpreting() or not fits_warp_specialized(q, k, v):
         return False
-    return fits_warp_specialized(q, k, v)
+    return _hopper(q.device.index)
 
 
 def _descriptor(t: torch.Tensor, rows: int):
