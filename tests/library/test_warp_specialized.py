@@ -187,3 +187,38 @@ def test_backward_from_its_outputs(spec: Spec, dtype: torch.dtype) -> None:
     truth, floor = expected_backward(p)
     assert_accurate(kernel_backward(p), truth, floor, dtype, p.label,
                     "backward from the warp-specialised forward")
+
+
+def test_launch_plumbing(monkeypatch) -> None:
+    """What the launcher hands the kernel, read on CPU with the kernel replaced by a
+    recorder: the grid (128-row tiles by B·Hq), the GQA group, the scale in log2 units,
+    the options, and descriptors over each tensor's own shape and strides, in blocks of
+    (1, 1, rows, D)."""
+    import math
+
+    recorded = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                recorded.update(grid=grid, args=args, kwargs=kwargs)
+            return launch
+
+    monkeypatch.setattr(ws, "warp_specialized_forward_kernel", Recorder())
+    q = heads(n=300, d=64, layout="bnhd", heads=8)  # (4, 8, 300, 64) from (4, 300, 8, 64)
+    k = v = heads(n=4100, d=64, heads=2)
+    out, lse = torch.empty(4, 8, 300, 64, dtype=q.dtype), torch.empty(4, 8, 300)
+    ws.launch_warp_specialized(q, k, v, out, None, lse, True, 0.25)
+    assert recorded["grid"] == (3, 32)
+    q_desc, k_desc, v_desc, o_desc, r_desc, lse_arg, *scalars = recorded["args"]
+    assert scalars[:4] == [8, 300, 4100, 4] and math.isclose(scalars[4], 0.25 * math.log2(math.e))
+    assert recorded["kwargs"] == dict(STAGES=ws.RING_STAGES, PIPELINE=True, PINGPONG=True,
+                                      CAUSAL=True, STORE_RESIDUAL=False, num_warps=4,
+                                      maxnreg=ws.LAUNCH_REGS)
+    assert lse_arg is lse and r_desc.base is out  # no residual: the output stands in
+    for desc, tensor, rows in ((q_desc, q, ws.GROUP_ROWS), (k_desc, k, ws.KEY_BLOCK),
+                               (v_desc, v, ws.KEY_BLOCK), (o_desc, out, ws.GROUP_ROWS)):
+        assert desc.base is tensor
+        assert list(desc.shape) == list(tensor.shape)
+        assert list(desc.strides) == list(tensor.stride())
+        assert list(desc.block_shape) == [1, 1, rows, 64]
