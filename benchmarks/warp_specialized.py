@@ -23,6 +23,7 @@ and reports registers, spills, shared memory and the partitions' register budget
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -160,25 +161,36 @@ def measure(shapes, dtype, check_n: int, causal_modes) -> list[dict]:
     for (B, H, N, d), causal in ((shape, c) for shape in shapes for c in causal_modes):
         q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
         flops = 4 * B * H * N * N * d / (2 if causal else 1)
+        check = functools.partial(output_errors, q=q, k=k, v=v, causal=causal)
         with torch.no_grad():
             for name, call in timed_calls(q, k, v, causal).items():
-                row = {"shape": [B, H, N, d], "causal": causal, "impl": name}
-                try:
-                    call()
-                    torch.cuda.synchronize()
-                    if N <= check_n:
-                        out = call()
-                        out = out[0] if isinstance(out, tuple) else out
-                        ours_err, math_err = reference_error(out, q, k, v, causal)
-                        row |= {"max_err": ours_err, "math_max_err": math_err,
-                                "err_ratio": ours_err / math_err}
-                    ms = triton.testing.do_bench(call, warmup=25, rep=100)
-                    row |= {"ms": ms, "tflops": flops / ms / 1e9}
-                except Exception as error:  # a backend that does not run here: say why
-                    row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+                rows.append(checked_and_timed(
+                    {"shape": [B, H, N, d], "causal": causal, "impl": name}, call,
+                    check if N <= check_n else None, flops))
     return rows
+
+
+def output_errors(out, q, k, v, causal: bool) -> dict:
+    """The error columns of a call's output (the first of a tuple)."""
+    out = out[0] if isinstance(out, tuple) else out
+    ours_err, math_err = reference_error(out, q, k, v, causal)
+    return {"max_err": ours_err, "math_max_err": math_err, "err_ratio": ours_err / math_err}
+
+
+def checked_and_timed(row: dict, call, check, flops: float) -> dict:
+    """`row` with `check(call())`'s columns (unless check is None), then the call's time and
+    TFLOP/s; a call that fails records why, so that the others still run. Printed too."""
+    try:
+        result = call()
+        torch.cuda.synchronize()
+        if check is not None:
+            row |= check(result)
+        ms = triton.testing.do_bench(call, warmup=25, rep=100)
+        row |= {"ms": ms, "tflops": flops / ms / 1e9}
+    except Exception as error:  # a backend that does not run here: say why
+        row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ FLOPs as chapter 8 does.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -62,6 +63,9 @@ from jvp_attention.warp_specialized import (  # noqa: E402
     mma_layout,
     tma_load,
 )
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from warp_specialized import checked_and_timed  # noqa: E402
 
 SCHEMA = "jvp_attention.warp_specialized_jvp/1"
 CANDIDATES = {  # name: (d, key tile, ring slots)
@@ -332,19 +336,11 @@ def measure(shapes, check_n: int) -> list[dict]:
         q, k, v, tq, tk, tv = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16)
                                for _ in range(6))
         flops = sdpa_flops(B, H, N, N, d, d, causal) * FORWARDS_PER_CALL["fwd_jvp"]
+        check = functools.partial(errors, q, k, v, (tq, tk, tv), causal=causal)
         for name, call in timed_calls(q, k, v, (tq, tk, tv), causal).items():
-            row = {"shape": [B, H, N, d], "causal": causal, "impl": name}
-            try:
-                result = call()
-                torch.cuda.synchronize()
-                if N <= check_n:
-                    row |= errors(q, k, v, (tq, tk, tv), result, causal)
-                ms = triton.testing.do_bench(call, warmup=25, rep=100)
-                row |= {"ms": ms, "tflops": flops / ms / 1e9}
-            except Exception as error:  # say why, and go on with the others
-                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            rows.append(checked_and_timed({"shape": [B, H, N, d], "causal": causal,
+                                           "impl": name}, call,
+                                          check if N <= check_n else None, flops))
     return rows
 
 

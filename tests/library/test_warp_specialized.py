@@ -120,25 +120,43 @@ def test_a_failed_compile_falls_back_with_a_warning(monkeypatch) -> None:
     assert not ws.takes_warp_specialized(q, q, q)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_compiles_for_hopper_within_its_budget(d: int) -> None:
-    """The library's schedule (ping-pong, three ring slots), causal with the residual, for
-    sm_90: no spills, within the 227 KB of shared memory a block may take, and the register
-    budgets of the design (240 a compute thread, 24 a loader thread). Triton in GPU mode
-    (not the interpreter the CPU tests run under), hence the subprocess."""
+def compiled_for_hopper(module: str, call: str) -> dict:
+    """`module.compile_for_hopper` report from benchmarks/, run with Triton in GPU mode (not
+    the interpreter the CPU tests run under), hence the subprocess."""
     code = (f"import sys, json; sys.path.insert(0, {str(BENCHMARKS)!r}); "
-            f"from warp_specialized import compile_for_hopper; print(json.dumps("
-            f"compile_for_hopper('ws_pingpong_s3', causal=True, d={d}, residual=True)))")
+            f"from {module} import compile_for_hopper; print(json.dumps({call}))")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=600, check=False, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_within_budget(report: dict) -> None:
+    """No spills, within the 227 KB of shared memory a block may take, and the register
+    budgets of the design (240 a compute thread, 24 a loader thread)."""
     assert report["spills"] == 0
     assert report["shared"] <= 232448
     budgets = {tuple(budget) for budget in report["setmaxnreg"]}
     assert {("inc", "240"), ("dec", "24")} <= budgets
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_compiles_for_hopper_within_its_budget(d: int) -> None:
+    """The library's schedule (ping-pong, three ring slots), causal with the residual, for
+    sm_90."""
+    report = compiled_for_hopper(
+        "warp_specialized",
+        f"compile_for_hopper('ws_pingpong_s3', causal=True, d={d}, residual=True)")
+    assert_within_budget(report)
     assert report["wgmma"] > 0
+
+
+def test_jvp_experiment_compiles_for_hopper_within_its_budget() -> None:
+    """benchmarks/warp_specialized_jvp.py, the tangent carried into the same schedule: its
+    d = 128 candidate (64-key tiles) for sm_90."""
+    assert_within_budget(compiled_for_hopper(
+        "warp_specialized_jvp", "compile_for_hopper('d128_n64_s2', causal=True)"))
 
 
 GPU_SPECS = [  # each with at least WARP_SPECIALIZED_MIN_WORK of work
