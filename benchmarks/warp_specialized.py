@@ -61,11 +61,12 @@ def ws_call(q, k, v, causal: bool, options: dict):
                                               **options) or out
 
 
-def compile_for_hopper(name: str, causal: bool = False, d: int = 128,
-                       dtype: torch.dtype = torch.bfloat16, residual: bool = False) -> dict:
-    """Compile variant `name` for sm_90 on this machine (no GPU needed): registers and
+def compiled_report(kernel, descriptors: dict, scalars: dict, constexprs: dict,
+                    num_warps: int) -> dict:
+    """Compile Gluon `kernel` for sm_90 on this machine (no GPU needed): registers and
     spills (ptxas -v), shared memory, the partitions' register budgets (setmaxnreg) and the
-    count of warpgroup products in the PTX."""
+    count of warpgroup products in the PTX. `descriptors` and `scalars` (argument name ->
+    Triton type) are its runtime arguments, in order."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -74,34 +75,41 @@ def compile_for_hopper(name: str, causal: bool = False, d: int = 128,
         sys.path.insert(0, str(ROOT / "tools"))
     from kernel_resources import ptxas_report  # noqa: E402
 
-    options = VARIANTS[name]
-    x = torch.empty(1, 1, 1024, d, dtype=dtype)
-    group_rows = ws.GROUP_ROWS if options["pingpong"] else 2 * ws.GROUP_ROWS
-    descriptors = [ws._descriptor(x, rows) for rows in
-                   (group_rows, options["key_block"], options["key_block"], group_rows,
-                    group_rows)]
-    names = ("q_desc", "k_desc", "v_desc", "o_desc", "r_desc")
     signature = {arg: native_specialize_impl(BaseBackend, desc, False, True, True)[0]
-                 for arg, desc in zip(names, descriptors, strict=True)}
-    signature |= {"lse_ptr": "*fp32", "n_heads": "i32", "n_q": "i32", "n_k": "i32",
-                  "group_size": "i32", "qk_scale": "fp32"}
-    num_warps = 4 if options["pingpong"] else 8
-    constexprs = {"STAGES": options["stages"], "PIPELINE": options["pipeline"],
-                  "PINGPONG": options["pingpong"], "CAUSAL": causal,
-                  "STORE_RESIDUAL": residual, "num_warps": num_warps}
+                 for arg, desc in descriptors.items()}
+    signature |= scalars
+    constexprs = constexprs | {"num_warps": num_warps}
     signature |= {constant: "constexpr" for constant in constexprs}
     start = time.perf_counter()
-    compiled = triton.compile(GluonASTSource(ws.warp_specialized_forward_kernel, signature,
-                                             constexprs),
+    compiled = triton.compile(GluonASTSource(kernel, signature, constexprs),
                               target=GPUTarget("cuda", 90, 128),
                               options={"num_warps": num_warps, "maxnreg": ws.LAUNCH_REGS})
     ptx = compiled.asm["ptx"]
     budgets = re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)
-    return {"variant": name, **options, "causal": causal, "residual": residual,
-            "dtype": str(dtype).removeprefix("torch."), "d": d, **ptxas_report(ptx),
-            "shared": compiled.metadata.shared, "setmaxnreg": sorted(set(budgets)),
+    return {**ptxas_report(ptx), "shared": compiled.metadata.shared,
+            "setmaxnreg": sorted(set(budgets)),
             "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
             "compile_s": round(time.perf_counter() - start, 2)}
+
+
+def compile_for_hopper(name: str, causal: bool = False, d: int = 128,
+                       dtype: torch.dtype = torch.bfloat16, residual: bool = False) -> dict:
+    """Variant `name` of the primal kernel compiled for sm_90 (`compiled_report`)."""
+    options = VARIANTS[name]
+    x = torch.empty(1, 1, 1024, d, dtype=dtype)
+    group_rows = ws.GROUP_ROWS if options["pingpong"] else 2 * ws.GROUP_ROWS
+    rows = (group_rows, options["key_block"], options["key_block"], group_rows, group_rows)
+    descriptors = {name: ws._descriptor(x, r) for name, r in
+                   zip(("q_desc", "k_desc", "v_desc", "o_desc", "r_desc"), rows, strict=True)}
+    scalars = {"lse_ptr": "*fp32", "n_heads": "i32", "n_q": "i32", "n_k": "i32",
+               "group_size": "i32", "qk_scale": "fp32"}
+    constexprs = {"STAGES": options["stages"], "PIPELINE": options["pipeline"],
+                  "PINGPONG": options["pingpong"], "CAUSAL": causal,
+                  "STORE_RESIDUAL": residual}
+    report = compiled_report(ws.warp_specialized_forward_kernel, descriptors, scalars,
+                             constexprs, 4 if options["pingpong"] else 8)
+    return {"variant": name, **options, "causal": causal, "residual": residual,
+            "dtype": str(dtype).removeprefix("torch."), "d": d, **report}
 
 
 def resources(dtype: torch.dtype, d: int) -> list[dict]:

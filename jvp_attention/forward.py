@@ -377,8 +377,9 @@ def flash_attention_forward(
     if mask_tangent is not None and tangents is None:
         raise ValueError("mask_tangent is part of the tangent: pass tangents=(tq, tk, tv) too")
     scale = head_dim**-0.5 if scale is None else scale
-    if tangents is None and attn_mask is None and takes_warp_specialized(q, k, v):
-        ran = warp_specialized_forward(q, k, v, is_causal, scale, residuals)  # chapter 11
+    if attn_mask is None and takes_warp_specialized(q, k, v, tangents, exact, is_causal):
+        ran = warp_specialized_forward(q, k, v, is_causal, scale, residuals,  # chapter 11
+                                       tangents, jvp_operands if exact else None)
         if ran is not None:
             return ran
     out = torch.empty((batch, n_heads, n_q, value_dim), device=q.device, dtype=q.dtype)

@@ -16,7 +16,7 @@ import warnings
 import torch
 import triton
 
-from jvp_attention.launch import interpreting, on_device
+from jvp_attention.launch import carries, interpreting, on_device
 from jvp_attention.reference import AttentionOutputs
 
 try:
@@ -65,29 +65,44 @@ def mma_layout(cols: int, num_warps: int):
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready, k_ready,
-                    v_ready, slot_free, batch, head, kv_head, q_start, n_blocks,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _load_with_tangent(desc, t_desc, batch, head, row, barrier, tile, t_tile,
+                       TANGENT: gl.constexpr):
+    """Copy the block of `desc` at (batch, head, row) into `tile` and, with TANGENT, the
+    same block of `t_desc` into `t_tile`; `barrier` completes when all their bytes are in."""
+    COPIES: gl.constexpr = 2 if TANGENT else 1
+    mbarrier.expect(barrier, COPIES * desc.block_type.nbytes)
+    tma_load(desc, [batch, head, row, 0], barrier, tile)
+    if TANGENT:
+        tma_load(t_desc, [batch, head, row, 0], barrier, t_tile)
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, tq_desc, tk_desc, tv_desc, q_tiles, tq_tiles,
+                    k_ring, tk_ring, v_ring, tv_ring, q_ready, k_ready, v_ready, slot_free,
+                    batch, head, kv_head, q_start, n_blocks, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, TANGENT: gl.constexpr):
     """One warp: the query tiles, then each key and value tile into the next free slot
-    of the ring, as soon as every compute group has freed it."""
+    of the ring, as soon as every compute group has freed it. With TANGENT (the forward
+    with its JVP, below) each tile's tangent comes with it, on the same barrier."""
     GROUPS: gl.constexpr = q_tiles.shape[0]
     GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
-    mbarrier.expect(q_ready, GROUPS * q_desc.block_type.nbytes)
+    COPIES: gl.constexpr = 2 if TANGENT else 1
+    mbarrier.expect(q_ready, COPIES * GROUPS * q_desc.block_type.nbytes)
     for g in gl.static_range(GROUPS):
         tma_load(q_desc, [batch, head, q_start + g * GROUP_M, 0],
                  q_ready, q_tiles.index(g))
+        if TANGENT:
+            tma_load(tq_desc, [batch, head, q_start + g * GROUP_M, 0],
+                     q_ready, tq_tiles.index(g))
     for j in range(n_blocks):
         slot = j % STAGES
         # A fresh barrier counts as having completed the phase before its first, so the
         # first pass over the ring does not wait.
         mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
-        start_n = j * BLOCK_N
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma_load(k_desc, [batch, kv_head, start_n, 0],
-                 k_ready.index(slot), k_ring.index(slot))
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma_load(v_desc, [batch, kv_head, start_n, 0],
-                 v_ready.index(slot), v_ring.index(slot))
+        _load_with_tangent(k_desc, tk_desc, batch, kv_head, j * BLOCK_N, k_ready.index(slot),
+                           k_ring.index(slot), tk_ring.index(slot), TANGENT)
+        _load_with_tangent(v_desc, tv_desc, batch, kv_head, j * BLOCK_N, v_ready.index(slot),
+                           v_ring.index(slot), tv_ring.index(slot), TANGENT)
 
 
 @gluon.jit
@@ -105,14 +120,20 @@ def _masked(s, start_n, first_row, n_k, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr):
+def _online_softmax(s, m_i, l_i, qk_scale):
     """Fold one tile of scores into the row maxima and sums (log2 units); return the
-    probabilities as the value product's register operand, and the factor that
-    rescales the accumulator."""
+    probabilities (fp32), the factor that rescales the accumulators, and the new maxima
+    and sums."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """`_online_softmax`, with the probabilities as the value product's register operand."""
+    p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i, qk_scale)
     return gl.convert_layout(p.to(dtype), p_layout), alpha, m_new, l_i
 
 
@@ -141,6 +162,18 @@ def _store_rows(desc, tile, block, values, batch, head, row):
     fence_async_shared()
     tma_store(desc, [batch, head, row, 0], block)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _store_rounded(desc, r_desc, tile, block, values, batch, head, row,
+                   STORE_RESIDUAL: gl.constexpr):
+    """Store fp32 `values` rounded to the output's dtype and, with STORE_RESIDUAL, through
+    `r_desc`, the part of them that the rounding dropped."""
+    rounded = values.to(desc.dtype)
+    _store_rows(desc, tile, block, rounded, batch, head, row)
+    if STORE_RESIDUAL:
+        _store_rows(r_desc, tile, block, (values - rounded.to(gl.float32)).to(desc.dtype),
+                    batch, head, row)
 
 
 @gluon.jit
@@ -210,12 +243,8 @@ def _compute_partition(q_blocks, q_tiles, k_ring, v_ring, q_ready, k_ready, v_re
 
     # Every product is done, so the query tile is free: the output goes out through it.
     out = acc / gl.expand_dims(gl.convert_layout(l_i, o_rows), 1)
-    rounded = out.to(dtype)
-    q_block = q_blocks.index(GROUP)
-    _store_rows(o_desc, q_smem, q_block, rounded, batch, head, first_row)
-    if STORE_RESIDUAL:
-        _store_rows(r_desc, q_smem, q_block, (out - rounded.to(gl.float32)).to(dtype),
-                    batch, head, first_row)
+    _store_rounded(o_desc, r_desc, q_smem, q_blocks.index(GROUP), out, batch, head, first_row,
+                   STORE_RESIDUAL)
     rows = first_row + gl.arange(0, GROUP_M, row_layout)
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # log2 units to natural ones
     gl.store(lse_ptr + lse_row + rows, lse, mask=rows < n_q)
@@ -243,6 +272,46 @@ else:  # Triton 3.6 names it _reinterpret
 
 
 @gluon.jit
+def _program_tile(n_heads, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CAUSAL: gl.constexpr):
+    """This program's first query row, batch and head, and how many key tiles it sweeps.
+    Causal programs run in reverse order, so that the tiles with the most keys start
+    first and the short ones fill the tail."""
+    tile = gl.program_id(0)
+    if CAUSAL:
+        tile = gl.num_programs(0) - 1 - tile
+    q_start = tile * BLOCK_M
+    if CAUSAL:  # top-left causal: keys up to the tile's last query
+        n_blocks = gl.cdiv(gl.minimum(q_start + BLOCK_M, n_k), BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(n_k, BLOCK_N)
+    return q_start, gl.program_id(1) // n_heads, gl.program_id(1) % n_heads, n_blocks
+
+
+@gluon.jit
+def _blocks(desc, count: gl.constexpr):
+    """Shared memory for `count` blocks of `desc`."""
+    return gl.allocate_shared_memory(desc.dtype, [count] + desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
+def _barrier(count: gl.constexpr, arrivals: gl.constexpr):
+    """`count` mbarriers, each completing a phase after `arrivals` arrivals."""
+    barriers = gl.allocate_shared_memory(gl.int64, [count, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(count):
+        mbarrier.init(barriers.index(i), count=arrivals)
+    return barriers
+
+
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr, GROUPS: gl.constexpr):
+    """Queries ready; per ring slot keys ready, values ready and slot free (every compute
+    group frees it); the two groups' turns."""
+    return (_barrier(1, 1).index(0), _barrier(STAGES, 1), _barrier(STAGES, 1),
+            _barrier(STAGES, GROUPS), _barrier(2, 1))
+
+
+@gluon.jit
 def warp_specialized_forward_kernel(
         q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_heads, n_q, n_k, group_size,
         qk_scale, STAGES: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
@@ -254,37 +323,11 @@ def warp_specialized_forward_kernel(
     GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     GROUPS: gl.constexpr = 2 if PINGPONG else 1
-    BLOCK_M: gl.constexpr = GROUPS * GROUP_M
-    tile = gl.program_id(0)
-    if CAUSAL:  # the longest rows first, so that the short ones fill the tail
-        tile = gl.num_programs(0) - 1 - tile
-    q_start = tile * BLOCK_M
-    batch = gl.program_id(1) // n_heads
-    head = gl.program_id(1) % n_heads
-    if CAUSAL:  # top-left causal: keys up to the tile's last query
-        n_blocks = gl.cdiv(gl.minimum(q_start + BLOCK_M, n_k), BLOCK_N)
-    else:
-        n_blocks = gl.cdiv(n_k, BLOCK_N)
-
-    q_tiles = gl.allocate_shared_memory(q_desc.dtype, [GROUPS] + q_desc.block_type.shape,
-                                        q_desc.layout)
-    k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape,
-                                       k_desc.layout)
-    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape,
-                                       v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    slot_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1],
-                                          mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(slot_free.index(i), count=GROUPS)  # every group frees the slot
-    for i in gl.static_range(2):
-        mbarrier.init(turns.index(i), count=1)
+    q_start, batch, head, n_blocks = _program_tile(n_heads, n_k, GROUPS * GROUP_M, BLOCK_N,
+                                                   CAUSAL)
+    q_tiles, k_ring, v_ring = _blocks(q_desc, GROUPS), _blocks(k_desc, STAGES), _blocks(
+        v_desc, STAGES)
+    q_ready, k_ready, v_ready, slot_free, turns = _ring_barriers(STAGES, GROUPS)
     # The products read 2-D tiles: the same bytes, the (1, 1) block dimensions dropped
     # (the swizzle depends on the row's bytes alone, so it is the same).
     q_2d = _as_matrices(q_tiles, q_desc)
@@ -294,6 +337,7 @@ def warp_specialized_forward_kernel(
     lse_row = gl.program_id(1).to(gl.int64) * n_q
     kv_head = head // group_size
     # The argument tuples are written out: adding tuples would turn constexprs to tensors.
+    # Without the tangent the loader's tangent arguments repeat the primal ones, unread.
     if PINGPONG:
         gl.warp_specialize([
             (_compute_partition, (q_tiles, q_2d, k_2d, v_2d, q_ready, k_ready, v_ready, slot_free,
@@ -306,9 +350,10 @@ def warp_specialized_forward_kernel(
                                   q_start, n_q, n_k, n_blocks, qk_scale, 1, BLOCK_N,
                                   STAGES, PIPELINE, PINGPONG, CAUSAL, STORE_RESIDUAL,
                                   num_warps)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready,
-                               k_ready, v_ready, slot_free, batch, head, kv_head, q_start,
-                               n_blocks, BLOCK_N, STAGES)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_desc, k_desc, v_desc, q_tiles, q_tiles,
+                               k_ring, k_ring, v_ring, v_ring, q_ready, k_ready, v_ready,
+                               slot_free, batch, head, kv_head, q_start, n_blocks, BLOCK_N,
+                               STAGES, False)),
         ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
@@ -317,10 +362,140 @@ def warp_specialized_forward_kernel(
                                   q_start, n_q, n_k, n_blocks, qk_scale, 0, BLOCK_N,
                                   STAGES, PIPELINE, PINGPONG, CAUSAL, STORE_RESIDUAL,
                                   num_warps)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_tiles, k_ring, v_ring, q_ready,
-                               k_ready, v_ready, slot_free, batch, head, kv_head, q_start,
-                               n_blocks, BLOCK_N, STAGES)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_desc, k_desc, v_desc, q_tiles, q_tiles,
+                               k_ring, k_ring, v_ring, v_ring, q_ready, k_ready, v_ready,
+                               slot_free, batch, head, kv_head, q_start, n_blocks, BLOCK_N,
+                               STAGES, False)),
         ], [1], [LOADER_REGS])
+
+
+@gluon.jit
+def _carry_factor(factors_ptr, index: gl.constexpr, CARRY: gl.constexpr):
+    """Entry `index` of chapter 2's carry factors (`jvp_operands`: w, then the factors of
+    O, tO and mu); 1 without CARRY."""
+    if CARRY:
+        factor = gl.load(factors_ptr + index)
+    else:
+        factor = 1.0
+    return factor
+
+
+@gluon.jit
+def _jvp_compute_partition(q_blocks, tq_blocks, q_tiles, tq_tiles, k_ring, tk_ring, v_ring,
+                           tv_ring, q_ready, k_ready, v_ready, slot_free, turns, o_desc,
+                           t_desc, r_desc, tr_desc, lse_ptr, mu_ptr, factors_ptr, batch, head,
+                           lse_row, q_start, n_q, n_k, n_blocks, qk_scale, scale,
+                           GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           CAUSAL: gl.constexpr, CARRY: gl.constexpr,
+                           STORE_RESIDUAL: gl.constexpr, num_warps: gl.constexpr):
+    """One compute group with the tangent: per key tile a turn for the three score
+    products, the softmax and mu, a turn for the three value products; then out,
+    tangent_out (and their residuals), lse and mu."""
+    GROUP_M: gl.constexpr = o_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = o_desc.block_type.shape[3]
+    operand: gl.constexpr = v_ring.dtype  # the probabilities' type: the values' (fp16 carried)
+    s_layout: gl.constexpr = mma_layout(BLOCK_N, num_warps)
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM, num_warps)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_smem = q_tiles.index(GROUP)
+    tq_smem = tq_tiles.index(GROUP)
+    first_row = q_start + GROUP * GROUP_M
+    scale = scale * _carry_factor(factors_ptr, 0, CARRY)  # tS, and so mu, in units of w
+
+    m_i = gl.full([GROUP_M], -float("inf"), gl.float32, row_layout)
+    l_i = gl.zeros([GROUP_M], gl.float32, row_layout)
+    mu_i = gl.zeros([GROUP_M], gl.float32, row_layout)
+    acc_o = gl.zeros([GROUP_M, HEAD_DIM], gl.float32, o_layout)
+    acc_t = gl.zeros([GROUP_M, HEAD_DIM], gl.float32, o_layout)
+    s_zero = gl.zeros([GROUP_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_ready, 0)
+    turn = 0
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        turn = _take_turn(turns, turn, GROUP, True)
+        k_t = k_ring.index(slot).permute((1, 0))
+        s = warpgroup_mma(q_smem, k_t, s_zero, use_acc=False, is_async=True)
+        ts = warpgroup_mma(tq_smem, k_t, s_zero, use_acc=False, is_async=True)
+        ts = warpgroup_mma(q_smem, tk_ring.index(slot).permute((1, 0)), ts, is_async=True)
+        _pass_turn(turns, GROUP, True)
+        s, ts = warpgroup_mma_wait(0, deps=(s, ts))
+        # Masked scores get p = 0, so their tangent scores never count.
+        s = _masked(s, j * BLOCK_N, first_row, n_k, CAUSAL)
+        p, alpha, m_new, l_new = _online_softmax(s, m_i, l_i, qk_scale)
+        ts = ts * scale
+        mu_new = (mu_i * l_i * alpha + gl.sum(p * ts, axis=1)) / l_new
+        p_centred = p * (ts - gl.expand_dims(mu_new, 1))
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        shift = gl.expand_dims(gl.convert_layout(mu_new - mu_i, o_rows), 1)
+        acc_o = acc_o * alpha_o
+        acc_t = acc_t * alpha_o - shift * acc_o  # tO stays centred on the running mu
+        p_op = gl.convert_layout(p.to(operand), p_layout)
+        pc_op = gl.convert_layout(p_centred.to(operand), p_layout)
+        mbarrier.wait(v_ready.index(slot), phase)
+        turn = _take_turn(turns, turn, GROUP, True)
+        acc_o = warpgroup_mma(p_op, v_ring.index(slot), acc_o, is_async=True)
+        acc_t = warpgroup_mma(pc_op, v_ring.index(slot), acc_t, is_async=True)
+        acc_t = warpgroup_mma(p_op, tv_ring.index(slot), acc_t, is_async=True)
+        _pass_turn(turns, GROUP, True)
+        acc_o, acc_t, p_op, pc_op = warpgroup_mma_wait(0, deps=(acc_o, acc_t, p_op, pc_op))
+        mbarrier.arrive(slot_free.index(slot), count=1)
+        m_i, l_i, mu_i = m_new, l_new, mu_new
+
+    inv_l = gl.convert_layout(1.0 / l_i, o_rows)
+    o_factor = gl.expand_dims(inv_l * _carry_factor(factors_ptr, 1, CARRY), 1)
+    t_factor = gl.expand_dims(inv_l * _carry_factor(factors_ptr, 2, CARRY), 1)
+    _store_rounded(o_desc, r_desc, q_smem, q_blocks.index(GROUP), acc_o * o_factor, batch,
+                   head, first_row, STORE_RESIDUAL)
+    _store_rounded(t_desc, tr_desc, tq_smem, tq_blocks.index(GROUP), acc_t * t_factor, batch,
+                   head, first_row, STORE_RESIDUAL)
+    rows = first_row + gl.arange(0, GROUP_M, row_layout)
+    gl.store(lse_ptr + lse_row + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453,
+             mask=rows < n_q)
+    gl.store(mu_ptr + lse_row + rows, mu_i * _carry_factor(factors_ptr, 3, CARRY),
+             mask=rows < n_q)
+
+
+@gluon.jit
+def warp_specialized_jvp_kernel(
+        q_desc, k_desc, v_desc, tq_desc, tk_desc, tv_desc, o_desc, t_desc, r_desc, tr_desc,
+        lse_ptr, mu_ptr, factors_ptr, n_heads, n_q, n_k, group_size, qk_scale, scale,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, CARRY: gl.constexpr,
+        STORE_RESIDUAL: gl.constexpr, num_warps: gl.constexpr):
+    """The forward with its JVP: grid (cdiv(Nq, 128), B·Hq) as the primal kernel's, always
+    two groups in ping-pong, the tangents' descriptors beside the inputs'."""
+    GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    q_start, batch, head, n_blocks = _program_tile(n_heads, n_k, 2 * GROUP_M, BLOCK_N, CAUSAL)
+    q_tiles, tq_tiles = _blocks(q_desc, 2), _blocks(tq_desc, 2)
+    k_ring, tk_ring = _blocks(k_desc, STAGES), _blocks(tk_desc, STAGES)
+    v_ring, tv_ring = _blocks(v_desc, STAGES), _blocks(tv_desc, STAGES)
+    q_ready, k_ready, v_ready, slot_free, turns = _ring_barriers(STAGES, 2)
+    q_2d, tq_2d = _as_matrices(q_tiles, q_desc), _as_matrices(tq_tiles, tq_desc)
+    k_2d, tk_2d = _as_matrices(k_ring, k_desc), _as_matrices(tk_ring, tk_desc)
+    v_2d, tv_2d = _as_matrices(v_ring, v_desc), _as_matrices(tv_ring, tv_desc)
+    lse_row = gl.program_id(1).to(gl.int64) * n_q
+    kv_head = head // group_size
+    gl.warp_specialize([
+        (_jvp_compute_partition, (q_tiles, tq_tiles, q_2d, tq_2d, k_2d, tk_2d, v_2d, tv_2d,
+                                  q_ready, k_ready, v_ready, slot_free, turns, o_desc, t_desc,
+                                  r_desc, tr_desc, lse_ptr, mu_ptr, factors_ptr, batch, head,
+                                  lse_row, q_start, n_q, n_k, n_blocks, qk_scale, scale, 0,
+                                  BLOCK_N, STAGES, CAUSAL, CARRY, STORE_RESIDUAL, num_warps)),
+        (_jvp_compute_partition, (q_tiles, tq_tiles, q_2d, tq_2d, k_2d, tk_2d, v_2d, tv_2d,
+                                  q_ready, k_ready, v_ready, slot_free, turns, o_desc, t_desc,
+                                  r_desc, tr_desc, lse_ptr, mu_ptr, factors_ptr, batch, head,
+                                  lse_row, q_start, n_q, n_k, n_blocks, qk_scale, scale, 1,
+                                  BLOCK_N, STAGES, CAUSAL, CARRY, STORE_RESIDUAL, num_warps)),
+        (_load_partition, (q_desc, k_desc, v_desc, tq_desc, tk_desc, tv_desc, q_tiles, tq_tiles,
+                           k_ring, tk_ring, v_ring, tv_ring, q_ready, k_ready, v_ready,
+                           slot_free, batch, head, kv_head, q_start, n_blocks, BLOCK_N, STAGES,
+                           True)),
+    ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
 
 
 # Launch: registers a thread may hold at launch, 65,536 per SM over 12 warps (the compute
@@ -337,6 +512,15 @@ WARP_SPECIALIZED_MIN_KEYS = 4096
 # encodes five tensor descriptors; H200: 277 against 161 us per `attention` call), so it
 # takes calls with enough work to hide that: B·Hq·Nq·Nk·D >= 2**35, about 0.2 ms of GPU time.
 WARP_SPECIALIZED_MIN_WORK = 2**35
+# With the tangent: keys per tile by head dim, what fits the 240 registers (see above), and
+# two ring slots of four tiles each.
+JVP_KEY_BLOCKS = {64: 128, 128: 64}
+JVP_RING_STAGES = 2
+# The forward with its JVP launches ten descriptors (and, carried, two copy kernels first):
+# on the H200 its call cost the host 0.7-1.2 ms against 0.45-1.1 for chapter 2's, more than
+# the kernel's own 0.8 ms at (4, 16, 4096, 64) causal. So it takes calls whose work, counted
+# as the FLOPs are (half when causal), is at least B·Hq·Nq·Nk·D = 2**36.
+WARP_SPECIALIZED_JVP_MIN_WORK = 2**36
 
 
 @functools.cache
@@ -355,26 +539,41 @@ def _describable(t: torch.Tensor) -> bool:
 _failed = False  # set when this Triton cannot compile the kernel: the Triton forward runs
 
 
-def fits_warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether (B, H, N, D) q, k, v suit this chapter's kernel, wherever they live: fp16 or
-    bf16 alike, D = Dv in (64, 128), at least WARP_SPECIALIZED_MIN_KEYS keys and
-    WARP_SPECIALIZED_MIN_WORK of work, tensors the copy engine can address."""
+def fits_warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          tangents: tuple[torch.Tensor, ...] | None = None,
+                          is_causal: bool = False) -> bool:
+    """Whether (B, H, N, D) q, k, v (and their tangents) suit this chapter's kernels,
+    wherever they live: fp16 or bf16 alike, D = Dv in (64, 128), at least
+    WARP_SPECIALIZED_MIN_KEYS keys and WARP_SPECIALIZED_MIN_WORK of work (with tangents
+    WARP_SPECIALIZED_JVP_MIN_WORK, halved when causal), tensors the copy engine can address,
+    tangents shaped and typed as their inputs."""
     batch, n_heads, n_q, d = q.shape
+    tensors = (q, k, v) if tangents is None else (q, k, v, *tangents)
+    work = batch * n_heads * n_q * k.shape[2] * d
+    enough = (work >= WARP_SPECIALIZED_MIN_WORK if tangents is None
+              else work // (2 if is_causal else 1) >= WARP_SPECIALIZED_JVP_MIN_WORK)
     return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
             and d == v.shape[-1] in (64, 128) and k.shape[2] >= WARP_SPECIALIZED_MIN_KEYS
-            and batch * n_heads * n_q * k.shape[2] * d >= WARP_SPECIALIZED_MIN_WORK
-            and all(_describable(t) for t in (q, k, v)))
+            and enough and (tangents is None or all(t.shape == x.shape and t.dtype == x.dtype
+                                         for t, x in zip(tangents, (q, k, v), strict=True)))
+            and all(_describable(t) for t in tensors))
 
 
-def takes_warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the primal forward of unmasked q, k, v runs this chapter's kernel: they fit
-    it (`fits_warp_specialized`) and live on an sm_90 GPU, outside the interpreter, with a
-    Triton that compiles it. JVP_ATTENTION_WARP_SPECIALIZED=0 turns it off. The device is
-    asked last: a traced graph's fake CUDA tensors, on a machine without CUDA, stop at the
-    shapes."""
+def takes_warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           tangents: tuple[torch.Tensor, ...] | None = None,
+                           exact: bool = True, is_causal: bool = False) -> bool:
+    """Whether the forward of unmasked q, k, v (with `tangents`, its JVP too, in "accurate"
+    mode when `exact`) runs this chapter's kernels: they fit (`fits_warp_specialized`) and
+    live on an sm_90 GPU, outside the interpreter, with a Triton that compiles them, and an
+    accurate tangent can carry (bf16: fp16's split products stay on chapter 2's kernel).
+    JVP_ATTENTION_WARP_SPECIALIZED=0 turns them off. The device is asked last: a traced
+    graph's fake CUDA tensors, on a machine without CUDA, stop at the shapes."""
     if not GLUON or _failed or os.environ.get("JVP_ATTENTION_WARP_SPECIALIZED", "1") == "0":
         return False
-    if not q.is_cuda or interpreting() or not fits_warp_specialized(q, k, v):
+    if not q.is_cuda or interpreting() or not fits_warp_specialized(q, k, v, tangents,
+                                                                    is_causal):
+        return False
+    if tangents is not None and exact and not carries(q, k.shape[2]):
         return False
     return _hopper(q.device.index)
 
@@ -407,23 +606,62 @@ def launch_warp_specialized(q, k, v, out, out_residual, lse, is_causal: bool, sc
         maxnreg=LAUNCH_REGS)
 
 
+def launch_warp_specialized_jvp(q, k, v, tangents, outputs, residuals, lse, mu,
+                                is_causal: bool, scale: float, carry=None, *,
+                                key_block: int | None = None,
+                                stages: int = JVP_RING_STAGES) -> None:
+    """Launch the forward with its JVP: `outputs` (out, tangent_out), `lse` and `mu` are
+    written, and `residuals` (theirs) unless None. `carry` is chapter 2's `jvp_operands`
+    for "accurate" bf16 (None: products in the inputs' type). `key_block` defaults to
+    JVP_KEY_BLOCKS of the head dim."""
+    batch, n_heads, n_q, d = q.shape
+    tq, tk, tv = tangents
+    factors = lse  # not read without the carry
+    if carry is not None:
+        v, tv, factors = carry(q, k, v, tq, tk, tv, scale)
+    key_block = JVP_KEY_BLOCKS[d] if key_block is None else key_block
+    stored = residuals is not None
+    residuals = residuals if stored else outputs  # unread stand-ins
+    descriptors = [_descriptor(t, rows) for t, rows in (
+        (q, GROUP_ROWS), (k, key_block), (v, key_block), (tq, GROUP_ROWS), (tk, key_block),
+        (tv, key_block), (outputs[0], GROUP_ROWS), (outputs[1], GROUP_ROWS),
+        (residuals[0], GROUP_ROWS), (residuals[1], GROUP_ROWS))]
+    grid = (triton.cdiv(n_q, 2 * GROUP_ROWS), batch * n_heads)
+    warp_specialized_jvp_kernel[grid](
+        *descriptors, lse, mu, factors, n_heads, n_q, k.shape[2], n_heads // k.shape[1],
+        scale * math.log2(math.e), scale, STAGES=stages, CAUSAL=is_causal,
+        CARRY=carry is not None, STORE_RESIDUAL=stored, num_warps=4, maxnreg=LAUNCH_REGS)
+
+
 def warp_specialized_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             is_causal: bool, scale: float, residuals: bool = False):
-    """The primal forward through this chapter's kernel, returning what chapter 2's
-    `flash_attention_forward` returns for the same call (no tangents), or None when this
-    Triton cannot compile the kernel (warned once; the caller runs the Triton forward)."""
+                             is_causal: bool, scale: float, residuals: bool = False,
+                             tangents: tuple[torch.Tensor, ...] | None = None,
+                             carry=None):
+    """The forward (with `tangents`, and its JVP) through this chapter's kernels, returning
+    what chapter 2's `flash_attention_forward` returns for the same call, or None when this
+    Triton cannot compile them (warned once; the caller runs the Triton forward). `carry`:
+    see `launch_warp_specialized_jvp`."""
     global _failed
     out = torch.empty(q.shape[:-1] + v.shape[-1:], device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     out_residual = torch.empty_like(out) if residuals else None
+    t_out = mu = t_residual = None
     try:
         with on_device(q):
-            launch_warp_specialized(q, k, v, out, out_residual, lse, is_causal, scale)
+            if tangents is None:
+                launch_warp_specialized(q, k, v, out, out_residual, lse, is_causal, scale)
+            else:
+                t_out, mu = torch.empty_like(out), torch.empty_like(lse)
+                t_residual = torch.empty_like(out) if residuals else None
+                launch_warp_specialized_jvp(
+                    q, k, v, tangents, (out, t_out),
+                    (out_residual, t_residual) if residuals else None, lse, mu, is_causal,
+                    scale, carry)
     except triton.CompilationError as error:
         _failed = True
         warnings.warn(f"jvp_attention: the warp-specialised forward does not compile with "
                       f"Triton {triton.__version__} ({type(error).__name__}); the Triton "
                       f"forward runs instead", RuntimeWarning, stacklevel=2)
         return None
-    outputs = AttentionOutputs(out, lse, None, None)
-    return (outputs, (out_residual, None)) if residuals else outputs
+    outputs = AttentionOutputs(out, lse, t_out, mu)
+    return (outputs, (out_residual, t_residual)) if residuals else outputs

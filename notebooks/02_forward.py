@@ -1817,10 +1817,12 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
 
 # %% [markdown]
 # The launcher below runs this chapter's kernel for every call but one kind: on an sm_90 GPU
-# (H100, H200), a primal call without a mask, in fp16 or bf16, with $D = D_v \in \{64,
+# (H100, H200), a call without a mask, in fp16 or bf16, with $D = D_v \in \{64,
 # 128\}$ and at least 4096 keys, goes to chapter 11's forward instead, written in Gluon with
 # warp specialisation, which there is level with cuDNN (1.25x this kernel at (4, 16, 4096,
-# 128), bf16). It returns the same outputs, so nothing downstream can tell. (The module's
+# 128), bf16); with tangents, its forward with the JVP does (in "accurate" mode for bf16
+# only, on this chapter's carried fp16 copies). It returns the same outputs, so nothing
+# downstream can tell. (The module's
 # import of it is in the skipped cell at the top; this notebook imports it here.)
 
 # %%
@@ -1906,8 +1908,9 @@ def flash_attention_forward(
     if mask_tangent is not None and tangents is None:
         raise ValueError("mask_tangent is part of the tangent: pass tangents=(tq, tk, tv) too")
     scale = head_dim**-0.5 if scale is None else scale
-    if tangents is None and attn_mask is None and takes_warp_specialized(q, k, v):
-        ran = warp_specialized_forward(q, k, v, is_causal, scale, residuals)  # chapter 11
+    if attn_mask is None and takes_warp_specialized(q, k, v, tangents, exact, is_causal):
+        ran = warp_specialized_forward(q, k, v, is_causal, scale, residuals,  # chapter 11
+                                       tangents, jvp_operands if exact else None)
         if ran is not None:
             return ran
     out = torch.empty((batch, n_heads, n_q, value_dim), device=q.device, dtype=q.dtype)

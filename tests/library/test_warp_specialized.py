@@ -1,10 +1,11 @@
-"""Chapter 11's warp-specialised forward (Gluon, Hopper only).
+"""Chapter 11's warp-specialised forward and forward with its JVP (Gluon, Hopper only).
 
-On CPU: who takes it (`fits_warp_specialized`, `takes_warp_specialized`), that chapter 2's
-launcher hands it exactly the calls it should and falls back when it cannot compile, and that
-it compiles for sm_90 within its budget (ptxas ships with Triton; no GPU needed). On an sm_90
-GPU: out and lse against float64 with the floor-ratio criterion of every kernel test, the
-rounding residual, and the first-order backward from its saved outputs.
+On CPU: who takes them (`fits_warp_specialized`, `takes_warp_specialized`), that chapter 2's
+launcher hands them exactly the calls it should and falls back when they cannot compile, what
+the launchers hand the kernels, and that they compile for sm_90 within their budget (ptxas
+ships with Triton; no GPU needed). On an sm_90 GPU: out, lse (and tangent_out, mu) against
+float64 with the floor-ratio criterion of every kernel test, in both precisions, the rounding
+residuals, and the backwards (first and second order) from their saved outputs.
 """
 
 import json
@@ -64,6 +65,16 @@ def test_which_inputs_fit() -> None:
     assert not ws.fits_warp_specialized(q, expanded, expanded)  # stride 0
     empty = heads(heads=0)
     assert not ws.fits_warp_specialized(empty, empty, empty)
+    assert ws.fits_warp_specialized(q, q, q, (q, q, q))
+    assert ws.fits_warp_specialized(q, q, q, (heads(layout="bnhd"), q, q))
+    assert not ws.fits_warp_specialized(q, q, q, (q.half(), q, q))  # a tangent's dtype
+    assert not ws.fits_warp_specialized(q, q, q, (q, q, heads(n=N + 8)))  # a tangent's shape
+    assert not ws.fits_warp_specialized(q, q, q, (q, expanded, q))  # stride 0
+    d64 = heads(d=64)  # 2**36 of work: enough for the JVP, not when causal halves it
+    assert ws.fits_warp_specialized(d64, d64, d64, (d64, d64, d64))
+    assert not ws.fits_warp_specialized(d64, d64, d64, (d64, d64, d64), is_causal=True)
+    assert ws.fits_warp_specialized(d64, d64, d64, is_causal=True)  # the primal's rule
+    assert ws.fits_warp_specialized(q, q, q, (q, q, q), is_causal=True)
 
 
 def test_taken_only_on_hopper_gpus(monkeypatch) -> None:
@@ -77,31 +88,49 @@ def test_taken_only_on_hopper_gpus(monkeypatch) -> None:
         assert not ws.takes_warp_specialized(g, g, g)
 
 
-def test_forward_hands_over_unmasked_primal_calls(monkeypatch) -> None:
-    """Chapter 2's launcher asks for every call and hands over only those without tangents
-    or a mask; when the kernel cannot compile (None back) it runs its own."""
-    calls = []
+def test_forward_hands_over_unmasked_calls(monkeypatch) -> None:
+    """Chapter 2's launcher asks for every call and hands over those without a mask, with
+    or without tangents, with chapter 2's carry in "accurate" mode; when the kernel cannot
+    compile (None back) it runs its own."""
+    from jvp_attention.launch import precision
+
+    calls, asked = [], []
     sentinel = AttentionOutputs(torch.zeros(1), torch.zeros(1), None, None)
 
-    def recorded(q, k, v, is_causal, scale, residuals):
-        calls.append((is_causal, scale, residuals))
+    def recorded(q, k, v, is_causal, scale, residuals, tangents, carry):
+        calls.append((is_causal, scale, residuals, tangents is not None, carry))
         return sentinel
 
-    monkeypatch.setattr(forward_module, "takes_warp_specialized", lambda q, k, v: True)
+    def takes(q, k, v, tangents=None, exact=True, is_causal=False):
+        asked.append((tangents is not None, exact, is_causal))
+        return True
+
+    monkeypatch.setattr(forward_module, "takes_warp_specialized", takes)
     monkeypatch.setattr(forward_module, "warp_specialized_forward", recorded)
     q = torch.randn(1, 2, 8, 16, device=DEVICE, dtype=torch.float16)
+    tangents = (q, q, q)
     assert forward_module.flash_attention_forward(q, q, q, None, True, 0.5) is sentinel
     assert forward_module.flash_attention_forward(q, q, q, residuals=True) is sentinel
-    assert calls == [(True, 0.5, False), (False, 16**-0.5, True)]
-    tangents = (q, q, q)
-    with_tangent = forward_module.flash_attention_forward(q, q, q, tangents=tangents)
+    assert forward_module.flash_attention_forward(q, q, q, tangents=tangents,
+                                                  precision="accurate") is sentinel
+    with precision("fast"):
+        assert forward_module.flash_attention_forward(q, q, q, tangents=tangents) is sentinel
+    jvp_operands = forward_module.jvp_operands
+    assert calls == [(True, 0.5, False, False, jvp_operands),
+                     (False, 16**-0.5, True, False, jvp_operands),
+                     (False, 16**-0.5, False, True, jvp_operands),
+                     (False, 16**-0.5, False, True, None)]
+    assert asked == [(False, True, True), (False, True, False), (True, True, False),
+                     (True, False, False)]
     masked = forward_module.flash_attention_forward(q, q, q, torch.ones(8, 8, dtype=torch.bool,
                                                                         device=DEVICE))
-    assert len(calls) == 2 and with_tangent.tangent_out is not None and masked.out.shape == q.shape
+    assert len(calls) == 4 and masked.out.shape == q.shape
     monkeypatch.setattr(forward_module, "warp_specialized_forward", lambda *args: None)
-    fallback = forward_module.flash_attention_forward(q, q, q)
-    monkeypatch.setattr(forward_module, "takes_warp_specialized", lambda q, k, v: False)
-    assert torch.equal(fallback.out, forward_module.flash_attention_forward(q, q, q).out)
+    fallback = forward_module.flash_attention_forward(q, q, q, tangents=tangents)
+    monkeypatch.setattr(forward_module, "takes_warp_specialized", lambda *args: False)
+    again = forward_module.flash_attention_forward(q, q, q, tangents=tangents)
+    assert torch.equal(fallback.out, again.out)
+    assert torch.equal(fallback.tangent_out, again.tangent_out)
 
 
 def test_a_failed_compile_falls_back_with_a_warning(monkeypatch) -> None:
@@ -152,11 +181,17 @@ def test_compiles_for_hopper_within_its_budget(d: int) -> None:
     assert report["wgmma"] > 0
 
 
-def test_jvp_experiment_compiles_for_hopper_within_its_budget() -> None:
-    """benchmarks/warp_specialized_jvp.py, the tangent carried into the same schedule: its
-    d = 128 candidate (64-key tiles) for sm_90."""
-    assert_within_budget(compiled_for_hopper(
-        "warp_specialized_jvp", "compile_for_hopper('d128_n64_s2', causal=True)"))
+@pytest.mark.parametrize("d", [64, 128])
+def test_jvp_compiles_for_hopper_within_its_budget(d: int) -> None:
+    """The forward with its JVP as the library runs it in "accurate" bf16 (carried, causal,
+    with residuals), at each head dim's tiles, for sm_90."""
+    tile = f"d{d}_n{ws.JVP_KEY_BLOCKS[d]}_s{ws.JVP_RING_STAGES}"
+    report = compiled_for_hopper(
+        "warp_specialized_jvp",
+        f"compile_for_hopper({tile!r}, causal=True, carry=True, residual=True)")
+    assert_within_budget(report)
+    assert (report["d"], report["key_block"]) == (d, ws.JVP_KEY_BLOCKS[d])
+    assert report["wgmma"] > 0
 
 
 GPU_SPECS = [  # each with at least WARP_SPECIALIZED_MIN_WORK of work
@@ -240,3 +275,120 @@ def test_launch_plumbing(monkeypatch) -> None:
         assert list(desc.shape) == list(tensor.shape)
         assert list(desc.strides) == list(tensor.stride())
         assert list(desc.block_shape) == [1, 1, rows, 64]
+
+
+def test_jvp_launch_plumbing(monkeypatch) -> None:
+    """What the JVP launcher hands its kernel (on CPU, the kernel replaced by a recorder):
+    ten descriptors in order, the key tile of the head dim, and in "accurate" mode the
+    carried values and their factors."""
+    recorded = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                recorded.update(grid=grid, args=args, kwargs=kwargs)
+            return launch
+
+    monkeypatch.setattr(ws, "warp_specialized_jvp_kernel", Recorder())
+    q, tq = heads(n=300, d=128, heads=8), heads(n=300, d=128, heads=8, layout="bnhd")
+    k, v, tk, tv = (heads(n=4100, d=128, heads=2) for _ in range(4))
+    outputs = (torch.empty_like(q), torch.empty_like(q))
+    residuals = (torch.empty_like(q), torch.empty_like(q))
+    lse, mu = torch.empty(4, 8, 300), torch.empty(4, 8, 300)
+    v_hat, tv_hat, factors = v.half(), tv.half(), torch.ones(4)
+
+    def carry(*args):
+        assert args[:6] == (q, k, v, tq, tk, tv) and args[6] == 0.5
+        return v_hat, tv_hat, factors
+
+    ws.launch_warp_specialized_jvp(q, k, v, (tq, tk, tv), outputs, residuals, lse, mu, True,
+                                   0.5, carry)
+    assert recorded["grid"] == (3, 32)
+    descriptors, rest = recorded["args"][:10], recorded["args"][10:]
+    bases = (q, k, v_hat, tq, tk, tv_hat, *outputs, *residuals)
+    assert all(desc.base is base for desc, base in zip(descriptors, bases, strict=True))
+    blocks = [desc.block_shape[2] for desc in descriptors]
+    assert blocks == [ws.GROUP_ROWS] + [ws.JVP_KEY_BLOCKS[128]] * 2 + [ws.GROUP_ROWS] + [
+        ws.JVP_KEY_BLOCKS[128]] * 2 + [ws.GROUP_ROWS] * 4
+    assert list(descriptors[3].strides) == list(tq.stride())  # its own (B, N, H, D) strides
+    assert rest[:3] == (lse, mu, factors) and rest[3:7] == (8, 300, 4100, 4)
+    assert recorded["kwargs"] == dict(STAGES=ws.JVP_RING_STAGES, CAUSAL=True, CARRY=True,
+                                      STORE_RESIDUAL=True, num_warps=4, maxnreg=ws.LAUNCH_REGS)
+    ws.launch_warp_specialized_jvp(q, k, v, (tq, tk, tv), outputs, None, lse, mu, False, 0.5)
+    descriptors, rest = recorded["args"][:10], recorded["args"][10:]
+    assert descriptors[2].base is v and descriptors[8].base is outputs[0]  # no carry, stand-ins
+    assert rest[2] is lse and not recorded["kwargs"]["CARRY"]
+    assert not recorded["kwargs"]["STORE_RESIDUAL"]
+
+
+def test_a_failed_jvp_compile_falls_back_with_a_warning(monkeypatch) -> None:
+    import triton
+
+    def broken(*args, **kwargs):
+        raise triton.CompilationError(None, None, "an API this Triton no longer has")
+
+    monkeypatch.setattr(ws, "launch_warp_specialized_jvp", broken)
+    monkeypatch.setattr(ws, "_failed", False)
+    q = heads()
+    with pytest.warns(RuntimeWarning, match="does not compile"):
+        assert ws.warp_specialized_forward(q, q, q, False, 0.1, tangents=(q, q, q)) is None
+    assert not ws.takes_warp_specialized(q, q, q, (q, q, q))
+
+
+JVP_SPECS = [  # each with at least WARP_SPECIALIZED_JVP_MIN_WORK of work (halved when causal)
+    Spec(batch=8, hq=8, hkv=8, nq=4096, nk=4096, d=64),
+    Spec(batch=4, hq=16, hkv=16, nq=4160, nk=5000, d=64, scale=0.3),
+    Spec(batch=4, hq=16, hkv=4, nq=4250, nk=4250, d=128, causal=True, layout="bnhd"),
+    Spec(batch=4, hq=16, hkv=4, nq=2100, nk=8200, d=128, causal=True),  # Nq != Nk, top-left
+]
+JVP_PATHS = [(torch.bfloat16, "accurate"), (torch.bfloat16, "fast"), (torch.float16, "fast")]
+
+
+def hopper_jvp_problem(spec: Spec, dtype: torch.dtype, mode: str):
+    """A problem the forward with its JVP takes in `mode`; fp16 "accurate" must not be."""
+    if DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup products need an sm_90 GPU")
+    p = make_problem(spec, dtype, device="cuda")
+    assert ws.takes_warp_specialized(p.q, p.k, p.v, p.tangents, mode == "accurate", spec.causal)
+    assert not ws.takes_warp_specialized(p.q.half(), p.k.half(), p.v.half(),
+                                         tuple(t.half() for t in p.tangents), True, spec.causal)
+    return p
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "mode"), JVP_PATHS, ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("spec", JVP_SPECS, ids=lambda s: s.id)
+def test_forward_jvp_on_hopper(spec: Spec, dtype: torch.dtype, mode: str) -> None:
+    from helpers import precision
+
+    p = hopper_jvp_problem(spec, dtype, mode)
+    truth, floor = expected_forward(p, with_tangents=True)
+    with precision(mode):
+        ours = kernel_forward(p, with_tangents=True)
+        fwd, residuals = ws.warp_specialized_forward(
+            p.q, p.k, p.v, spec.causal, spec.scale or spec.d**-0.5, True, p.tangents,
+            forward_module.jvp_operands if mode == "accurate" else None)
+    assert_accurate(ours, truth, floor, dtype, p.label, f"warp-specialised forward+JVP, {mode}")
+    assert torch.equal(fwd.out, ours["out"]) and torch.equal(fwd.tangent_out, ours["tangent_out"])
+    info = torch.finfo(dtype)
+    for name, value, residual in (("out", fwd.out, residuals[0]),
+                                  ("tangent_out", fwd.tangent_out, residuals[1])):
+        half_ulp = 0.5 * info.eps * value.float().abs() * (1 + info.eps)
+        assert (residual.float().abs() <= half_ulp + info.tiny * info.eps).all(), name
+        rounded = (value.double() - truth[name]).square().mean().item()
+        kept = (value.double() + residual.double() - truth[name]).square().mean().item()
+        assert kept < rounded, f"{name}: with the residual {kept:.2e}, without {rounded:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", JVP_SPECS[1:3], ids=lambda s: s.id)
+def test_second_order_backward_from_its_outputs(spec: Spec) -> None:
+    """The second-order backward reads the saved out, tangent_out, lse, mu and residuals
+    ("accurate" bf16, carried; "fast" mode's second order is 2.2x the math path's error at
+    the first spec whichever forward ran, H200)."""
+    from helpers import expected_second_order, kernel_second_order
+
+    p = hopper_jvp_problem(spec, torch.bfloat16, "accurate")
+    truth, floor = expected_second_order(p)
+    assert_accurate(kernel_second_order(p), truth, floor, torch.bfloat16, p.label,
+                    "second-order backward from the warp-specialised forward+JVP")
