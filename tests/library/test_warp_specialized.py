@@ -133,20 +133,24 @@ def test_forward_hands_over_unmasked_calls(monkeypatch) -> None:
     assert torch.equal(fallback.tangent_out, again.tangent_out)
 
 
-def test_a_failed_compile_falls_back_with_a_warning(monkeypatch) -> None:
-    """A Triton whose Gluon has moved on: warned once, then chapter 2's kernel for good."""
+@pytest.mark.parametrize("tangent", [False, True], ids=["primal", "jvp"])
+def test_a_failed_compile_falls_back_with_a_warning(monkeypatch, tangent: bool) -> None:
+    """A Triton whose Gluon has moved on: warned once, then chapter 2's kernels for good."""
     import triton
 
     def broken(*args, **kwargs):
         raise triton.CompilationError(None, None, "an API this Triton no longer has")
 
-    monkeypatch.setattr(ws, "launch_warp_specialized", broken)
+    launcher = "launch_warp_specialized_jvp" if tangent else "launch_warp_specialized"
+    monkeypatch.setattr(ws, launcher, broken)
     monkeypatch.setattr(ws, "_failed", False)
     q = heads()
+    tangents = (q, q, q) if tangent else None
     with pytest.warns(RuntimeWarning, match="warp-specialised forward does not compile"):
-        assert ws.warp_specialized_forward(q, q, q, False, 0.1) is None
+        assert ws.warp_specialized_forward(q, q, q, False, 0.1, tangents=tangents) is None
     assert ws._failed
     assert not ws.takes_warp_specialized(q, q, q)
+    assert not ws.takes_warp_specialized(q, q, q, (q, q, q))
 
 
 def compiled_for_hopper(module: str, call: str) -> dict:
@@ -242,13 +246,9 @@ def test_backward_from_its_outputs(spec: Spec, dtype: torch.dtype) -> None:
                     "backward from the warp-specialised forward")
 
 
-def test_launch_plumbing(monkeypatch) -> None:
-    """What the launcher hands the kernel, read on CPU with the kernel replaced by a
-    recorder: the grid (128-row tiles by B·Hq), the GQA group, the scale in log2 units,
-    the options, and descriptors over each tensor's own shape and strides, in blocks of
-    (1, 1, rows, D)."""
-    import math
-
+def recorded_launches(monkeypatch, kernel: str) -> dict:
+    """Replace `kernel` of the module by a recorder; the dict it returns gets the grid, the
+    arguments and the keywords of its last launch."""
     recorded = {}
 
     class Recorder:
@@ -257,7 +257,18 @@ def test_launch_plumbing(monkeypatch) -> None:
                 recorded.update(grid=grid, args=args, kwargs=kwargs)
             return launch
 
-    monkeypatch.setattr(ws, "warp_specialized_forward_kernel", Recorder())
+    monkeypatch.setattr(ws, kernel, Recorder())
+    return recorded
+
+
+def test_launch_plumbing(monkeypatch) -> None:
+    """What the launcher hands the kernel, read on CPU with the kernel replaced by a
+    recorder: the grid (128-row tiles by B·Hq), the GQA group, the scale in log2 units,
+    the options, and descriptors over each tensor's own shape and strides, in blocks of
+    (1, 1, rows, D)."""
+    import math
+
+    recorded = recorded_launches(monkeypatch, "warp_specialized_forward_kernel")
     q = heads(n=300, d=64, layout="bnhd", heads=8)  # (4, 8, 300, 64) from (4, 300, 8, 64)
     k = v = heads(n=4100, d=64, heads=2)
     out, lse = torch.empty(4, 8, 300, 64, dtype=q.dtype), torch.empty(4, 8, 300)
@@ -281,15 +292,7 @@ def test_jvp_launch_plumbing(monkeypatch) -> None:
     """What the JVP launcher hands its kernel (on CPU, the kernel replaced by a recorder):
     ten descriptors in order, the key tile of the head dim, and in "accurate" mode the
     carried values and their factors."""
-    recorded = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                recorded.update(grid=grid, args=args, kwargs=kwargs)
-            return launch
-
-    monkeypatch.setattr(ws, "warp_specialized_jvp_kernel", Recorder())
+    recorded = recorded_launches(monkeypatch, "warp_specialized_jvp_kernel")
     q, tq = heads(n=300, d=128, heads=8), heads(n=300, d=128, heads=8, layout="bnhd")
     k, v, tk, tv = (heads(n=4100, d=128, heads=2) for _ in range(4))
     outputs = (torch.empty_like(q), torch.empty_like(q))
@@ -319,20 +322,6 @@ def test_jvp_launch_plumbing(monkeypatch) -> None:
     assert descriptors[2].base is v and descriptors[8].base is outputs[0]  # no carry, stand-ins
     assert rest[2] is lse and not recorded["kwargs"]["CARRY"]
     assert not recorded["kwargs"]["STORE_RESIDUAL"]
-
-
-def test_a_failed_jvp_compile_falls_back_with_a_warning(monkeypatch) -> None:
-    import triton
-
-    def broken(*args, **kwargs):
-        raise triton.CompilationError(None, None, "an API this Triton no longer has")
-
-    monkeypatch.setattr(ws, "launch_warp_specialized_jvp", broken)
-    monkeypatch.setattr(ws, "_failed", False)
-    q = heads()
-    with pytest.warns(RuntimeWarning, match="does not compile"):
-        assert ws.warp_specialized_forward(q, q, q, False, 0.1, tangents=(q, q, q)) is None
-    assert not ws.takes_warp_specialized(q, q, q, (q, q, q))
 
 
 JVP_SPECS = [  # each with at least WARP_SPECIALIZED_JVP_MIN_WORK of work (halved when causal)
