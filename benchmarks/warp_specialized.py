@@ -201,35 +201,44 @@ def checked_and_timed(row: dict, call, check, flops: float) -> dict:
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def schedule_arguments(description: str, shapes: list[str]) -> argparse.ArgumentParser:
+    """The options the warp-specialised benchmarks share: --resources, --shapes, --check-n
+    and --out."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--resources", action="store_true",
                         help="compile each variant for sm_90 and report (no GPU needed)")
-    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    parser.add_argument("--shapes", nargs="+", default=["4,16,4096,128", "1,16,16384,128",
-                                                        "4,16,4096,64", "32,12,1024,64"],
-                        help="B,H,N,d")
+    parser.add_argument("--shapes", nargs="+", default=shapes, help="B,H,N,d")
     parser.add_argument("--check-n", type=int, default=4096,
                         help="check against float64 up to this N (the reference is O(N^2))")
-    parser.add_argument("--causal", choices=("0", "1", "both"), default="both")
     parser.add_argument("--out", type=Path, help="JSON file to write")
+    return parser
+
+
+def run_record(schema: str, rows: list[dict], **extra) -> dict:
+    """A saved run: schema, date, command, GPU, versions, `extra` and the rows."""
+    return {"schema": schema, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": " ".join(["python", *sys.argv]),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "versions": {"torch": torch.__version__, "triton": triton.__version__},
+            **extra, "rows": rows}
+
+
+def main() -> None:
+    parser = schedule_arguments(__doc__.split("\n")[0], ["4,16,4096,128", "1,16,16384,128",
+                                                         "4,16,4096,64", "32,12,1024,64"])
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--causal", choices=("0", "1", "both"), default="both")
     args = parser.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     if args.resources:
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
         rows = resources(dtype, 128) + resources(dtype, 64)
     else:
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
         causal_modes = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
         rows = measure(shapes, dtype, args.check_n, causal_modes)
     if args.out:
-        record = {"schema": SCHEMA, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  "command": " ".join(["python", *sys.argv]),
-                  "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                  "versions": {"torch": torch.__version__, "triton": triton.__version__},
-                  "dtype": args.dtype, "rows": rows}
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
-
+        args.out.write_text(json.dumps(run_record(SCHEMA, rows, dtype=args.dtype), indent=1)
+                            + "\n")
 
 if __name__ == "__main__":
     main()

@@ -17,23 +17,25 @@ math's `torch.func.jvp` in the same dtype) up to --check-n.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
-import triton
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from warp_specialized import checked_and_timed, compiled_report  # noqa: E402
+from warp_specialized import (  # noqa: E402
+    checked_and_timed,
+    compiled_report,
+    run_record,
+    schedule_arguments,
+)
 
 from jvp_attention import warp_specialized as ws  # noqa: E402
 
@@ -161,16 +163,10 @@ def measure(shapes, dtype, check_n: int, causal_modes) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--resources", action="store_true",
-                        help="compile each tile for sm_90 and report (no GPU needed)")
-    parser.add_argument("--shapes", nargs="+", default=["4,16,4096,128", "1,16,16384,128",
-                                                        "4,16,4096,64"], help="B,H,N,d")
+    parser = schedule_arguments(__doc__.split("\n")[0], ["4,16,4096,128", "1,16,16384,128",
+                                                         "4,16,4096,64"])
     parser.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16"), default=["bf16"])
     parser.add_argument("--causal", choices=("0", "1", "both"), default="both")
-    parser.add_argument("--check-n", type=int, default=4096,
-                        help="check against float64 up to this N (the reference is O(N^2))")
-    parser.add_argument("--out", type=Path, help="JSON file to write")
     args = parser.parse_args()
     if args.resources:
         rows = resources()
@@ -182,11 +178,7 @@ def main() -> None:
             causal_modes)]
     if args.out:  # the GPU run and the compile report share the file: keep the other's part
         record = json.loads(args.out.read_text()) if args.out.exists() else {}
-        run = {"schema": SCHEMA, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "command": " ".join(["python", *sys.argv]),
-               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-               "versions": {"torch": torch.__version__, "triton": triton.__version__},
-               "rows": rows}
+        run = run_record(SCHEMA, rows)
         if args.resources:
             record["resources_sm90"] = {"command": run["command"] + " (CPU machine)",
                                         "versions": run["versions"], "rows": rows}
