@@ -164,11 +164,12 @@ def _bwd_compute_partition(k_blocks, v_blocks, k_tiles, v_tiles, q_ring, do_ring
         queries = start_m + gl.arange(0, BLOCK_M, query_layout)
         # Queries past the end get LSE = +inf, so probability 0 (their Q and dO are zeros).
         lse = gl.load(lse_ptr + row_base + queries, mask=queries < n_q, other=float("inf"))
-        delta = gl.load(delta_ptr + row_base + queries, mask=queries < n_q, other=0.0)
         st = _causal_transposed(st, first_key, start_m, CAUSAL)
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse * 1.4426950408889634, 0))
-        dst = pt * (dpt - gl.expand_dims(delta, 0))
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        # Loaded only now, so that its registers and the LSE's are not live together.
+        delta = gl.load(delta_ptr + row_base + queries, mask=queries < n_q, other=0.0)
+        dst = pt * (dpt - gl.expand_dims(delta, 0))
         dst_op = gl.convert_layout(dst.to(dtype), op_layout)
         turn = _take_turn(turns, turn, GROUP, True)
         dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
