@@ -530,7 +530,7 @@ def warp_specialized_forward_kernel(
 # $32 + 32 + 64 + 64 + 16 + 16 = 224$, which fits (compiled: no spills; 128-key tiles spill
 # 3 KB and run at 40% of the speed). At $d = 64$, 128-key tiles fit. Shared memory: the
 # query tiles and their tangents take 64 KB at $d = 128$ and a ring slot holds four
-# tiles (32 KB with 64 keys), so two slots, 197 KB in all.
+# tiles (64 KB with 64 keys), so two slots, 192 KB in all with the barriers.
 #
 # **Precision.** "fast" rounds $\tilde P$ and the centred probabilities to the inputs'
 # type, as chapter 3's fast path does. "accurate", for bf16, takes chapter 2's carry: the
