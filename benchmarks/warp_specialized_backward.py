@@ -17,17 +17,20 @@ the scores transposed so that its keys are the rows,
     Pᵀ = exp2(Sᵀ log2(e) s - LSE log2(e)),  dSᵀ = Pᵀ ∘ (dPᵀ - Δ)
     dV += Pᵀ dO,  dK += dSᵀ Q          (the next turn: register operands)
 
-and at the end stores dK·s and dV through the copy engine. dQ is left to the library's dQ
-kernel (chapter 5), which the library launches as its own kernel already. Fast precision
-(each 16-bit operand rounded once), no GQA, no mask beyond is_causal: enough to say what
-the schedule is worth. Register budget at d = 128 with 64-query tiles: dK and dV (64 each),
-Sᵀ and dPᵀ (32 each), two 16-bit operands (16 each): 224 of the 240.
+and at the end stores dK·s and dV through the copy engine. A second kernel computes dQ the
+same way from the query side, as the library's backward does (chapter 5: its dQ kernel is
+a launch of its own): a program owns 128 queries, the loader streams K and V, and per key
+tile a group computes S = Q Kᵀ and dP = dO Vᵀ in one turn, then dQ += dS K in the next.
+Fast precision (each 16-bit operand rounded once), no GQA, no mask beyond is_causal: enough
+to say what the schedule is worth. Register budget at d = 128 with 64-query tiles: dK and
+dV (64 each), Sᵀ and dPᵀ (32 each), two 16-bit operands (16 each): 224 of the 240.
 
-The GPU mode checks dK and dV against float64 (each error over PyTorch math's in bf16,
-through autograd), then times the kernel beside the library's backward in "fast"
-precision (the whole call, and its dK/dV kernel alone from the profiler) and SDPA's
-cuDNN backward, credited the dK/dV share of the backward's FLOPs (four of its five
-products: 8·B·H·N²·d, half when causal).
+The GPU mode checks dQ, dK and dV against float64 (each error over PyTorch math's in bf16,
+through autograd), then times each kernel beside the library's backward in "fast"
+precision (the whole call, and its dK/dV and dQ kernels alone from the profiler) and
+SDPA's cuDNN backward. FLOPs: the backward's five products, 10·B·H·N²·d (half when
+causal), of which the dK/dV kernel does four and the dQ kernel, recomputing S and dP,
+three (6·B·H·N²·d).
 """
 
 from __future__ import annotations
@@ -62,13 +65,16 @@ from warp_specialized import (  # noqa: E402
 
 from jvp_attention.warp_specialized import (  # noqa: E402
     COMPUTE_REGS,
+    GROUP_ROWS,
     LAUNCH_REGS,
     LOADER_REGS,
     _as_matrices,
     _blocks,
     _descriptor,
     _load_with_tangent,
+    _masked,
     _pass_turn,
+    _program_tile,
     _ring_barriers,
     _store_rows,
     _take_turn,
@@ -82,6 +88,11 @@ TILES = {  # name: (d, query rows per tile, ring slots)
     "d128_m64_s2": (128, 64, 2),
     "d64_m64_s2": (64, 64, 2),
     "d64_m128_s2": (64, 128, 2),
+}
+DQ_TILES = {  # name: (d, keys per tile, ring slots)
+    "dq_d128_n64_s3": (128, 64, 3),
+    "dq_d128_n128_s2": (128, 128, 2),
+    "dq_d64_n128_s2": (64, 128, 2),
 }
 
 
@@ -221,6 +232,125 @@ def ws_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, lse_ptr, d
     ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
 
 
+@gluon.jit
+def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_tiles, do_tiles, k_ring, v_ring,
+                       q_ready, k_ready, v_ready, slot_free, batch, head, q_start, n_blocks,
+                       STAGES: gl.constexpr):
+    """One warp: both groups' Q and dO tiles once, then each key tile's K and V into the
+    ring."""
+    GROUPS: gl.constexpr = q_tiles.shape[0]
+    GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    mbarrier.expect(q_ready, 2 * GROUPS * q_desc.block_type.nbytes)
+    for g in gl.static_range(GROUPS):
+        tma_load(q_desc, [batch, head, q_start + g * GROUP_M, 0], q_ready, q_tiles.index(g))
+        tma_load(do_desc, [batch, head, q_start + g * GROUP_M, 0], q_ready, do_tiles.index(g))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
+        _load_with_tangent(k_desc, k_desc, batch, head, j * BLOCK_N, k_ready.index(slot),
+                           k_ring.index(slot), k_ring.index(slot), False)
+        _load_with_tangent(v_desc, v_desc, batch, head, j * BLOCK_N, v_ready.index(slot),
+                           v_ring.index(slot), v_ring.index(slot), False)
+
+
+@gluon.jit
+def _dq_compute_partition(q_blocks, q_tiles, do_tiles, k_ring, v_ring, q_ready, k_ready,
+                          v_ready, slot_free, turns, dq_desc, lse_ptr, delta_ptr, batch, head,
+                          row_base, q_start, n_q, n_k, n_blocks, qk_scale, scale,
+                          GROUP: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                          num_warps: gl.constexpr):
+    """One group of 64 queries: per key tile a turn for S and dP, then dS, a turn for
+    dQ += dS K; then dQ·s."""
+    GROUP_M: gl.constexpr = dq_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = dq_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_ring.shape[1]
+    dtype: gl.constexpr = q_tiles.dtype
+    s_layout: gl.constexpr = mma_layout(BLOCK_N, num_warps)
+    acc_layout: gl.constexpr = mma_layout(HEAD_DIM, num_warps)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_smem = q_tiles.index(GROUP)
+    do_smem = do_tiles.index(GROUP)
+    first_row = q_start + GROUP * GROUP_M
+    rows = first_row + gl.arange(0, GROUP_M, row_layout)
+    # Rows past the end have zero Q and dO, so dS = P (dP - 0) = 0 whatever their LSE.
+    lse = gl.load(lse_ptr + row_base + rows, mask=rows < n_q, other=0.0) * 1.4426950408889634
+    delta = gl.load(delta_ptr + row_base + rows, mask=rows < n_q, other=0.0)
+
+    dq = gl.zeros([GROUP_M, HEAD_DIM], gl.float32, acc_layout)
+    s_zero = gl.zeros([GROUP_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_ready, 0)
+    turn = 0
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.wait(v_ready.index(slot), phase)
+        turn = _take_turn(turns, turn, GROUP, True)
+        s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        dp = warpgroup_mma(do_smem, v_ring.index(slot).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        _pass_turn(turns, GROUP, True)
+        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+        s = _masked(s, j * BLOCK_N, first_row, n_k, CAUSAL)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+        ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
+        turn = _take_turn(turns, turn, GROUP, True)
+        dq = warpgroup_mma(ds_op, k_ring.index(slot), dq, is_async=True)
+        _pass_turn(turns, GROUP, True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+        mbarrier.arrive(slot_free.index(slot), count=1)
+
+    _store_rows(dq_desc, q_smem, q_blocks.index(GROUP), (dq * scale).to(dtype), batch, head,
+                first_row)
+
+
+@gluon.jit
+def ws_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, n_heads, n_q,
+                 n_k, qk_scale, scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """Grid (cdiv(Nq, 128), B·H): 128 queries of one head per program, 64 per group; causal
+    programs in reverse order, as chapter 11's forward."""
+    GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    q_start, batch, head, n_blocks = _program_tile(n_heads, n_k, 2 * GROUP_M, BLOCK_N, CAUSAL)
+    q_tiles, do_tiles = _blocks(q_desc, 2), _blocks(do_desc, 2)
+    k_ring, v_ring = _blocks(k_desc, STAGES), _blocks(v_desc, STAGES)
+    q_ready, k_ready, v_ready, slot_free, turns = _ring_barriers(STAGES, 2)
+    q_2d, do_2d = _as_matrices(q_tiles, q_desc), _as_matrices(do_tiles, do_desc)
+    k_2d, v_2d = _as_matrices(k_ring, k_desc), _as_matrices(v_ring, v_desc)
+    row_base = gl.program_id(1).to(gl.int64) * n_q
+    gl.warp_specialize([
+        (_dq_compute_partition, (q_tiles, q_2d, do_2d, k_2d, v_2d, q_ready, k_ready, v_ready,
+                                 slot_free, turns, dq_desc, lse_ptr, delta_ptr, batch, head,
+                                 row_base, q_start, n_q, n_k, n_blocks, qk_scale, scale, 0,
+                                 STAGES, CAUSAL, num_warps)),
+        (_dq_compute_partition, (q_tiles, q_2d, do_2d, k_2d, v_2d, q_ready, k_ready, v_ready,
+                                 slot_free, turns, dq_desc, lse_ptr, delta_ptr, batch, head,
+                                 row_base, q_start, n_q, n_k, n_blocks, qk_scale, scale, 1,
+                                 STAGES, CAUSAL, num_warps)),
+        (_dq_load_partition, (q_desc, do_desc, k_desc, v_desc, q_tiles, do_tiles, k_ring,
+                              v_ring, q_ready, k_ready, v_ready, slot_free, batch, head,
+                              q_start, n_blocks, STAGES)),
+    ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
+
+
+def launch_dq(q, k, v, grad_out, lse, delta, dq, is_causal: bool, scale: float,
+              key_block: int, stages: int) -> None:
+    """dQ of (B, H, N, D) inputs (H the same for q and k), as `launch` takes them."""
+    batch, n_heads, n_q, _ = q.shape
+    descriptors = [_descriptor(t, rows) for t, rows in (
+        (q, GROUP_ROWS), (k, key_block), (v, key_block), (grad_out, GROUP_ROWS),
+        (dq, GROUP_ROWS))]
+    grid = (triton.cdiv(n_q, 2 * GROUP_ROWS), batch * n_heads)
+    ws_dq_kernel[grid](*descriptors, lse, delta, n_heads, n_q, k.shape[2],
+                       scale * math.log2(math.e), scale, STAGES=stages, CAUSAL=is_causal,
+                       num_warps=4, maxnreg=LAUNCH_REGS)
+
+
 def launch(q, k, v, grad_out, lse, delta, dk, dv, is_causal: bool, scale: float,
            query_rows: int, stages: int) -> None:
     """dK and dV of (B, H, N, D) inputs (H the same for q and k), from the forward's lse
@@ -236,18 +366,27 @@ def launch(q, k, v, grad_out, lse, delta, dk, dv, is_causal: bool, scale: float,
 
 
 def compile_for_hopper(name: str, causal: bool = False) -> dict:
-    """Tile `name` compiled for sm_90 (`compiled_report`)."""
-    d, query_rows, stages = TILES[name]
-    x = torch.empty(1, 1, 1024, d, dtype=torch.bfloat16)
-    rows = {"k_desc": KEY_ROWS, "v_desc": KEY_ROWS, "q_desc": query_rows,
-            "do_desc": query_rows, "dk_desc": KEY_ROWS, "dv_desc": KEY_ROWS}
+    """Tile `name` (of TILES: the dK/dV kernel; of DQ_TILES: the dQ kernel) compiled for
+    sm_90 (`compiled_report`)."""
+    x = torch.empty(1, 1, 1024, 128 if "d128" in name else 64, dtype=torch.bfloat16)
+    if name in DQ_TILES:
+        d, key_block, stages = DQ_TILES[name]
+        kernel, rows = ws_dq_kernel, {"q_desc": GROUP_ROWS, "k_desc": key_block,
+                                      "v_desc": key_block, "do_desc": GROUP_ROWS,
+                                      "dq_desc": GROUP_ROWS}
+        shape = {"d": d, "key_block": key_block, "stages": stages}
+    else:
+        d, query_rows, stages = TILES[name]
+        kernel, rows = ws_dkdv_kernel, {"k_desc": KEY_ROWS, "v_desc": KEY_ROWS,
+                                        "q_desc": query_rows, "do_desc": query_rows,
+                                        "dk_desc": KEY_ROWS, "dv_desc": KEY_ROWS}
+        shape = {"d": d, "query_rows": query_rows, "stages": stages}
     descriptors = {name: _descriptor(x, r) for name, r in rows.items()}
     scalars = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "n_heads": "i32", "n_q": "i32",
                "n_k": "i32", "qk_scale": "fp32", "scale": "fp32"}
-    report = compiled_report(ws_dkdv_kernel, descriptors, scalars,
-                             {"STAGES": stages, "CAUSAL": causal}, 4)
-    return {"tile": name, "d": d, "query_rows": query_rows, "stages": stages,
-            "causal": causal, **report}
+    report = compiled_report(kernel, descriptors, scalars, {"STAGES": stages, "CAUSAL": causal},
+                             4)
+    return {"tile": name, **shape, "causal": causal, **report}
 
 
 def problem(B, H, N, d, causal, device="cuda", dtype=torch.bfloat16, seed=0):
@@ -273,31 +412,39 @@ def run_tile(q, k, v, grad_out, lse, delta, causal: bool, query_rows: int, stage
     return dk, dv
 
 
-def errors(result, q, k, v, grad_out, causal: bool) -> dict:
-    """Max errors of dK and dV against float64, each over PyTorch math's in the inputs'
-    dtype (autograd through the math path)."""
+def run_dq(q, k, v, grad_out, lse, delta, causal: bool, key_block: int, stages: int):
+    """This experiment's dQ with one tile choice, as a one-tuple."""
+    dq = torch.empty_like(q)
+    launch_dq(q, k, v, grad_out, lse, delta, dq, causal, q.shape[-1] ** -0.5, key_block,
+              stages)
+    return (dq,)
+
+
+def errors(result, q, k, v, grad_out, causal: bool, names=("dk", "dv")) -> dict:
+    """Max errors of `result` (the gradients `names`, of dq, dk, dv) against float64, each
+    over PyTorch math's in the inputs' dtype (autograd through the math path)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def grads(a, b, c, cotangent):
         a, b, c = (x.detach().requires_grad_() for x in (a, b, c))
         with sdpa_kernel(SDPBackend.MATH):
             out = torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal)
-        return torch.autograd.grad(out, (b, c), cotangent)
+        return dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (a, b, c), cotangent),
+                        strict=True))
 
-    dk, dv = result
     exact = grads(q.double(), k.double(), v.double(), grad_out.double())
     floor = grads(q, k, v, grad_out)
     row = {}
-    for name, mine, low, truth in (("dk", dk, floor[0], exact[0]), ("dv", dv, floor[1],
-                                                                   exact[1])):
+    for name, mine in zip(names, result, strict=True):
+        truth, low = exact[name], floor[name]
         error = (mine.double() - truth).abs().max().item()
         row[f"{name}_err_ratio"] = error / (low.double() - truth).abs().max().item()
     return row
 
 
-def library_dkdv_ms(q, k, v, out, lse, grad_out, causal: bool) -> dict:
+def library_backward_ms(q, k, v, out, lse, grad_out, causal: bool) -> dict:
     """The library's backward in "fast" precision: the whole call's time, and its dK/dV
-    kernel's own from the profiler."""
+    and dQ kernels' own from the profiler."""
     import jvp_attention
     from jvp_attention.backward import flash_attention_backward
 
@@ -316,7 +463,8 @@ def library_dkdv_ms(q, k, v, out, lse, grad_out, causal: bool) -> dict:
         if event.device_type.name == "CUDA":
             kernels[event.name] = kernels.get(event.name, 0.0) + event.device_time / 5e3
     dkdv = sum(ms for name, ms in kernels.items() if "dkdv" in name)
-    return {"backward_ms": whole, "dkdv_kernel_ms": dkdv,
+    dq = sum(ms for name, ms in kernels.items() if "_dq_" in name)
+    return {"backward_ms": whole, "dkdv_kernel_ms": dkdv, "dq_kernel_ms": dq,
             "kernels_ms": {name[:60]: round(ms, 4) for name, ms in kernels.items()}}
 
 
@@ -338,9 +486,20 @@ def measure(shapes, check_n: int) -> list[dict]:
                                       query_rows, stages),
                     functools.partial(errors, q=q, k=k, v=v, grad_out=grad_out,
                                       causal=causal) if N <= check_n else None, flops))
+        dq_flops = flops * 3 / 4  # S, dP and dS K: three products
+        for name, (dd, key_block, stages) in DQ_TILES.items():
+            if dd == d:
+                rows.append(checked_and_timed(
+                    base | {"impl": f"ws_{name}"},
+                    functools.partial(run_dq, q, k, v, grad_out, lse, delta, causal,
+                                      key_block, stages),
+                    functools.partial(errors, q=q, k=k, v=v, grad_out=grad_out,
+                                      causal=causal, names=("dq",)) if N <= check_n else None,
+                    dq_flops))
         try:
-            library = library_dkdv_ms(q, k, v, out, lse, grad_out, causal)
+            library = library_backward_ms(q, k, v, out, lse, grad_out, causal)
             library["dkdv_tflops"] = flops / library["dkdv_kernel_ms"] / 1e9
+            library["dq_tflops"] = dq_flops / library["dq_kernel_ms"] / 1e9
         except Exception as error:  # noqa: BLE001 - record why, keep the other rows
             library = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
         rows.append(base | {"impl": "ours_fast_backward"} | library)
@@ -362,7 +521,8 @@ def main() -> None:
     args = schedule_arguments(__doc__.split("\n")[0], ["4,16,4096,128", "1,16,16384,128",
                                                        "4,32,4096,64"]).parse_args()
     if args.resources:
-        rows = [compile_for_hopper(name, causal) for name in TILES for causal in (False, True)]
+        rows = [compile_for_hopper(name, causal) for name in [*TILES, *DQ_TILES]
+                for causal in (False, True)]
         for row in rows:
             print(json.dumps(row), flush=True)
     else:
