@@ -545,6 +545,13 @@ def _attention_backward_dq_kernel(
         store_rows(dtq_ptr, acc_dtq * scale, flat_rows, rows, dims, n_q, head_dim)
 
 
+from jvp_attention.hopper_backward import (  # noqa: E402  (chapter 12)
+    launch_warp_specialized_dkdv,
+    launch_warp_specialized_dq,
+    launched,
+    warp_specialized_backward_kernels,
+)
+
 # Tiles that compile for Hopper without register spills at d = 128 (tools/kernel_resources.py):
 # the dK/dV kernel holds two fp32 accumulators the size of a key block, four with the tangent.
 _backward_dkdv = autotuned(_attention_backward_dkdv_kernel, [
@@ -677,6 +684,9 @@ def flash_attention_backward(
     # Carried dS is in shifted units, so the mask's gradient takes the split (as accurate).
     carry = (exact and not has_tangent and not mask_grad and carries(q, n_k)
              and min(q.numel(), k.numel(), grad_out.numel()) > 0)
+    # Chapter 12's warp-specialised kernels take unmasked first-order calls on Hopper.
+    ws_dq, ws_dkdv = ((False, False) if attn_mask is not None or has_tangent or mask_grad
+                      else warp_specialized_backward_kernels(q, k, v, grad_out, exact))
     grad_operand, factors = grad_out, lse  # `factors` is not read without CARRY
     if carry:  # the copy kernel writes delta too
         with on_device(q):
@@ -708,7 +718,8 @@ def flash_attention_backward(
     # the dQ kernel computes it, launched first, when O's rows are 16-element aligned (else
     # its loads would not vectorise, and at d = 72 the dQ kernel needs up to twice the
     # registers); otherwise, and with the tangent, the row-statistics kernel does.
-    delta_in_dq = not (carry or has_tangent) and value_dim % 16 == 0
+    delta_in_dq = not (carry or has_tangent or ws_dq) and value_dim % 16 == 0
+    ws_args = (q, k, v, grad_operand, lse, delta, factors if carry else None)
     with on_device(q):
         prepare_descriptors(use_tma)
         if not (carry or delta_in_dq):
@@ -718,15 +729,18 @@ def flash_attention_backward(
                 HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
                 BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"], ALIGN=switches["ALIGN"])
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
-        launchable(dq_kernel, q)[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
-            q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, out, residual, lse, delta, mu, c,
-            factors, dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes, **switches,
-            **dq_meta, MASK_GRAD=mask_grad, DELTA_HERE=delta_in_dq,
-            HAS_RESIDUAL=out_residual is not None)
+        if not (ws_dq and launched(launch_warp_specialized_dq, *ws_args, dq, is_causal, scale)):
+            launchable(dq_kernel, q)[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
+                q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, out, residual, lse, delta, mu,
+                c, factors, dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes,
+                **switches, **dq_meta, MASK_GRAD=mask_grad, DELTA_HERE=delta_in_dq,
+                HAS_RESIDUAL=out_residual is not None)
         dkdv = _backward_dkdv_tangent if has_tangent else _backward_dkdv
-        launchable(dkdv, q)[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
-            q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
-            dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches, **meta)
+        if not (ws_dkdv and launched(launch_warp_specialized_dkdv, *ws_args, dk, dv, is_causal,
+                                     scale)):
+            launchable(dkdv, q)[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
+                q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
+                dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches, **meta)
     grads = (dq, dk, dv, dtq, dtk, dtv) if has_tangent else (dq, dk, dv)
     if mask_grad:
         return (*grads, dmask, dmask_tangent) if has_tangent else (*grads, dmask)

@@ -198,19 +198,6 @@ def test_jvp_compiles_for_hopper_within_its_budget(d: int) -> None:
     assert report["wgmma"] > 0
 
 
-def test_backward_experiment_compiles_for_hopper() -> None:
-    """benchmarks/warp_specialized_backward.py, the backward in the same schedule (not in
-    the library yet): the dQ kernel and the dK/dV kernel at d = 64 within the budget; the
-    dK/dV kernel at d = 128 compiles (it spills a few bytes, which its first GPU run is to
-    weigh)."""
-    for tile in ("dq_d128_n128_s2", "d64_m64_s2"):
-        assert_within_budget(compiled_for_hopper(
-            "warp_specialized_backward", f"compile_for_hopper({tile!r}, causal=True)"))
-    large = compiled_for_hopper("warp_specialized_backward",
-                                "compile_for_hopper('d128_m64_s2', causal=True)")
-    assert large["wgmma"] > 0 and large["shared"] <= 232448
-
-
 GPU_SPECS = [  # each with at least WARP_SPECIALIZED_MIN_WORK of work
     Spec(batch=4, hq=8, hkv=8, nq=4096, nk=4096, d=64),
     Spec(batch=2, hq=16, hkv=16, nq=4160, nk=5000, d=64, scale=0.3),

@@ -1,0 +1,725 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 12: the backward in the warp-specialised schedule
+#
+# Chapter 11 moved the forwards into FlashAttention-3's schedule: a loader warp feeding the
+# copy engine, two compute warpgroups taking turns at the tensor cores. This chapter does
+# the same for the first-order backward of chapter 5, the pass every training step runs
+# after the forward, and the one where chapter 5's kernels trail SDPA's cuDNN backend most
+# (0.66x to 0.77x on the H200 at $d = 128$, chapter 8).
+#
+# Chapter 5 split the backward in two kernels so that no gradient needs atomic adds, and so
+# does this one:
+#
+# * **dK/dV.** A program owns 128 keys of one key/value head, 64 for each compute group.
+#   The loader copies the program's $K$ and $V$ tiles once, then streams each query tile's
+#   $Q$ and $dO$ through a ring, over every query head of the GQA group. With the keys as
+#   the rows of every tile (the scores transposed), a group takes two turns per query tile:
+#
+#   $$S^\top = K Q^\top,\quad dP^\top = V\,dO^\top \qquad\text{(one turn: two products)}$$
+#
+#   $$P^\top = 2^{\,S^\top s \log_2 e \,-\, \mathrm{LSE}\log_2 e},\qquad
+#   dS^\top = P^\top \circ (dP^\top - \Delta)$$
+#
+#   $$dV \mathrel{+}= P^\top dO,\quad dK \mathrel{+}= dS^\top Q \qquad\text{(the next turn)}$$
+#
+#   and at the end stores $s\,dK$ and $dV$. While one group computes its exponentials, the
+#   other's products run.
+# * **dQ.** A program owns 128 queries of one head, 64 per group; the loader streams $K$ and
+#   $V$. Per key tile a group computes $S = QK^\top$ and $dP = dO\,V^\top$ in one turn, then
+#   $dS$, and $dQ \mathrel{+}= dS\,K$ in the next; at the end it stores $s\,dQ$.
+#
+# $\Delta = \mathrm{rowsum}(dO \circ O)$ comes first, from chapter 5's kernels: the copy
+# kernel that makes the exact fp16 operands of "accurate" bf16 writes it, and in "fast"
+# precision the row-statistics kernel does.
+#
+# ## The budget
+#
+# A compute thread of the dK/dV kernel at $d = 128$ holds $dK$ and $dV$ (64 registers
+# each: a quarter-warp's share of a 64 × 128 fp32 tile), $S^\top$ and $dP^\top$ for a
+# 64-query tile (32 each), and the two 16-bit register operands $P^\top$ and $dS^\top$
+# (16 each): 224 of the 240 that `setmaxnreg` gives it. That rules out 128-query tiles at
+# $d = 128$, and it is tight enough that ptxas spills a few bytes (below). Shared memory:
+# the program's $K$ and $V$ (64 KB at $d = 128$) and two ring slots of $Q$ and $dO$ (32 KB
+# each), 128 KB. The dQ kernel holds one accumulator ($dQ$, 64) with $S$ and $dP$ for
+# 128-key tiles (64 each), so its ring takes 128-key tiles.
+#
+# ## Precision
+#
+# Both precisions of chapter 5 run here. "fast" rounds each 16-bit operand once, as
+# chapter 5's fast kernels do. "accurate" bf16 runs on chapter 5's carried operands
+# (`backward_operands`): exact fp16 copies of $Q$, $K$, $V$, $dO$, each shifted by a power
+# of two, and the factors that undo the shifts, read on the device: the scores' scale
+# (entry 0), $\Delta$'s (1), those of $dQ$, $dK$, $dV$ (2, 3, 4) and the exponent of
+# $P$'s shift (5: $P$ comes out times $2^8$, so that its small values stay normal fp16).
+# The products see fp16 operands as wide as bf16's, so the schedule is the same; only the
+# outputs' type differs from the operands', and they are staged for the copy engine in
+# the same shared memory, viewed as the outputs' type. "accurate" fp16, which splits its
+# products into a high and a low part, would need twice the operand registers: it stays on
+# chapter 5's kernels, as chapter 11's forward leaves it to chapter 2's.
+
+# %%
+import json
+from pathlib import Path
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+RESULTS = Path("../benchmarks/results/warp_specialized_backward_h200.json")
+RESOURCES = Path("../benchmarks/results/warp_specialized_backward_resources_sm90.json")
+print(f"device: {DEVICE}, sm_90: {HOPPER}")
+
+# %% [markdown]
+# ## Building it
+#
+# The module borrows chapter 11's pieces: the accumulator layouts, the loader's paired
+# loads, the turn barriers, the ring, the staged stores, the copy engine's names.
+
+# %% tags=["export"]
+"""Chapter 12: the first-order backward with warp specialisation, written in Gluon.
+
+Two kernels, as chapter 5's: dK/dV (a program owns 128 keys, two warpgroups of 64 in
+ping-pong over the query tiles a loader warp streams) and dQ (128 queries, two groups over
+streamed key/value tiles). Chapter 5's launcher takes them on an sm_90 GPU for long
+unmasked rows (`warp_specialized_backward_kernels`); `notebooks/12_hopper_backward.py`
+derives them and times them.
+"""
+
+import math
+import os
+import warnings
+
+import torch
+import triton
+
+from jvp_attention.launch import carries, interpreting
+from jvp_attention.warp_specialized import (
+    COMPUTE_REGS,
+    GLUON,
+    GROUP_ROWS,
+    LAUNCH_REGS,
+    LOADER_REGS,
+    WARP_SPECIALIZED_MIN_KEYS,
+    WARP_SPECIALIZED_MIN_WORK,
+    _as_matrices,
+    _blocks,
+    _describable,
+    _descriptor,
+    _hopper,
+    _load_with_tangent,
+    _masked,
+    _pass_turn,
+    _program_tile,
+    _ring_barriers,
+    _store_rows,
+    _take_turn,
+    gl,
+    gluon,
+    mbarrier,
+    mma_layout,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+
+# %% [markdown]
+# The loader of the dK/dV kernel. Its query tiles run over the GQA group: visit $j$ is the
+# query head `j // n_blocks` of the group and the tile `j % n_blocks` of that head, so one
+# ring and one count of phases serve every head, and the program alone writes its keys'
+# gradients, summed over the group in registers (chapter 5's rule).
+
+# %% tags=["export"]
+@gluon.jit
+def _query_visit(j, kv_head, group_size, first_block, n_blocks, BLOCK_M: gl.constexpr):
+    """Visit `j` of a dK/dV program: the query head and the first row of its tile."""
+    return kv_head * group_size + j // n_blocks, (first_block + j % n_blocks) * BLOCK_M
+
+
+@gluon.jit
+def _dkdv_load_partition(k_desc, v_desc, q_desc, do_desc, k_tiles, v_tiles, q_ring, do_ring,
+                         kv_ready, q_ready, do_ready, slot_free, batch, kv_head, k_start,
+                         group_size, first_block, n_blocks, STAGES: gl.constexpr):
+    """One warp: both groups' K and V tiles once, then each visit's Q and dO into the ring,
+    as soon as both groups have freed the slot."""
+    GROUPS: gl.constexpr = k_tiles.shape[0]
+    GROUP_N: gl.constexpr = k_desc.block_type.shape[2]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    mbarrier.expect(kv_ready, GROUPS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for g in gl.static_range(GROUPS):
+        tma_load(k_desc, [batch, kv_head, k_start + g * GROUP_N, 0], kv_ready, k_tiles.index(g))
+        tma_load(v_desc, [batch, kv_head, k_start + g * GROUP_N, 0], kv_ready, v_tiles.index(g))
+    for j in range(group_size * n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
+        head, row = _query_visit(j, kv_head, group_size, first_block, n_blocks, BLOCK_M)
+        _load_with_tangent(q_desc, q_desc, batch, head, row, q_ready.index(slot),
+                           q_ring.index(slot), q_ring.index(slot), False)
+        _load_with_tangent(do_desc, do_desc, batch, head, row, do_ready.index(slot),
+                           do_ring.index(slot), do_ring.index(slot), False)
+
+
+# %% [markdown]
+# The compute side. Both kernels start from the same units: the scores' scale, $\Delta$'s
+# factor and the shift of $P$'s exponent, the carried factors where "accurate" carries
+# and identities where it does not, as chapter 5's `_carried_units`. Causal masking in the
+# transposed tiles compares a key row with a query column; as in chapter 11, only tiles
+# that reach the diagonal pay for it.
+
+# %% tags=["export"]
+@gluon.jit
+def _carried(factors_ptr, index: gl.constexpr, CARRY: gl.constexpr, identity: gl.constexpr):
+    """Entry `index` of chapter 5's carried factors (`backward_operands`), or `identity`
+    without CARRY."""
+    if CARRY:
+        value = gl.load(factors_ptr + index)
+    else:
+        value = identity
+    return value
+
+
+@gluon.jit
+def _carried_units(factors_ptr, qk_scale, CARRY: gl.constexpr):
+    """The scores' scale (log2 units), Delta's factor and P's exponent shift."""
+    return (qk_scale * _carried(factors_ptr, 0, CARRY, 1.0),
+            _carried(factors_ptr, 1, CARRY, 1.0), _carried(factors_ptr, 5, CARRY, 0.0))
+
+
+@gluon.jit
+def _causal_transposed(st, first_key, start_m, CAUSAL: gl.constexpr):
+    """Sᵀ with the keys after their query set to -inf (top-left causal: query i sees keys
+    j <= i)."""
+    if CAUSAL and start_m < first_key + st.shape[0]:
+        keys = first_key + gl.arange(0, st.shape[0], gl.SliceLayout(1, st.type.layout))
+        queries = start_m + gl.arange(0, st.shape[1], gl.SliceLayout(0, st.type.layout))
+        st = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), st,
+                      -float("inf"))
+    return st
+
+
+@gluon.jit
+def _row_statistics(lse_ptr, delta_ptr, rows, n_q, delta_factor, p_exponent):
+    """A tile's LSE in log2 units less P's shift, and its Delta in the carried units.
+    Rows past the end read LSE = +inf, so their P is exactly 0."""
+    lse = gl.load(lse_ptr + rows, mask=rows < n_q, other=float("inf"))
+    delta = gl.load(delta_ptr + rows, mask=rows < n_q, other=0.0)
+    return lse * LOG2E - p_exponent, delta * delta_factor
+
+
+# %% [markdown]
+# A dK/dV compute group. It loads a query tile's $\mathrm{LSE}$ before its exponentials
+# and $\Delta$ only after them, so that the two rows of statistics and the probabilities
+# in fp32 are not live at once (at $d = 128$ this took the spills of the causal tile from
+# 152 to 64 bytes a thread). At the end its $K$ and $V$ tiles, read by no product any
+# more, stage the gradients for the copy engine, viewed in the gradients' type.
+
+# %% tags=["export"]
+@gluon.jit
+def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_ready, q_ready,
+                            do_ready, slot_free, turns, dk_desc, dv_desc, lse_ptr, delta_ptr,
+                            factors_ptr, batch, kv_head, k_start, group_size, first_block,
+                            n_blocks, n_heads, n_q, qk_scale, scale, GROUP: gl.constexpr,
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, CARRY: gl.constexpr,
+                            num_warps: gl.constexpr):
+    """One group of 64 keys: per visit a turn for Sᵀ and dPᵀ, the probabilities and dSᵀ,
+    a turn for dV and dK; then s·dK and dV."""
+    GROUP_N: gl.constexpr = dk_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[3]
+    BLOCK_M: gl.constexpr = q_ring.shape[1]
+    dtype: gl.constexpr = q_ring.dtype
+    st_layout: gl.constexpr = mma_layout(BLOCK_M, num_warps)
+    acc_layout: gl.constexpr = mma_layout(HEAD_DIM, num_warps)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
+    k_smem = k_2d.index(GROUP)
+    v_smem = v_2d.index(GROUP)
+    first_key = k_start + GROUP * GROUP_N
+
+    dk = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
+    st_zero = gl.zeros([GROUP_N, BLOCK_M], gl.float32, st_layout)
+    mbarrier.wait(kv_ready, 0)
+    turn = 0
+    for j in range(group_size * n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        head, start_m = _query_visit(j, kv_head, group_size, first_block, n_blocks, BLOCK_M)
+        q_smem = q_ring.index(slot)
+        do_smem = do_ring.index(slot)
+        mbarrier.wait(q_ready.index(slot), phase)
+        mbarrier.wait(do_ready.index(slot), phase)
+        turn = _take_turn(turns, turn, GROUP, True)
+        st = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False,
+                           is_async=True)
+        dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False,
+                            is_async=True)
+        _pass_turn(turns, GROUP, True)
+        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+        rows = (batch * n_heads + head).to(gl.int64) * n_q
+        queries = start_m + gl.arange(0, BLOCK_M, query_layout)
+        lse = gl.load(lse_ptr + rows + queries, mask=queries < n_q, other=float("inf"))
+        st = _causal_transposed(st, first_key, start_m, CAUSAL)
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse * LOG2E - p_exponent, 0))
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        delta = gl.load(delta_ptr + rows + queries, mask=queries < n_q, other=0.0)
+        dst = pt * (dpt - gl.expand_dims(delta * delta_factor, 0))
+        dst_op = gl.convert_layout(dst.to(dtype), op_layout)
+        turn = _take_turn(turns, turn, GROUP, True)
+        dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
+        dk = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
+        _pass_turn(turns, GROUP, True)
+        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+        mbarrier.arrive(slot_free.index(slot), count=1)
+
+    # Every product is done: the K and V tiles, viewed in the gradients' type, carry them out.
+    dk = dk * (scale * _carried(factors_ptr, 3, CARRY, 1.0))
+    dv = dv * _carried(factors_ptr, 4, CARRY, 1.0)
+    _store_rows(dk_desc, _as_matrices(k_tiles, dk_desc).index(GROUP),
+                _as_blocks(k_tiles, dk_desc).index(GROUP), dk.to(dk_desc.dtype), batch,
+                kv_head, first_key)
+    _store_rows(dv_desc, _as_matrices(v_tiles, dv_desc).index(GROUP),
+                _as_blocks(v_tiles, dv_desc).index(GROUP), dv.to(dv_desc.dtype), batch,
+                kv_head, first_key)
+
+
+# %% [markdown]
+# `_as_blocks` views a stack of shared-memory blocks in another 16-bit type: the bytes and
+# the swizzle (which depends on the element's width alone) stay, so fp16 operands' tiles
+# can stage bf16 gradients. Triton 3.6 names the view `_reinterpret`, later releases
+# `reinterpret`, as chapter 11's `_as_matrices` notes.
+
+# %% tags=["export"]
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton 3.7 and newer
+
+    @gluon.jit
+    def _as_blocks(buffers, desc):
+        """A stack of blocks viewed as blocks of `desc` (16-bit types alike)."""
+        return buffers.reinterpret(desc.dtype, buffers.shape, desc.layout)
+
+else:  # Triton 3.6
+
+    @gluon.jit
+    def _as_blocks(buffers, desc):
+        """A stack of blocks viewed as blocks of `desc` (16-bit types alike)."""
+        return buffers._reinterpret(desc.dtype, buffers.shape, desc.layout)
+
+
+# %% [markdown]
+# The dK/dV kernel: the program's keys, its first query tile (causal: the tile holding its
+# first key, since query $i$ sees keys $j \le i$) and the warps' three partitions.
+
+# %% tags=["export"]
+@gluon.jit
+def warp_specialized_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, lse_ptr,
+                                 delta_ptr, factors_ptr, n_kv_heads, n_q, group_size,
+                                 qk_scale, scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                 CARRY: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (cdiv(Nk, 128), B·Hkv): 128 keys of one key/value head per program, 64 per
+    compute group, summed over the query heads of its GQA group."""
+    GROUP_N: gl.constexpr = k_desc.block_type.shape[2]
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    k_start = gl.program_id(0) * 2 * GROUP_N
+    batch = gl.program_id(1) // n_kv_heads
+    kv_head = gl.program_id(1) % n_kv_heads
+    first_block = 0
+    if CAUSAL:
+        first_block = k_start // BLOCK_M
+    n_blocks = gl.cdiv(n_q, BLOCK_M) - first_block
+    k_tiles, v_tiles = _blocks(k_desc, 2), _blocks(v_desc, 2)
+    q_ring, do_ring = _blocks(q_desc, STAGES), _blocks(do_desc, STAGES)
+    kv_ready, q_ready, do_ready, slot_free, turns = _ring_barriers(STAGES, 2)
+    k_2d, v_2d = _as_matrices(k_tiles, k_desc), _as_matrices(v_tiles, v_desc)
+    q_2d, do_2d = _as_matrices(q_ring, q_desc), _as_matrices(do_ring, do_desc)
+    n_heads = n_kv_heads * group_size
+    gl.warp_specialize([
+        (_dkdv_compute_partition, (k_tiles, v_tiles, k_2d, v_2d, q_2d, do_2d, kv_ready,
+                                   q_ready, do_ready, slot_free, turns, dk_desc, dv_desc,
+                                   lse_ptr, delta_ptr, factors_ptr, batch, kv_head, k_start,
+                                   group_size, first_block, n_blocks, n_heads, n_q, qk_scale,
+                                   scale, 0, STAGES, CAUSAL, CARRY, num_warps)),
+        (_dkdv_compute_partition, (k_tiles, v_tiles, k_2d, v_2d, q_2d, do_2d, kv_ready,
+                                   q_ready, do_ready, slot_free, turns, dk_desc, dv_desc,
+                                   lse_ptr, delta_ptr, factors_ptr, batch, kv_head, k_start,
+                                   group_size, first_block, n_blocks, n_heads, n_q, qk_scale,
+                                   scale, 1, STAGES, CAUSAL, CARRY, num_warps)),
+        (_dkdv_load_partition, (k_desc, v_desc, q_desc, do_desc, k_tiles, v_tiles, q_ring,
+                                do_ring, kv_ready, q_ready, do_ready, slot_free, batch,
+                                kv_head, k_start, group_size, first_block, n_blocks, STAGES)),
+    ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
+
+
+# %% [markdown]
+# The dQ kernel is the forward's shape with the backward's products: the loader copies the
+# program's $Q$ and $dO$ tiles once (on one barrier), then each key tile's $K$ and $V$,
+# from the query head's key/value head; causal programs run longest first, as chapter 11's
+# (`_program_tile`), and scores of keys past the end or after their query are masked as
+# there (`_masked`).
+
+# %% tags=["export"]
+@gluon.jit
+def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_tiles, do_tiles, k_ring, v_ring,
+                       q_ready, k_ready, v_ready, slot_free, batch, head, kv_head, q_start,
+                       n_blocks, STAGES: gl.constexpr):
+    """One warp: both groups' Q and dO tiles once, then each key tile's K and V into the
+    ring."""
+    GROUPS: gl.constexpr = q_tiles.shape[0]
+    GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    mbarrier.expect(q_ready, 2 * GROUPS * q_desc.block_type.nbytes)
+    for g in gl.static_range(GROUPS):
+        tma_load(q_desc, [batch, head, q_start + g * GROUP_M, 0], q_ready, q_tiles.index(g))
+        tma_load(do_desc, [batch, head, q_start + g * GROUP_M, 0], q_ready, do_tiles.index(g))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
+        _load_with_tangent(k_desc, k_desc, batch, kv_head, j * BLOCK_N, k_ready.index(slot),
+                           k_ring.index(slot), k_ring.index(slot), False)
+        _load_with_tangent(v_desc, v_desc, batch, kv_head, j * BLOCK_N, v_ready.index(slot),
+                           v_ring.index(slot), v_ring.index(slot), False)
+
+
+@gluon.jit
+def _dq_compute_partition(q_tiles, q_2d, do_2d, k_ring, v_ring, q_ready, k_ready, v_ready,
+                          slot_free, turns, dq_desc, lse_ptr, delta_ptr, factors_ptr, batch,
+                          head, q_start, n_q, n_k, n_blocks, qk_scale, scale,
+                          GROUP: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                          CARRY: gl.constexpr, num_warps: gl.constexpr):
+    """One group of 64 queries: per key tile a turn for S and dP, then dS, a turn for
+    dQ += dS K; then s·dQ."""
+    GROUP_M: gl.constexpr = dq_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = dq_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_ring.shape[1]
+    dtype: gl.constexpr = q_2d.dtype
+    s_layout: gl.constexpr = mma_layout(BLOCK_N, num_warps)
+    acc_layout: gl.constexpr = mma_layout(HEAD_DIM, num_warps)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
+    q_smem = q_2d.index(GROUP)
+    do_smem = do_2d.index(GROUP)
+    first_row = q_start + GROUP * GROUP_M
+    rows = first_row + gl.arange(0, GROUP_M, gl.SliceLayout(1, s_layout))
+    head_rows = gl.program_id(1).to(gl.int64) * n_q
+    lse, delta = _row_statistics(lse_ptr + head_rows, delta_ptr + head_rows, rows, n_q,
+                                 delta_factor, p_exponent)
+
+    dq = gl.zeros([GROUP_M, HEAD_DIM], gl.float32, acc_layout)
+    s_zero = gl.zeros([GROUP_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_ready, 0)
+    turn = 0
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.wait(v_ready.index(slot), phase)
+        turn = _take_turn(turns, turn, GROUP, True)
+        s = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        dp = warpgroup_mma(do_smem, v_ring.index(slot).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        _pass_turn(turns, GROUP, True)
+        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+        s = _masked(s, j * BLOCK_N, first_row, n_k, CAUSAL)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse, 1))
+        ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 1))).to(dtype), op_layout)
+        turn = _take_turn(turns, turn, GROUP, True)
+        dq = warpgroup_mma(ds_op, k_ring.index(slot), dq, is_async=True)
+        _pass_turn(turns, GROUP, True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+        mbarrier.arrive(slot_free.index(slot), count=1)
+
+    dq = dq * (scale * _carried(factors_ptr, 2, CARRY, 1.0))
+    _store_rows(dq_desc, _as_matrices(q_tiles, dq_desc).index(GROUP),
+                _as_blocks(q_tiles, dq_desc).index(GROUP), dq.to(dq_desc.dtype), batch, head,
+                first_row)
+
+
+@gluon.jit
+def warp_specialized_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr,
+                               factors_ptr, n_heads, n_q, n_k, group_size, qk_scale, scale,
+                               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                               CARRY: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (cdiv(Nq, 128), B·Hq): 128 queries of one head per program, 64 per group."""
+    GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    q_start, batch, head, n_blocks = _program_tile(n_heads, n_k, 2 * GROUP_M, BLOCK_N, CAUSAL)
+    q_tiles, do_tiles = _blocks(q_desc, 2), _blocks(do_desc, 2)
+    k_ring, v_ring = _blocks(k_desc, STAGES), _blocks(v_desc, STAGES)
+    q_ready, k_ready, v_ready, slot_free, turns = _ring_barriers(STAGES, 2)
+    q_2d, do_2d = _as_matrices(q_tiles, q_desc), _as_matrices(do_tiles, do_desc)
+    k_2d, v_2d = _as_matrices(k_ring, k_desc), _as_matrices(v_ring, v_desc)
+    kv_head = head // group_size
+    gl.warp_specialize([
+        (_dq_compute_partition, (q_tiles, q_2d, do_2d, k_2d, v_2d, q_ready, k_ready, v_ready,
+                                 slot_free, turns, dq_desc, lse_ptr, delta_ptr, factors_ptr,
+                                 batch, head, q_start, n_q, n_k, n_blocks, qk_scale, scale, 0,
+                                 STAGES, CAUSAL, CARRY, num_warps)),
+        (_dq_compute_partition, (q_tiles, q_2d, do_2d, k_2d, v_2d, q_ready, k_ready, v_ready,
+                                 slot_free, turns, dq_desc, lse_ptr, delta_ptr, factors_ptr,
+                                 batch, head, q_start, n_q, n_k, n_blocks, qk_scale, scale, 1,
+                                 STAGES, CAUSAL, CARRY, num_warps)),
+        (_dq_load_partition, (q_desc, do_desc, k_desc, v_desc, q_tiles, do_tiles, k_ring,
+                              v_ring, q_ready, k_ready, v_ready, slot_free, batch, head,
+                              kv_head, q_start, n_blocks, STAGES)),
+    ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
+
+
+# %% [markdown]
+# ## Launching it
+#
+# One descriptor per tensor, as in chapter 11; the carried factors, when "accurate"
+# carries, are a pointer the kernels read (without the carry they read nothing, and the
+# LSE stands in). The tiles come from the register budget and the timings below: 64-query
+# tiles in two ring slots for dK/dV at both head dims, 128-key tiles in two slots for dQ.
+# Chapter 5's launcher asks `warp_specialized_backward_kernels` which of its two kernels
+# to replace: calls without a mask or tangent, on an sm_90 GPU, with $D = D_v \in \{64,
+# 128\}$, at least 4096 queries and keys and the primal forward's minimum of work
+# (`WARP_SPECIALIZED_MIN_WORK`), in "fast" precision on tensors the copy engine can
+# address, or in "accurate" precision where bf16 carries. dQ only at $d = 128$: at
+# $d = 64$ chapter 5's dQ kernel was faster on the H200 (1.33 against 1.59 ms at
+# (4, 32, 4096, 64)). If this Triton cannot compile a kernel, chapter 5's runs (warned once).
+
+# %% tags=["export"]
+DKDV_QUERY_ROWS = 64  # query rows per streamed tile: 128 spill at d = 128
+DKDV_STAGES = 2  # ring slots of Q and dO: 2 x 32 KB at d = 128, with 64 KB of K and V
+DQ_KEY_BLOCK = 128  # keys per streamed tile
+DQ_STAGES = 2  # ring slots of K and V: 2 x 64 KB at d = 128, with 64 KB of Q and dO
+DQ_HEAD_DIMS = (128,)  # at d = 64 chapter 5's dQ kernel is faster
+
+_failed = False  # set when this Triton cannot compile a kernel: chapter 5's run instead
+
+
+def fits_warp_specialized_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   grad_out: torch.Tensor, exact: bool) -> tuple[bool, bool]:
+    """Which of the unmasked first-order backward's kernels, (dQ, dK/dV), suit (B, H, N, D)
+    q, k, v and grad_out, wherever they live: fp16 or bf16 alike, D = Dv in (64, 128) (dQ:
+    DQ_HEAD_DIMS), at least WARP_SPECIALIZED_MIN_KEYS queries and keys and
+    WARP_SPECIALIZED_MIN_WORK of work, and in "accurate" precision (`exact`) inputs that
+    chapter 5 carries (bf16), in "fast" tensors the copy engine can address."""
+    batch, n_heads, n_q, d = q.shape
+    n_k = k.shape[2]
+    fits = (q.dtype in (torch.float16, torch.bfloat16)
+            and k.dtype == v.dtype == grad_out.dtype == q.dtype
+            and d == v.shape[-1] in (64, 128) and grad_out.shape == q.shape
+            and min(n_q, n_k) >= WARP_SPECIALIZED_MIN_KEYS
+            and batch * n_heads * n_q * n_k * d >= WARP_SPECIALIZED_MIN_WORK)
+    # "accurate" runs on the carried copies, which are contiguous; "fast" on the inputs.
+    operands = (carries(q, n_k) if exact
+                else all(_describable(t) for t in (q, k, v, grad_out)))
+    return fits and operands and d in DQ_HEAD_DIMS, fits and operands
+
+
+def warp_specialized_backward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                      grad_out: torch.Tensor,
+                                      exact: bool) -> tuple[bool, bool]:
+    """Which of the unmasked first-order backward's kernels, (dQ, dK/dV), run this
+    chapter's schedule: they fit (`fits_warp_specialized_backward`) and the tensors live on
+    an sm_90 GPU, outside the interpreter, with a Triton that compiles the kernels.
+    JVP_ATTENTION_WARP_SPECIALIZED=0 turns them off, as chapter 11's."""
+    if (not GLUON or _failed or os.environ.get("JVP_ATTENTION_WARP_SPECIALIZED", "1") == "0"
+            or not q.is_cuda or interpreting()):
+        return False, False
+    dq, dkdv = fits_warp_specialized_backward(q, k, v, grad_out, exact)
+    if not (dkdv and _hopper(q.device.index)):
+        return False, False
+    return dq, dkdv
+
+
+def launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv,
+                                 is_causal: bool, scale: float, *,
+                                 query_rows: int = DKDV_QUERY_ROWS,
+                                 stages: int = DKDV_STAGES) -> None:
+    """Write dk and dv (contiguous, in the gradients' dtype) from the forward's `lse`
+    (natural log) and `delta` = rowsum(dO ∘ O), fp32 (B, Hq, Nq); `factors` are chapter 5's
+    carried factors when q, k, v, grad_out are its carried copies, else None."""
+    batch, n_heads, n_q, _ = q.shape
+    n_kv_heads, n_k = k.shape[1], k.shape[2]
+    descriptors = [_descriptor(t, rows) for t, rows in (
+        (k, GROUP_ROWS), (v, GROUP_ROWS), (q, query_rows), (grad_out, query_rows),
+        (dk, GROUP_ROWS), (dv, GROUP_ROWS))]
+    grid = (triton.cdiv(n_k, 2 * GROUP_ROWS), batch * n_kv_heads)
+    warp_specialized_dkdv_kernel[grid](
+        *descriptors, lse, delta, lse if factors is None else factors, n_kv_heads, n_q,
+        n_heads // n_kv_heads, scale * math.log2(math.e), scale, STAGES=stages,
+        CAUSAL=is_causal, CARRY=factors is not None, num_warps=4, maxnreg=LAUNCH_REGS)
+
+
+def launch_warp_specialized_dq(q, k, v, grad_out, lse, delta, factors, dq, is_causal: bool,
+                               scale: float, *, key_block: int = DQ_KEY_BLOCK,
+                               stages: int = DQ_STAGES) -> None:
+    """Write dq (contiguous, in the gradient's dtype); arguments as
+    `launch_warp_specialized_dkdv`."""
+    batch, n_heads, n_q, _ = q.shape
+    descriptors = [_descriptor(t, rows) for t, rows in (
+        (q, GROUP_ROWS), (k, key_block), (v, key_block), (grad_out, GROUP_ROWS),
+        (dq, GROUP_ROWS))]
+    grid = (triton.cdiv(n_q, 2 * GROUP_ROWS), batch * n_heads)
+    warp_specialized_dq_kernel[grid](
+        *descriptors, lse, delta, lse if factors is None else factors, n_heads, n_q,
+        k.shape[2], n_heads // k.shape[1], scale * math.log2(math.e), scale, STAGES=stages,
+        CAUSAL=is_causal, CARRY=factors is not None, num_warps=4, maxnreg=LAUNCH_REGS)
+
+
+def launched(launch, *args) -> bool:
+    """Run `launch(*args)`; False when this Triton cannot compile its kernel (warned once,
+    and no later call asks again): the caller runs chapter 5's kernel instead."""
+    global _failed
+    try:
+        launch(*args)
+    except triton.CompilationError as error:
+        _failed = True
+        warnings.warn(f"jvp_attention: the warp-specialised backward does not compile with "
+                      f"Triton {triton.__version__} ({type(error).__name__}); chapter 5's "
+                      f"kernels run instead", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+# %% [markdown]
+# ## What it costs: registers and shared memory
+#
+# Compiled for sm_90 with Triton 3.6 on a CPU machine (`python
+# benchmarks/warp_specialized_backward.py --resources`), in both precisions the library
+# runs and causal or not. The dQ tiles and the $d = 64$ dK/dV tile fit without spilling;
+# the $d = 128$ dK/dV tile spills a few bytes a thread, which its timings below absorb.
+
+# %% tags=["hide_input"]
+resources = json.loads(RESOURCES.read_text())
+print(f"{'tile':18} {'causal':>6} {'carry':>6} {'regs':>5} {'spills':>6} {'shared (KB)':>11}"
+      f" {'wgmma':>6}")
+for row in resources["rows"]:
+    print(f"{row['tile']:18} {str(row['causal']):>6} {str(row.get('carry', False)):>6} "
+          f"{row['regs']:>5} {row['spills']:>6} {row['shared'] / 1024:>11.1f} {row['wgmma']:>6}")
+
+# %% [markdown]
+# ## Same numbers
+#
+# On an sm_90 GPU the backward is checked here through the library's own call, chapter 5's
+# `flash_attention_backward` (which hands the kernels the call), against float64 gradients
+# (chapter 1's reference, through autograd) next to PyTorch's math path in the same dtype:
+# GQA, a $(B, N, H, D)$ layout, lengths that are not multiples of the tiles, causal rows
+# and $N_q \ne N_k$, in both precisions. Elsewhere the cell says so;
+# `tests/library/test_hopper_backward.py` runs the same checks on the GPU.
+
+# %%
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import jvp_attention  # noqa: E402
+from jvp_attention.backward import flash_attention_backward  # noqa: E402
+from jvp_attention.forward import flash_attention_forward  # noqa: E402
+
+
+def math_gradients(q, k, v, grad_out, is_causal):
+    """dq, dk, dv through PyTorch's math path, in the inputs' dtype."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                               enable_gqa=True)
+    return torch.autograd.grad(out, (q, k, v), grad_out)
+
+
+def gradient_errors(q, k, v, grad_out, is_causal, precision):
+    """Max errors of the library's dq, dk, dv against float64, over the math path's."""
+    forward, (residual, _) = flash_attention_forward(q, k, v, None, is_causal,
+                                                     residuals=True, precision=precision)
+    ours = flash_attention_backward(q, k, v, forward.out, forward.lse, grad_out, None,
+                                    is_causal, out_residual=residual, precision=precision)
+    exact = math_gradients(q.double(), k.double(), v.double(), grad_out.double(), is_causal)
+    floor = math_gradients(q, k, v, grad_out, is_causal)
+    return [(mine.double() - truth).abs().max().item()
+            / (low.double() - truth).abs().max().item()
+            for mine, low, truth in zip(ours, floor, exact, strict=True)]
+
+
+def random_heads(batch, heads, n, d, layout, dtype):
+    """(B, H, N, D) noise, stored as (B, H, N, D) or as a view of (B, N, H, D)."""
+    if layout == "bnhd":
+        return torch.randn(batch, n, heads, d, device=DEVICE, dtype=dtype).transpose(1, 2)
+    return torch.randn(batch, heads, n, d, device=DEVICE, dtype=dtype)
+
+
+CASES = [  # (B, Hq, Hkv, Nq, Nk, d, causal, layout)
+    (2, 16, 16, 4096, 4096, 128, False, "bhnd"), (2, 16, 4, 4160, 4160, 64, True, "bnhd"),
+    (1, 32, 8, 4097, 4097, 128, True, "bnhd"), (2, 16, 2, 5000, 4500, 64, False, "bhnd"),
+    (1, 16, 16, 4500, 6000, 128, True, "bhnd"),
+]
+if HOPPER:
+    torch.manual_seed(0)
+    for B, HQ, HKV, NQ, NK, D, causal, layout in CASES:
+        for dtype, precision in ((torch.bfloat16, "accurate"), (torch.bfloat16, "fast"),
+                                 (torch.float16, "fast")):
+            q, grad_out = (random_heads(B, HQ, NQ, D, layout, dtype) for _ in range(2))
+            k, v = (random_heads(B, HKV, NK, D, layout, dtype) for _ in range(2))
+            assert any(warp_specialized_backward_kernels(q, k, v, grad_out,
+                                                         precision == "accurate"))
+            ratios = gradient_errors(q, k, v, grad_out, causal, precision)
+            print(f"({B}, {HQ}/{HKV}, {NQ}x{NK}, {D}) {layout} causal={causal!s:5} "
+                  f"{str(dtype)[6:]:8} {precision:8}: dq {ratios[0]:.2f}x, dk {ratios[1]:.2f}x,"
+                  f" dv {ratios[2]:.2f}x the math path's error")
+else:
+    print("no sm_90 GPU here: the kernels are checked by the GPU tests and the executed "
+          "chapter")
+
+# %% [markdown]
+# ## Does it pay?
+#
+# Timed on the H200 (bf16; `python benchmarks/warp_specialized_backward.py`): the whole
+# first-order backward as the library runs it (`ours_*`: chapter 5's launcher with these
+# kernels; `triton_*`: `JVP_ATTENTION_WARP_SPECIALIZED=0`, chapter 5's kernels alone) in
+# both precisions, beside SDPA's cuDNN backend's backward, with FLOPs credited as five
+# products, $10BHN^2d$ (half when causal). The `ws_*` rows time one kernel alone, launched
+# directly with other tiles ("fast").
+
+# %% tags=["hide_input"]
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_speeds(rows, title):
+    """A table and a bar chart of TFLOP/s by shape (and causal) and implementation."""
+    rows = [row for row in rows if "tflops" in row]
+    shapes = list(dict.fromkeys((tuple(row["shape"]), row["causal"]) for row in rows))
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    speed = {(tuple(row["shape"]), row["causal"], row["impl"]): row["tflops"] for row in rows}
+    print(f"{'(B, H, N, d)':22} {'causal':>6} " + " ".join(f"{name[:15]:>15}" for name in impls))
+    for shape, causal in shapes:
+        print(f"{str(shape):22} {str(causal):>6} "
+              + " ".join(f"{speed.get((shape, causal, name), float('nan')):>15.0f}"
+                         for name in impls))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(impls)
+    for i, name in enumerate(impls):
+        ax.bar([x + i * width for x in range(len(shapes))],
+               [speed.get((shape, causal, name), 0) for shape, causal in shapes], width,
+               label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))],
+                  [f"{shape}\n{'causal' if causal else 'full'}" for shape, causal in shapes],
+                  fontsize=7)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=3)
+    plt.tight_layout()
+    plt.show()
+
+
+if RESULTS.exists():
+    record = json.loads(RESULTS.read_text())
+    print(f"command: {record['command']}")
+    plot_speeds([row for row in record["rows"] if not row["impl"].startswith("ws_")],
+                "First-order backward on the H200, bf16")
+else:
+    print(f"no saved run at {RESULTS}")

@@ -1,0 +1,268 @@
+"""Chapter 12's warp-specialised first-order backward (Gluon, Hopper only).
+
+On CPU: which calls it takes (`fits_warp_specialized_backward`,
+`warp_specialized_backward_kernels`), that chapter 5's launcher hands it exactly those calls,
+with Delta computed first and the carried operands in "accurate" mode, and falls back when it
+cannot compile; what the launchers hand the kernels; that the kernels compile for sm_90
+within their budget. On an sm_90 GPU: dq, dk, dv against float64 with the floor-ratio
+criterion of every kernel test, in both precisions, through the library's call.
+"""
+
+import math
+
+import pytest
+import torch
+from helpers import (
+    DEVICE,
+    Spec,
+    assert_accurate,
+    expected_backward,
+    kernel_backward,
+    make_problem,
+    precision,
+)
+from test_warp_specialized import assert_within_budget, compiled_for_hopper, heads
+
+from jvp_attention import backward as backward_module
+from jvp_attention import hopper_backward as hb
+from jvp_attention import warp_specialized as ws
+
+N = ws.WARP_SPECIALIZED_MIN_KEYS
+
+
+def test_which_calls_fit() -> None:
+    q = heads()  # (4, 16, 4096, 128) bf16: 2**37 of work
+    assert hb.fits_warp_specialized_backward(q, q, q, q, exact=True) == (True, True)
+    assert hb.fits_warp_specialized_backward(q, q, q, q, exact=False) == (True, True)
+    d64 = heads(d=64, layout="bnhd")
+    assert hb.fits_warp_specialized_backward(d64, d64, d64, d64, False) == (False, True)
+    half = q.half()  # fp16 "accurate" splits its products: chapter 5's kernels
+    assert hb.fits_warp_specialized_backward(half, half, half, half, True) == (False, False)
+    assert hb.fits_warp_specialized_backward(half, half, half, half, False) == (True, True)
+    kv = heads(heads=4)  # GQA
+    assert hb.fits_warp_specialized_backward(q, kv, kv, q, True) == (True, True)
+    short = heads(n=N - 1)
+    assert hb.fits_warp_specialized_backward(short, q, q, short, True) == (False, False)
+    assert hb.fits_warp_specialized_backward(q, short, short, q, True) == (False, False)
+    few = torch.empty(1, 1, N, 128, dtype=torch.bfloat16)  # too little work for the launch
+    assert hb.fits_warp_specialized_backward(few, few, few, few, True) == (False, False)
+    d72 = heads(d=72)
+    assert hb.fits_warp_specialized_backward(d72, d72, d72, d72, False) == (False, False)
+    assert hb.fits_warp_specialized_backward(q, q, q, q.half(), False) == (False, False)
+    expanded = torch.ones(1, 1, 1, 128, dtype=torch.bfloat16).expand(4, 16, N, 128)
+    # A stride-0 cotangent: "fast" reads the inputs, "accurate" its contiguous copies.
+    assert hb.fits_warp_specialized_backward(q, q, q, expanded, False) == (False, False)
+    assert hb.fits_warp_specialized_backward(q, q, q, expanded, True) == (True, True)
+
+
+def test_taken_only_on_hopper_gpus(monkeypatch) -> None:
+    q = heads()
+    assert hb.warp_specialized_backward_kernels(q, q, q, q, True) == (False, False)  # CPU
+    if DEVICE == "cuda":
+        g = q.cuda()
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        assert hb.warp_specialized_backward_kernels(g, g, g, g, True) == (hopper, hopper)
+        monkeypatch.setenv("JVP_ATTENTION_WARP_SPECIALIZED", "0")
+        assert hb.warp_specialized_backward_kernels(g, g, g, g, True) == (False, False)
+
+
+def first_order(p, mode: str, mask=None, **options):
+    """The library's first-order backward of problem `p` from its own forward."""
+    from jvp_attention.forward import flash_attention_forward
+
+    fwd = flash_attention_forward(p.q, p.k, p.v, mask, p.spec.causal, precision=mode)
+    return backward_module.flash_attention_backward(
+        p.q, p.k, p.v, fwd.out, fwd.lse, p.grad_out, mask, p.spec.causal, precision=mode,
+        **options), fwd
+
+
+def test_backward_hands_over_unmasked_calls(monkeypatch) -> None:
+    """Chapter 5's launcher asks for first-order unmasked calls only, runs the
+    row-statistics pass first when the dQ kernel is handed over (Delta), passes the carried
+    factors only when it carries, and runs its own kernels for what is not handed over or
+    does not compile."""
+    asked, launches = [], []
+
+    def kernels(q, k, v, grad_out, exact):
+        asked.append(exact)
+        return True, True
+
+    def recorder(name):
+        def launch(q, k, v, grad_out, lse, delta, factors, *outputs_and_options):
+            launches.append((name, delta.clone(), factors))
+        return launch
+
+    monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels", kernels)
+    monkeypatch.setattr(backward_module, "launch_warp_specialized_dq", recorder("dq"))
+    monkeypatch.setattr(backward_module, "launch_warp_specialized_dkdv", recorder("dkdv"))
+    p = make_problem(Spec(batch=1, hq=2, hkv=1, nq=20, nk=24, d=16, causal=True),
+                     torch.float16, device=DEVICE)
+    (_, fwd) = first_order(p, "fast")
+    assert asked == [False] and [name for name, _, _ in launches] == ["dq", "dkdv"]
+    delta = (fwd.out.float() * p.grad_out.float()).sum(-1)
+    for _, handed, factors in launches:
+        assert factors is None  # fp16 does not carry
+        torch.testing.assert_close(handed, delta, rtol=1e-3, atol=1e-3)
+    # A mask, or the backward through the tangent, keep chapter 5's kernels.
+    first_order(p, "fast", torch.zeros(20, 24, device=DEVICE, dtype=torch.float16))
+    assert asked == [False] and len(launches) == 2
+    # Only dK/dV handed over: chapter 5's dQ kernel runs (and computes Delta itself).
+    monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels",
+                        lambda *args: (False, True))
+    (dq, _, _), _ = first_order(p, "fast")
+    monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels",
+                        lambda *args: (False, False))
+    (dq_alone, _, _), _ = first_order(p, "fast")
+    assert torch.equal(dq, dq_alone) and [name for name, _, _ in launches] == ["dq", "dkdv",
+                                                                               "dkdv"]
+
+
+def test_carried_operands_reach_the_kernels(monkeypatch) -> None:
+    """"accurate" bf16 with long rows hands the kernels chapter 5's fp16 copies and their
+    factors, and Delta from the copy kernel."""
+    seen = []
+
+    def launch(q, k, v, grad_out, lse, delta, factors, *rest):
+        seen.append((q.dtype, grad_out.dtype, factors.dtype, factors.numel() > 0,
+                     bool(torch.isfinite(delta).all())))
+
+    monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels",
+                        lambda *args: (True, True))
+    monkeypatch.setattr(backward_module, "launch_warp_specialized_dq", launch)
+    monkeypatch.setattr(backward_module, "launch_warp_specialized_dkdv", launch)
+    from jvp_attention.launch import carry_min_keys
+
+    n = carry_min_keys(16)
+    p = make_problem(Spec(batch=1, hq=1, hkv=1, nq=16, nk=n, d=16), torch.bfloat16,
+                     device=DEVICE)
+    first_order(p, "accurate")
+    assert seen == [(torch.float16, torch.float16, torch.float32, True, True)] * 2
+
+
+def test_a_failed_compile_falls_back_with_a_warning(monkeypatch) -> None:
+    """A Triton whose Gluon has moved on: warned once, then chapter 5's kernels for good,
+    with the same gradients as without the hand-over."""
+    import triton
+
+    def broken(*args, **kwargs):
+        raise triton.CompilationError(None, None, "an API this Triton no longer has")
+
+    monkeypatch.setattr(hb, "_failed", False)
+    monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels",
+                        lambda *args: (True, True))
+    monkeypatch.setattr(backward_module, "launch_warp_specialized_dq", broken)
+    monkeypatch.setattr(backward_module, "launch_warp_specialized_dkdv", broken)
+    p = make_problem(Spec(batch=1, hq=2, hkv=2, nq=20, nk=20, d=16), torch.float16,
+                     device=DEVICE)
+    with pytest.warns(RuntimeWarning, match="warp-specialised backward does not compile"):
+        grads, _ = first_order(p, "fast")
+    assert hb._failed
+    assert hb.warp_specialized_backward_kernels(heads(), heads(), heads(), heads(),
+                                                True) == (False, False)
+    monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels",
+                        lambda *args: (False, False))
+    again, _ = first_order(p, "fast")
+    assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
+
+
+def recorded_launch(monkeypatch, kernel: str) -> dict:
+    """Replace `kernel` of chapter 12's module by a recorder of its last launch."""
+    recorded = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                recorded.update(grid=grid, args=args, kwargs=kwargs)
+            return launch
+
+    monkeypatch.setattr(hb, kernel, Recorder())
+    return recorded
+
+
+def test_launch_plumbing(monkeypatch) -> None:
+    """What the launchers hand the kernels (on CPU, the kernels replaced by recorders):
+    grids of 128 keys (dK/dV, by B·Hkv) and 128 queries (dQ, by B·Hq), descriptors over
+    each tensor's own strides in the tiles of the design, the GQA group, the scale in log2
+    units, and the carried factors (the LSE standing in without them)."""
+    dkdv = recorded_launch(monkeypatch, "warp_specialized_dkdv_kernel")
+    dq_launch = recorded_launch(monkeypatch, "warp_specialized_dq_kernel")
+    q, grad_out = heads(n=300, heads=8, layout="bnhd"), heads(n=300, heads=8)
+    k, v = heads(n=4100, heads=2), heads(n=4100, heads=2)
+    lse, delta, factors = torch.empty(4, 8, 300), torch.empty(4, 8, 300), torch.ones(6)
+    dq, dk, dv = torch.empty_like(grad_out), torch.empty_like(k), torch.empty_like(v)
+    hb.launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv, True, 0.5)
+    assert dkdv["grid"] == (33, 8)
+    descriptors, rest = dkdv["args"][:6], dkdv["args"][6:]
+    assert [d.base for d in descriptors] == [k, v, q, grad_out, dk, dv]
+    assert [d.block_shape[2] for d in descriptors] == [64, 64, hb.DKDV_QUERY_ROWS,
+                                                      hb.DKDV_QUERY_ROWS, 64, 64]
+    assert list(descriptors[2].strides) == list(q.stride())  # its own (B, N, H, D) strides
+    assert rest[:3] == (lse, delta, factors) and rest[3:6] == (2, 300, 4)
+    assert math.isclose(rest[6], 0.5 * math.log2(math.e)) and rest[7] == 0.5
+    assert dkdv["kwargs"] == dict(STAGES=hb.DKDV_STAGES, CAUSAL=True, CARRY=True,
+                                  num_warps=4, maxnreg=ws.LAUNCH_REGS)
+    hb.launch_warp_specialized_dq(q, k, v, grad_out, lse, delta, None, dq, False, 0.5)
+    assert dq_launch["grid"] == (3, 32)
+    descriptors, rest = dq_launch["args"][:5], dq_launch["args"][5:]
+    assert [d.base for d in descriptors] == [q, k, v, grad_out, dq]
+    assert [d.block_shape[2] for d in descriptors] == [64, hb.DQ_KEY_BLOCK, hb.DQ_KEY_BLOCK,
+                                                      64, 64]
+    assert rest[2] is lse and rest[3:7] == (8, 300, 4100, 4)  # no carry: LSE stands in
+    assert dq_launch["kwargs"] == dict(STAGES=hb.DQ_STAGES, CAUSAL=False, CARRY=False,
+                                       num_warps=4, maxnreg=ws.LAUNCH_REGS)
+
+
+@pytest.mark.parametrize("tile", ["dq_d128_n128_s2", "dkdv_d64_m64_s2"])
+def test_compiles_for_hopper_within_its_budget(tile: str) -> None:
+    """The library's dQ tile and its d = 64 dK/dV tile, carried ("accurate" bf16) and
+    causal, for sm_90: no spills, the register budgets of the design."""
+    report = compiled_for_hopper("warp_specialized_backward",
+                                 f"compile_for_hopper({tile!r}, causal=True, carry=True)")
+    assert_within_budget(report)
+    assert report["wgmma"] > 0
+
+
+def test_d128_key_tile_spills_little() -> None:
+    """The d = 128 dK/dV tile holds 224 of its 240 registers in live values, and ptxas
+    spills a few bytes a thread: within 128, and within the shared memory a block may
+    take."""
+    report = compiled_for_hopper(
+        "warp_specialized_backward",
+        "compile_for_hopper('dkdv_d128_m64_s2', causal=True, carry=True)")
+    assert report["spills"] <= 128 and report["shared"] <= 232448 and report["wgmma"] > 0
+
+
+GPU_SPECS = [  # each with at least WARP_SPECIALIZED_MIN_WORK of work
+    Spec(batch=4, hq=8, hkv=8, nq=4096, nk=4096, d=64),
+    Spec(batch=2, hq=16, hkv=4, nq=4160, nk=5000, d=64, scale=0.3, causal=True),
+    Spec(batch=2, hq=16, hkv=4, nq=4250, nk=4250, d=128, causal=True, layout="bnhd"),
+    Spec(batch=2, hq=16, hkv=16, nq=4100, nk=8200, d=128, causal=True),  # Nq != Nk
+    Spec(batch=2, hq=8, hkv=2, nq=8200, nk=4100, d=128),
+]
+PATHS = [(torch.bfloat16, "accurate"), (torch.bfloat16, "fast"), (torch.float16, "fast")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "mode"), PATHS, ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("spec", GPU_SPECS, ids=lambda s: s.id)
+def test_backward_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype, mode: str) -> None:
+    """dq, dk, dv through the library's call, which hands them to chapter 12's kernels."""
+    if DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup products need an sm_90 GPU")
+    p = make_problem(spec, dtype, device="cuda")
+    expected = (spec.d == 128, True)
+    assert hb.warp_specialized_backward_kernels(p.q, p.k, p.v, p.grad_out,
+                                                mode == "accurate") == expected
+    ran = []
+    for name in ("launch_warp_specialized_dq", "launch_warp_specialized_dkdv"):
+        launch = getattr(backward_module, name)
+        monkeypatch.setattr(backward_module, name,
+                            lambda *args, _launch=launch, _name=name: (ran.append(_name),
+                                                                       _launch(*args)))
+    truth, floor = expected_backward(p)
+    with precision(mode):
+        ours = kernel_backward(p)
+    assert ran == [name for name, taken in zip(("launch_warp_specialized_dq",
+                                                "launch_warp_specialized_dkdv"), expected,
+                                               strict=True) if taken]
+    assert_accurate(ours, truth, floor, dtype, p.label, f"warp-specialised backward, {mode}")
