@@ -1099,4 +1099,5 @@ plot_speeds(jvp_record["rows"], "Forward with its JVP on the H200, bf16")
 #   Gluon launch's host cost (a direct launch of the compiled kernel, as chapter 2's
 #   `CachedLauncher` does for the Triton kernels) would move that line down.
 #
-# The backward passes do not use this schedule yet: chapter 5's kernels still run them.
+# Chapter 12 puts the first-order backward in the same schedule; the second-order backward
+# still runs chapter 6's kernels.

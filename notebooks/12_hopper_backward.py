@@ -723,3 +723,34 @@ if RESULTS.exists():
                 "First-order backward on the H200, bf16")
 else:
     print(f"no saved run at {RESULTS}")
+
+# %% [markdown]
+# What the numbers say (one run, H200, bf16; `benchmarks/results/warp_specialized_backward_h200.json`,
+# whose rows also hold each kernel's GPU time from the profiler):
+#
+# * **The whole backward moves from 0.74x to 0.82x cuDNN's** at (4, 16, 4096, 128) in
+#   "accurate" precision (3.33 against 3.66 ms with chapter 5's kernels; cuDNN 2.72 ms), and
+#   from 0.77x to 0.83x at (1, 16, 16384, 128) (12.4 against 13.4 ms; cuDNN 10.3). Causal:
+#   0.71x to 0.76x and 0.73x to 0.80x. "fast" reaches 0.87x and 0.85x (causal 0.84x and
+#   0.82x). At $d = 64$, where only dK/dV changes kernel: 0.77x (from 0.74x), causal 0.74x
+#   (from 0.64x); "fast" 0.80x and 0.81x.
+# * **Where the time goes.** At (4, 16, 4096, 128) "accurate": dQ 1.16 ms (chapter 5's:
+#   1.42), dK/dV 1.76 ms (1.94), and 0.26 ms for the range pass and the carried copies that
+#   keep bf16 gradients at the math path's error. Those 0.26 ms are the difference between
+#   the two precisions, and most of what separates "accurate" from 0.9x cuDNN.
+# * **dQ gains most** (11 to 19% less time at $d = 128$): the forward's shape, one
+#   accumulator, no spills. **dK/dV gains 6 to 9%** at $d = 128$ without the mask and
+#   nothing causal (1.08 against 1.07 ms at 4096 tokens, 3.84 against 3.79 at 16384): its
+#   tile spills a few bytes a thread, and the short causal programs leave the two groups
+#   less to overlap. At $d = 64$ it gains 4% without the
+#   mask and 21% causal. Tiles: 128-query tiles at $d = 64$ are 7% faster without the mask
+#   but spill 352 bytes and are twice as slow causal, so the library keeps 64.
+# * **Errors are chapter 5's**: every precision's `*_err_ratio` in the results file equals
+#   the Triton kernels' to the digits shown (the same products in the same precision, in
+#   another order); "accurate" 1.00x to 1.28x the math path's, above.
+#
+# So the first-order backward reaches 0.8x cuDNN in "fast" precision everywhere measured and
+# in "accurate" at $d = 128$ without the mask, not yet causal at 4096 tokens or at $d = 64$.
+# What remains is the carried copies' pass (a fused copy inside the kernels' loaders would
+# remove it), the dK/dV tile's spills at $d = 128$, and at $d = 64$ a dQ kernel that beats
+# chapter 5's; the second-order backward still runs chapter 6's kernels.
