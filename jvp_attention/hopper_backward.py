@@ -55,18 +55,25 @@ def _query_visit(j, kv_head, group_size, first_block, n_blocks, BLOCK_M: gl.cons
 
 
 @gluon.jit
+def _load_group_tiles(desc, pair_desc, tiles, pair_tiles, barrier, batch, head, start):
+    """Each compute group's tile of `desc` and of `pair_desc` (same block shape), from row
+    `start` on, all on one barrier: what a program loads once before its ring starts."""
+    GROUPS: gl.constexpr = tiles.shape[0]
+    ROWS: gl.constexpr = desc.block_type.shape[2]
+    mbarrier.expect(barrier, GROUPS * (desc.block_type.nbytes + pair_desc.block_type.nbytes))
+    for g in gl.static_range(GROUPS):
+        tma_load(desc, [batch, head, start + g * ROWS, 0], barrier, tiles.index(g))
+        tma_load(pair_desc, [batch, head, start + g * ROWS, 0], barrier, pair_tiles.index(g))
+
+
+@gluon.jit
 def _dkdv_load_partition(k_desc, v_desc, q_desc, do_desc, k_tiles, v_tiles, q_ring, do_ring,
                          kv_ready, q_ready, do_ready, slot_free, batch, kv_head, k_start,
                          group_size, first_block, n_blocks, STAGES: gl.constexpr):
     """One warp: both groups' K and V tiles once, then each visit's Q and dO into the ring,
     as soon as both groups have freed the slot."""
-    GROUPS: gl.constexpr = k_tiles.shape[0]
-    GROUP_N: gl.constexpr = k_desc.block_type.shape[2]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    mbarrier.expect(kv_ready, GROUPS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    for g in gl.static_range(GROUPS):
-        tma_load(k_desc, [batch, kv_head, k_start + g * GROUP_N, 0], kv_ready, k_tiles.index(g))
-        tma_load(v_desc, [batch, kv_head, k_start + g * GROUP_N, 0], kv_ready, v_tiles.index(g))
+    _load_group_tiles(k_desc, v_desc, k_tiles, v_tiles, kv_ready, batch, kv_head, k_start)
     for j in range(group_size * n_blocks):
         slot = j % STAGES
         mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
@@ -246,13 +253,8 @@ def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_tiles, do_tiles, k_rin
                        n_blocks, STAGES: gl.constexpr):
     """One warp: both groups' Q and dO tiles once, then each key tile's K and V into the
     ring."""
-    GROUPS: gl.constexpr = q_tiles.shape[0]
-    GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    mbarrier.expect(q_ready, 2 * GROUPS * q_desc.block_type.nbytes)
-    for g in gl.static_range(GROUPS):
-        tma_load(q_desc, [batch, head, q_start + g * GROUP_M, 0], q_ready, q_tiles.index(g))
-        tma_load(do_desc, [batch, head, q_start + g * GROUP_M, 0], q_ready, do_tiles.index(g))
+    _load_group_tiles(q_desc, do_desc, q_tiles, do_tiles, q_ready, batch, head, q_start)
     for j in range(n_blocks):
         slot = j % STAGES
         mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)

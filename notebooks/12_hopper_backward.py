@@ -150,18 +150,25 @@ def _query_visit(j, kv_head, group_size, first_block, n_blocks, BLOCK_M: gl.cons
 
 
 @gluon.jit
+def _load_group_tiles(desc, pair_desc, tiles, pair_tiles, barrier, batch, head, start):
+    """Each compute group's tile of `desc` and of `pair_desc` (same block shape), from row
+    `start` on, all on one barrier: what a program loads once before its ring starts."""
+    GROUPS: gl.constexpr = tiles.shape[0]
+    ROWS: gl.constexpr = desc.block_type.shape[2]
+    mbarrier.expect(barrier, GROUPS * (desc.block_type.nbytes + pair_desc.block_type.nbytes))
+    for g in gl.static_range(GROUPS):
+        tma_load(desc, [batch, head, start + g * ROWS, 0], barrier, tiles.index(g))
+        tma_load(pair_desc, [batch, head, start + g * ROWS, 0], barrier, pair_tiles.index(g))
+
+
+@gluon.jit
 def _dkdv_load_partition(k_desc, v_desc, q_desc, do_desc, k_tiles, v_tiles, q_ring, do_ring,
                          kv_ready, q_ready, do_ready, slot_free, batch, kv_head, k_start,
                          group_size, first_block, n_blocks, STAGES: gl.constexpr):
     """One warp: both groups' K and V tiles once, then each visit's Q and dO into the ring,
     as soon as both groups have freed the slot."""
-    GROUPS: gl.constexpr = k_tiles.shape[0]
-    GROUP_N: gl.constexpr = k_desc.block_type.shape[2]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    mbarrier.expect(kv_ready, GROUPS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    for g in gl.static_range(GROUPS):
-        tma_load(k_desc, [batch, kv_head, k_start + g * GROUP_N, 0], kv_ready, k_tiles.index(g))
-        tma_load(v_desc, [batch, kv_head, k_start + g * GROUP_N, 0], kv_ready, v_tiles.index(g))
+    _load_group_tiles(k_desc, v_desc, k_tiles, v_tiles, kv_ready, batch, kv_head, k_start)
     for j in range(group_size * n_blocks):
         slot = j % STAGES
         mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
@@ -377,13 +384,8 @@ def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_tiles, do_tiles, k_rin
                        n_blocks, STAGES: gl.constexpr):
     """One warp: both groups' Q and dO tiles once, then each key tile's K and V into the
     ring."""
-    GROUPS: gl.constexpr = q_tiles.shape[0]
-    GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    mbarrier.expect(q_ready, 2 * GROUPS * q_desc.block_type.nbytes)
-    for g in gl.static_range(GROUPS):
-        tma_load(q_desc, [batch, head, q_start + g * GROUP_M, 0], q_ready, q_tiles.index(g))
-        tma_load(do_desc, [batch, head, q_start + g * GROUP_M, 0], q_ready, do_tiles.index(g))
+    _load_group_tiles(q_desc, do_desc, q_tiles, do_tiles, q_ready, batch, head, q_start)
     for j in range(n_blocks):
         slot = j % STAGES
         mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
@@ -682,36 +684,40 @@ else:
 # first-order backward as the library runs it (`ours_*`: chapter 5's launcher with these
 # kernels; `triton_*`: `JVP_ATTENTION_WARP_SPECIALIZED=0`, chapter 5's kernels alone) in
 # both precisions, beside SDPA's cuDNN backend's backward, with FLOPs credited as five
-# products, $10BHN^2d$ (half when causal). The `ws_*` rows time one kernel alone, launched
-# directly with other tiles ("fast").
+# products, $10BHN^2d$ (half when causal); the chart shows cuDNN's time over each call's.
+# The results file's `ws_*` rows time one kernel alone, launched directly with other tiles
+# ("fast").
 
 # %% tags=["hide_input"]
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def plot_speeds(rows, title):
-    """A table and a bar chart of TFLOP/s by shape (and causal) and implementation."""
-    rows = [row for row in rows if "tflops" in row]
-    shapes = list(dict.fromkeys((tuple(row["shape"]), row["causal"]) for row in rows))
-    impls = list(dict.fromkeys(row["impl"] for row in rows))
-    speed = {(tuple(row["shape"]), row["causal"], row["impl"]): row["tflops"] for row in rows}
-    print(f"{'(B, H, N, d)':22} {'causal':>6} " + " ".join(f"{name[:15]:>15}" for name in impls))
+def plot_against_cudnn(rows, title):
+    """A table of each call's time (ms) and a chart of cuDNN's time over it (1: level with
+    cuDNN; the dashed line is the 0.8x target) by shape and implementation."""
+    ms = {(tuple(row["shape"]), row["causal"], row["impl"]): row["ms"] for row in rows
+          if "ms" in row}
+    shapes = list(dict.fromkeys((shape, causal) for shape, causal, _ in ms))
+    impls = [name for name in dict.fromkeys(impl for _, _, impl in ms) if name != "sdpa_cudnn"]
+    print(f"{'(B, H, N, d)':22} {'causal':>6} "
+          + " ".join(f"{name[:15]:>15}" for name in [*impls, "sdpa_cudnn"]) + "   (ms)")
     for shape, causal in shapes:
         print(f"{str(shape):22} {str(causal):>6} "
-              + " ".join(f"{speed.get((shape, causal, name), float('nan')):>15.0f}"
-                         for name in impls))
+              + " ".join(f"{ms.get((shape, causal, name), float('nan')):>15.2f}"
+                         for name in [*impls, "sdpa_cudnn"]))
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(impls)
     for i, name in enumerate(impls):
         ax.bar([x + i * width for x in range(len(shapes))],
-               [speed.get((shape, causal, name), 0) for shape, causal in shapes], width,
-               label=name)
+               [ms[shape, causal, "sdpa_cudnn"] / ms[shape, causal, name]
+                for shape, causal in shapes], width, label=name)
+    ax.axhline(0.8, color="k", lw=1, ls="--")
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))],
                   [f"{shape}\n{'causal' if causal else 'full'}" for shape, causal in shapes],
                   fontsize=7)
-    ax.set_ylabel("TFLOP/s")
+    ax.set_ylabel("cuDNN's time / this call's")
     ax.set_title(title)
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, ncol=4)
     plt.tight_layout()
     plt.show()
 
@@ -719,8 +725,8 @@ def plot_speeds(rows, title):
 if RESULTS.exists():
     record = json.loads(RESULTS.read_text())
     print(f"command: {record['command']}")
-    plot_speeds([row for row in record["rows"] if not row["impl"].startswith("ws_")],
-                "First-order backward on the H200, bf16")
+    plot_against_cudnn([row for row in record["rows"] if not row["impl"].startswith("ws_")],
+                       "First-order backward on the H200, bf16, against cuDNN's")
 else:
     print(f"no saved run at {RESULTS}")
 

@@ -21,7 +21,12 @@ from helpers import (
     make_problem,
     precision,
 )
-from test_warp_specialized import assert_within_budget, compiled_for_hopper, heads
+from test_warp_specialized import (
+    assert_within_budget,
+    compiled_for_hopper,
+    heads,
+    recorded_launches,
+)
 
 from jvp_attention import backward as backward_module
 from jvp_attention import hopper_backward as hb
@@ -165,27 +170,13 @@ def test_a_failed_compile_falls_back_with_a_warning(monkeypatch) -> None:
     assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
 
 
-def recorded_launch(monkeypatch, kernel: str) -> dict:
-    """Replace `kernel` of chapter 12's module by a recorder of its last launch."""
-    recorded = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                recorded.update(grid=grid, args=args, kwargs=kwargs)
-            return launch
-
-    monkeypatch.setattr(hb, kernel, Recorder())
-    return recorded
-
-
 def test_launch_plumbing(monkeypatch) -> None:
     """What the launchers hand the kernels (on CPU, the kernels replaced by recorders):
     grids of 128 keys (dK/dV, by B·Hkv) and 128 queries (dQ, by B·Hq), descriptors over
     each tensor's own strides in the tiles of the design, the GQA group, the scale in log2
     units, and the carried factors (the LSE standing in without them)."""
-    dkdv = recorded_launch(monkeypatch, "warp_specialized_dkdv_kernel")
-    dq_launch = recorded_launch(monkeypatch, "warp_specialized_dq_kernel")
+    dkdv = recorded_launches(monkeypatch, "warp_specialized_dkdv_kernel", hb)
+    dq_launch = recorded_launches(monkeypatch, "warp_specialized_dq_kernel", hb)
     q, grad_out = heads(n=300, heads=8, layout="bnhd"), heads(n=300, heads=8)
     k, v = heads(n=4100, heads=2), heads(n=4100, heads=2)
     lse, delta, factors = torch.empty(4, 8, 300), torch.empty(4, 8, 300), torch.ones(6)

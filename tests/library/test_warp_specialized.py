@@ -246,8 +246,8 @@ def test_backward_from_its_outputs(spec: Spec, dtype: torch.dtype) -> None:
                     "backward from the warp-specialised forward")
 
 
-def recorded_launches(monkeypatch, kernel: str) -> dict:
-    """Replace `kernel` of the module by a recorder; the dict it returns gets the grid, the
+def recorded_launches(monkeypatch, kernel: str, module=ws) -> dict:
+    """Replace `kernel` of `module` by a recorder; the dict it returns gets the grid, the
     arguments and the keywords of its last launch."""
     recorded = {}
 
@@ -257,7 +257,7 @@ def recorded_launches(monkeypatch, kernel: str) -> dict:
                 recorded.update(grid=grid, args=args, kwargs=kwargs)
             return launch
 
-    monkeypatch.setattr(ws, kernel, Recorder())
+    monkeypatch.setattr(module, kernel, Recorder())
     return recorded
 
 
