@@ -521,9 +521,10 @@ def fits_warp_specialized_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             and min(n_q, n_k) >= WARP_SPECIALIZED_MIN_KEYS
             and batch * n_heads * n_q * n_k * d >= WARP_SPECIALIZED_MIN_WORK)
     # "accurate" runs on the carried copies, which are contiguous; "fast" on the inputs.
-    operands = (carries(q, n_k) if exact
-                else all(_describable(t) for t in (q, k, v, grad_out)))
-    return fits and operands and d in DQ_HEAD_DIMS, fits and operands
+    # Asked only of calls that fit: short rows, the common case, stop at the shapes.
+    fits = fits and (carries(q, n_k) if exact
+                     else all(_describable(t) for t in (q, k, v, grad_out)))
+    return fits and d in DQ_HEAD_DIMS, fits
 
 
 def warp_specialized_backward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
