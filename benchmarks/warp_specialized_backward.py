@@ -46,6 +46,7 @@ from jvp_attention import warp_specialized as ws  # noqa: E402
 
 SCHEMA = "jvp_attention.warp_specialized_backward/2"
 DKDV_TILES = {  # name: (d, query rows per tile, ring slots); the library's: 64 rows, 2 slots
+    # (128 rows at d = 64 without the causal mask)
     "dkdv_d128_m64_s2": (128, 64, 2),
     "dkdv_d64_m64_s2": (64, 64, 2),
     "dkdv_d64_m128_s2": (64, 128, 2),
@@ -94,6 +95,7 @@ def resources() -> list[dict]:
     cases = [(name, causal, False) for name in names for causal in (False, True)]
     cases += [(name, causal, True) for name in ("dkdv_d128_m64_s2", "dkdv_d64_m64_s2",
                                                  "dq_d128_n128_s2") for causal in (False, True)]
+    cases.append(("dkdv_d64_m128_s2", False, True))  # the library's d = 64 tile unmasked
     rows = []
     for case in cases:
         rows.append(compile_for_hopper(*case))

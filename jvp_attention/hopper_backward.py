@@ -351,6 +351,7 @@ def warp_specialized_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
 
 
 DKDV_QUERY_ROWS = 64  # query rows per streamed tile: 128 spill at d = 128
+DKDV_WIDE_QUERY_ROWS = 128  # at d = 64 without the mask: 7% faster though it spills a little
 DKDV_STAGES = 2  # ring slots of Q and dO: 2 x 32 KB at d = 128, with 64 KB of K and V
 DQ_KEY_BLOCK = 128  # keys per streamed tile
 DQ_STAGES = 2  # ring slots of K and V: 2 x 64 KB at d = 128, with 64 KB of Q and dO
@@ -396,15 +397,24 @@ def warp_specialized_backward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch
     return dq, dkdv
 
 
+def dkdv_query_rows(head_dim: int, is_causal: bool) -> int:
+    """Query rows per streamed dK/dV tile: DKDV_WIDE_QUERY_ROWS at d = 64 without the
+    causal mask (whose 128-row tile spills enough to take twice as long), else
+    DKDV_QUERY_ROWS."""
+    return DKDV_WIDE_QUERY_ROWS if head_dim == 64 and not is_causal else DKDV_QUERY_ROWS
+
+
 def launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv,
                                  is_causal: bool, scale: float, *,
-                                 query_rows: int = DKDV_QUERY_ROWS,
+                                 query_rows: int | None = None,
                                  stages: int = DKDV_STAGES) -> None:
     """Write dk and dv (contiguous, in the gradients' dtype) from the forward's `lse`
     (natural log) and `delta` = rowsum(dO ∘ O), fp32 (B, Hq, Nq); `factors` are chapter 5's
-    carried factors when q, k, v, grad_out are its carried copies, else None."""
+    carried factors when q, k, v, grad_out are its carried copies, else None. `query_rows`
+    defaults to `dkdv_query_rows`."""
     batch, n_heads, n_q, _ = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
+    query_rows = query_rows or dkdv_query_rows(q.shape[-1], is_causal)
     descriptors = [_descriptor(t, rows) for t, rows in (
         (k, GROUP_ROWS), (v, GROUP_ROWS), (q, query_rows), (grad_out, query_rows),
         (dk, GROUP_ROWS), (dv, GROUP_ROWS))]

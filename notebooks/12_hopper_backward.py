@@ -487,7 +487,12 @@ def warp_specialized_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
 # One descriptor per tensor, as in chapter 11; the carried factors, when "accurate"
 # carries, are a pointer the kernels read (without the carry they read nothing, and the
 # LSE stands in). The tiles come from the register budget and the timings below: 64-query
-# tiles in two ring slots for dK/dV at both head dims, 128-key tiles in two slots for dQ.
+# tiles in two ring slots for dK/dV, 128-key tiles in two slots for dQ. At $d = 64$
+# without the causal mask dK/dV streams 128-query tiles: they spill a few hundred bytes a
+# thread, and still took 2.40 against 2.61 ms at (4, 32, 4096, 64) on the H200 ("fast",
+# the kernel alone); with the mask they spill more and took 2.71 against 1.41 ms, so
+# causal calls keep 64 rows.
+# A third ring slot changed neither kernel by more than 2%.
 # Chapter 5's launcher asks `warp_specialized_backward_kernels` which of its two kernels
 # to replace: calls without a mask or tangent, on an sm_90 GPU, with $D = D_v \in \{64,
 # 128\}$, at least 4096 queries and keys and the primal forward's minimum of work
@@ -498,6 +503,7 @@ def warp_specialized_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
 
 # %% tags=["export"]
 DKDV_QUERY_ROWS = 64  # query rows per streamed tile: 128 spill at d = 128
+DKDV_WIDE_QUERY_ROWS = 128  # at d = 64 without the mask: 7% faster though it spills a little
 DKDV_STAGES = 2  # ring slots of Q and dO: 2 x 32 KB at d = 128, with 64 KB of K and V
 DQ_KEY_BLOCK = 128  # keys per streamed tile
 DQ_STAGES = 2  # ring slots of K and V: 2 x 64 KB at d = 128, with 64 KB of Q and dO
@@ -543,15 +549,24 @@ def warp_specialized_backward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch
     return dq, dkdv
 
 
+def dkdv_query_rows(head_dim: int, is_causal: bool) -> int:
+    """Query rows per streamed dK/dV tile: DKDV_WIDE_QUERY_ROWS at d = 64 without the
+    causal mask (whose 128-row tile spills enough to take twice as long), else
+    DKDV_QUERY_ROWS."""
+    return DKDV_WIDE_QUERY_ROWS if head_dim == 64 and not is_causal else DKDV_QUERY_ROWS
+
+
 def launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv,
                                  is_causal: bool, scale: float, *,
-                                 query_rows: int = DKDV_QUERY_ROWS,
+                                 query_rows: int | None = None,
                                  stages: int = DKDV_STAGES) -> None:
     """Write dk and dv (contiguous, in the gradients' dtype) from the forward's `lse`
     (natural log) and `delta` = rowsum(dO ∘ O), fp32 (B, Hq, Nq); `factors` are chapter 5's
-    carried factors when q, k, v, grad_out are its carried copies, else None."""
+    carried factors when q, k, v, grad_out are its carried copies, else None. `query_rows`
+    defaults to `dkdv_query_rows`."""
     batch, n_heads, n_q, _ = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
+    query_rows = query_rows or dkdv_query_rows(q.shape[-1], is_causal)
     descriptors = [_descriptor(t, rows) for t, rows in (
         (k, GROUP_ROWS), (v, GROUP_ROWS), (q, query_rows), (grad_out, query_rows),
         (dk, GROUP_ROWS), (dv, GROUP_ROWS))]
@@ -735,29 +750,38 @@ else:
 # What the numbers say (one run, H200, bf16; `benchmarks/results/warp_specialized_backward_h200.json`,
 # whose rows also hold each kernel's GPU time from the profiler):
 #
-# * **The whole backward moves from 0.74x to 0.82x cuDNN's** at (4, 16, 4096, 128) in
-#   "accurate" precision (3.33 against 3.66 ms with chapter 5's kernels; cuDNN 2.72 ms), and
-#   from 0.77x to 0.83x at (1, 16, 16384, 128) (12.4 against 13.4 ms; cuDNN 10.3). Causal:
-#   0.71x to 0.76x and 0.73x to 0.80x. "fast" reaches 0.87x and 0.85x (causal 0.84x and
-#   0.82x). At $d = 64$, where only dK/dV changes kernel: 0.77x (from 0.74x), causal 0.74x
-#   (from 0.64x); "fast" 0.80x and 0.81x.
+# * **The whole backward moves from 0.73x to 0.79x cuDNN's** at (4, 16, 4096, 128) in
+#   "accurate" precision (3.32 against 3.62 ms with chapter 5's kernels; cuDNN 2.62 ms),
+#   and from 0.78x to 0.84x at (1, 16, 16384, 128) (12.2 against 13.2 ms; cuDNN 10.3).
+#   At $d = 128$ it is 0.79x to 0.84x without the mask over 4096 to 32768 tokens, and
+#   0.74x to 0.79x causal (chapter 5's: 0.69x to 0.74x). "fast" reaches 0.84x to 0.86x,
+#   causal 0.79x to 0.82x. At $d = 64$, where only dK/dV changes kernel: 0.78x to 0.80x
+#   (from 0.74x to 0.76x), causal 0.73x to 0.78x (from 0.64x to 0.68x); "fast" 0.81x to
+#   0.84x and 0.77x to 0.81x. cuDNN's own time moves by a few percent between runs (2.72
+#   against 2.62 ms at (4, 16, 4096, 128) in the run before this one, for the same 3.32 ms
+#   of ours), so a ratio within 0.02 of the target is not settled by one run.
 # * **Where the time goes.** At (4, 16, 4096, 128) "accurate": dQ 1.16 ms (chapter 5's:
-#   1.42), dK/dV 1.76 ms (1.94), and 0.26 ms for the range pass and the carried copies that
+#   1.44), dK/dV 1.75 ms (1.97), and 0.26 ms for the range pass and the carried copies that
 #   keep bf16 gradients at the math path's error. Those 0.26 ms are the difference between
-#   the two precisions, and most of what separates "accurate" from 0.9x cuDNN.
-# * **dQ gains most** (11 to 19% less time at $d = 128$): the forward's shape, one
-#   accumulator, no spills. **dK/dV gains 6 to 9%** at $d = 128$ without the mask and
-#   nothing causal (1.08 against 1.07 ms at 4096 tokens, 3.84 against 3.79 at 16384): its
+#   the two precisions, and most of what separates "accurate" from 0.8x cuDNN where it
+#   misses: causal at $d = 128$ "fast" clears 0.8x up to 16384 tokens.
+# * **dQ gains most** (9 to 21% less time at $d = 128$): the forward's shape, one
+#   accumulator, no spills. **dK/dV gains 3 to 11%** at $d = 128$ without the mask and
+#   nothing causal (1.08 against 1.05 ms at 4096 tokens, 3.80 against 3.89 at 16384): its
 #   tile spills a few bytes a thread, and the short causal programs leave the two groups
-#   less to overlap. At $d = 64$ it gains 4% without the
-#   mask and 21% causal. Tiles: 128-query tiles at $d = 64$ are 7% faster without the mask
-#   but spill 352 bytes and are twice as slow causal, so the library keeps 64.
+#   less to overlap. At $d = 64$ it gains 6 to 7% without the mask and 17 to 21% causal.
+#   There the 128-query tile takes 2.40 ms alone in "fast" at (4, 32, 4096, 64), against
+#   2.61 for 64-query tiles, but carried 2.58 ms, hardly less than the 64-query tiles took
+#   carried in the previous run (2.64): carried, it spills a little more.
 # * **Errors are chapter 5's**: every precision's `*_err_ratio` in the results file equals
 #   the Triton kernels' to the digits shown (the same products in the same precision, in
 #   another order); "accurate" 1.00x to 1.28x the math path's, above.
 #
-# So the first-order backward reaches 0.8x cuDNN in "fast" precision everywhere measured and
-# in "accurate" at $d = 128$ without the mask, not yet causal at 4096 tokens or at $d = 64$.
-# What remains is the carried copies' pass (a fused copy inside the kernels' loaders would
-# remove it), the dK/dV tile's spills at $d = 128$, and at $d = 64$ a dQ kernel that beats
+# So the first-order backward reaches 0.8x cuDNN in "fast" precision at every $d = 128$
+# shape up to 16384 tokens and at $d = 64$ without the mask, and in "accurate" at
+# $d = 128$ without the mask from 8192 tokens (0.79x at 4096) and at (2, 32, 8192, 64); not
+# yet causal, nor at $d = 64$ elsewhere. What remains is the carried copies' pass (a
+# conversion inside the kernels, from bf16 tiles to fp16 in shared memory, would remove
+# it), the dK/dV tile's spills (at $d = 128$, and at $d = 64$ the 128-query tile's, whose
+# causal form spills enough to take twice as long), and at $d = 64$ a dQ kernel that beats
 # chapter 5's; the second-order backward still runs chapter 6's kernels.
