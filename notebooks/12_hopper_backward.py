@@ -613,8 +613,10 @@ def launched(launch, *args) -> bool:
 #
 # Compiled for sm_90 with Triton 3.6 on a CPU machine (`python
 # benchmarks/warp_specialized_backward.py --resources`), in both precisions the library
-# runs and causal or not. The dQ tiles and the $d = 64$ dK/dV tile fit without spilling;
-# the $d = 128$ dK/dV tile spills a few bytes a thread, which its timings below absorb.
+# runs and causal or not. The dQ tiles and the $d = 64$ dK/dV tile of 64 query rows fit
+# without spilling; the $d = 128$ dK/dV tile spills a few bytes a thread, which its
+# timings below absorb, and the 128-row tile that $d = 64$ takes without the mask spills
+# 352 bytes (368 carried), and is still the faster one there.
 
 # %% tags=["hide_input"]
 resources = json.loads(RESOURCES.read_text())
@@ -773,6 +775,15 @@ else:
 #   There the 128-query tile takes 2.40 ms alone in "fast" at (4, 32, 4096, 64), against
 #   2.61 for 64-query tiles, but carried 2.58 ms, hardly less than the 64-query tiles took
 #   carried in the previous run (2.64): carried, it spills a little more.
+# * **Seven products where cuDNN does five.** Chapter 5's split, kept here, has the dQ
+#   kernel compute S and dP again rather than summing dQ's partial products across key
+#   blocks into an fp32 dQ (atomic or bulk reduction traffic, as FlashAttention-2 and -3
+#   do). At (4, 16, 4096, 128) the two kernels alone take 1.24 + 1.80 = 3.04 ms in "fast"
+#   for seven products, 0.43 ms a product, against cuDNN's 2.62 ms for five, 0.52 ms a
+#   product; at (1, 16, 16384, 128) 1.70 against 2.05 ms a product. Per product ours is
+#   17% faster; the two products done twice are what hold the whole backward near 0.8x.
+#   Five products at this rate would take 2.17 ms, 1.2x cuDNN's speed: a fused dQ is the
+#   route past the line, not a faster tile.
 # * **Errors are chapter 5's**: every precision's `*_err_ratio` in the results file equals
 #   the Triton kernels' to the digits shown (the same products in the same precision, in
 #   another order); "accurate" 1.00x to 1.28x the math path's, above.
@@ -780,8 +791,9 @@ else:
 # So the first-order backward reaches 0.8x cuDNN in "fast" precision at every $d = 128$
 # shape up to 16384 tokens and at $d = 64$ without the mask, and in "accurate" at
 # $d = 128$ without the mask from 8192 tokens (0.79x at 4096) and at (2, 32, 8192, 64); not
-# yet causal, nor at $d = 64$ elsewhere. What remains is the carried copies' pass (a
-# conversion inside the kernels, from bf16 tiles to fp16 in shared memory, would remove
-# it), the dK/dV tile's spills (at $d = 128$, and at $d = 64$ the 128-query tile's, whose
-# causal form spills enough to take twice as long), and at $d = 64$ a dQ kernel that beats
+# yet causal, nor at $d = 64$ elsewhere. What remains is the two products the dQ kernel
+# computes again (a fused dQ would drop them), the carried copies' pass (a conversion
+# inside the kernels, from bf16 tiles to fp16 in shared memory, would remove it), the
+# dK/dV tile's spills (at $d = 128$, and at $d = 64$ the 128-query tile's, whose causal
+# form spills enough to take twice as long), and at $d = 64$ a dQ kernel that beats
 # chapter 5's; the second-order backward still runs chapter 6's kernels.
