@@ -226,14 +226,19 @@ def test_compiles_for_hopper_within_its_budget(tile: str) -> None:
     assert report["wgmma"] > 0
 
 
-def test_d128_key_tile_spills_little() -> None:
-    """The d = 128 dK/dV tile holds 224 of its 240 registers in live values, and ptxas
-    spills a few bytes a thread: within 128, and within the shared memory a block may
-    take."""
+@pytest.mark.parametrize(("tile", "causal", "max_spills"), [
+    ("dkdv_d128_m64_s2", True, 128), ("dkdv_d64_m128_s2", False, 512)])
+def test_spilling_dkdv_tiles_stay_within_bounds(tile: str, causal: bool,
+                                                max_spills: int) -> None:
+    """The dK/dV tiles that spill, carried: at d = 128 (224 of its 240 registers hold live
+    values) a few bytes a thread, within 128; the 128-query tile that d = 64 takes without
+    the causal mask 368 bytes with Triton 3.6 (and measured faster than the 64-query tile
+    all the same), within 512. Both within the shared memory a block may take."""
     report = compiled_for_hopper(
         "warp_specialized_backward",
-        "compile_for_hopper('dkdv_d128_m64_s2', causal=True, carry=True)")
-    assert report["spills"] <= 128 and report["shared"] <= 232448 and report["wgmma"] > 0
+        f"compile_for_hopper({tile!r}, causal={causal}, carry=True)")
+    assert (report["spills"] <= max_spills and report["shared"] <= 232448
+            and report["wgmma"] > 0)
 
 
 GPU_SPECS = [  # each with at least WARP_SPECIALIZED_MIN_WORK of work
@@ -272,12 +277,3 @@ def test_backward_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype, mode: s
                                                strict=True) if taken]
     assert_accurate(ours, truth, floor, dtype, p.label, f"warp-specialised backward, {mode}")
 
-
-def test_wide_d64_query_tile_spills_within_bounds() -> None:
-    """The 128-query dK/dV tile that d = 64 takes without the causal mask, carried: it
-    spills (368 bytes a thread with Triton 3.6), and measured faster than the 64-query tile
-    all the same; within 512 bytes, and within the shared memory a block may take."""
-    report = compiled_for_hopper(
-        "warp_specialized_backward",
-        "compile_for_hopper('dkdv_d64_m128_s2', causal=False, carry=True)")
-    assert report["spills"] <= 512 and report["shared"] <= 232448 and report["wgmma"] > 0
