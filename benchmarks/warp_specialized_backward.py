@@ -13,10 +13,11 @@ and dK/dV to chapter 12's kernels where they take the call); `triton_accurate` a
 `triton_fast` the same with JVP_ATTENTION_WARP_SPECIALIZED=0 (chapter 5's kernels alone);
 `sdpa_cudnn` SDPA's cuDNN backward through autograd. Each library row also records its GPU
 kernels' times from the profiler. `ws_<tile>` rows launch one of chapter 12's kernels alone
-with another tile ("fast"). FLOPs: the backward's five products, 10·B·H·N²·d (half when
-causal); a dK/dV kernel alone is credited four of them, a dQ kernel three (it recomputes S
-and dP). Gradients are checked against float64 (each error over PyTorch math's in the same
-dtype) up to --check-n.
+with another tile ("fast"); `ws_fused_*` the dK/dV kernel that sums dQ too, with the
+zeroing of its sum and the pass that scales it. FLOPs: the backward's five products,
+10·B·H·N²·d (half when causal); a dK/dV kernel alone is credited four of them, a dQ kernel
+three (it recomputes S and dP), a fused one all five. Gradients are checked against float64
+(each error over PyTorch math's in the same dtype) up to --check-n.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ DKDV_TILES = {  # name: (d, query rows per tile, ring slots); the library's: 64 
 }
 DQ_TILES = {  # name: (d, keys per tile, ring slots); the library's: 128 keys, 2 slots
     "dq_d128_n128_s2": (128, 128, 2),
-    "dq_d128_n64_s3": (128, 64, 3),
-    "dq_d64_n128_s2": (64, 128, 2),
+}
+FUSED_TILES = {  # name: (d, query rows, ring slots): dK/dV summing dQ too (FUSED_DQ)
+    "fused_d128_m64_s2": (128, 64, 2),
+    "fused_d64_m64_s2": (64, 64, 2),
 }
 
 
@@ -73,7 +76,8 @@ def compile_for_hopper(name: str, causal: bool = False, carry: bool = False) -> 
         heads = {"n_heads": "i32", "n_q": "i32", "n_k": "i32"}
         shape = {"d": d, "key_block": key_block, "stages": stages}
     else:
-        d, query_rows, stages = DKDV_TILES[name]
+        fused = name in FUSED_TILES
+        d, query_rows, stages = (FUSED_TILES if fused else DKDV_TILES)[name]
         kernel = hb.warp_specialized_dkdv_kernel
         rows = {"k_desc": (operands, ws.GROUP_ROWS), "v_desc": (operands, ws.GROUP_ROWS),
                 "q_desc": (operands, query_rows), "do_desc": (operands, query_rows),
@@ -81,21 +85,26 @@ def compile_for_hopper(name: str, causal: bool = False, carry: bool = False) -> 
         heads = {"n_kv_heads": "i32", "n_q": "i32"}
         shape = {"d": d, "query_rows": query_rows, "stages": stages}
     descriptors = {arg: ws._descriptor(t, r) for arg, (t, r) in rows.items()}
+    constexprs = {"STAGES": stages, "CAUSAL": causal, "CARRY": carry}
+    if name not in DQ_TILES:  # the dK/dV kernel: its dQ sum's descriptor (unread unfused)
+        descriptors["dq_desc"] = (hb._sum_descriptor(grads.float(), query_rows) if fused
+                                  else descriptors["dk_desc"])
+        constexprs["FUSED_DQ"] = fused
     scalars = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "factors_ptr": "*fp32", **heads,
                "group_size": "i32", "qk_scale": "fp32", "scale": "fp32"}
-    report = compiled_report(kernel, descriptors, scalars,
-                             {"STAGES": stages, "CAUSAL": causal, "CARRY": carry}, 4)
+    report = compiled_report(kernel, descriptors, scalars, constexprs, 4)
     return {"tile": name, **shape, "causal": causal, "carry": carry, **report}
 
 
 def resources() -> list[dict]:
     """Every tile compiled for sm_90 in "fast" precision, causal or not, and the library's
     tiles carried ("accurate" bf16)."""
-    names = [*DKDV_TILES, *DQ_TILES]
+    names = [*DKDV_TILES, *DQ_TILES, *FUSED_TILES]
     cases = [(name, causal, False) for name in names for causal in (False, True)]
     cases += [(name, causal, True) for name in ("dkdv_d128_m64_s2", "dkdv_d64_m64_s2",
-                                                 "dq_d128_n128_s2") for causal in (False, True)]
-    cases.append(("dkdv_d64_m128_s2", False, True))  # the library's d = 64 tile unmasked
+                                                 "dq_d128_n128_s2", *FUSED_TILES)
+              for causal in (False, True)]
+    cases.append(("dkdv_d64_m128_s2", False, True))
     rows = []
     for case in cases:
         rows.append(compile_for_hopper(*case))
@@ -169,8 +178,14 @@ def gradient_errors(result, q, k, v, grad_out, causal: bool,
 
 
 def direct_launch(q, k, v, grad_out, forward, delta, causal: bool, name: str):
-    """One of chapter 12's kernels alone with tile `name`, "fast": (dk, dv) or (dq,)."""
+    """One of chapter 12's kernels alone with tile `name`, "fast": (dk, dv), (dq,), or
+    (dq, dk, dv) for a fused tile (with its zeroed sum and the pass that scales it)."""
     scale = q.shape[-1] ** -0.5
+    if name in FUSED_TILES:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        hb.launch_warp_specialized_dkdv(q, k, v, grad_out, forward.lse, delta, None, dk, dv,
+                                        causal, scale, dq, stages=FUSED_TILES[name][2])
+        return dq, dk, dv
     if name in DQ_TILES:
         _, key_block, stages = DQ_TILES[name]
         dq = torch.empty_like(q)
@@ -204,15 +219,15 @@ def measure(shapes, check_n: int) -> list[dict]:
                 if "error" not in row:
                     row |= kernel_times(call)
                 rows.append(row)
-        for name, tile in (*DKDV_TILES.items(), *DQ_TILES.items()):
+        for name, tile in (*DKDV_TILES.items(), *DQ_TILES.items(), *FUSED_TILES.items()):
             if tile[0] == d:
+                names, share = (("dq",), 0.6) if name in DQ_TILES else (
+                    (("dq", "dk", "dv"), 1.0) if name in FUSED_TILES else (("dk", "dv"), 0.8))
                 rows.append(checked_and_timed(
                     base | {"impl": f"ws_{name}"},
                     functools.partial(direct_launch, q, k, v, grad_out, forward, delta,
                                       causal, name),
-                    functools.partial(check, names=("dq",) if name in DQ_TILES
-                                      else ("dk", "dv")) if check else None,
-                    flops * (0.6 if name in DQ_TILES else 0.8)))
+                    functools.partial(check, names=names) if check else None, flops * share))
         inputs = tuple(x.detach().requires_grad_() for x in (q, k, v))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             sdpa_out = torch.nn.functional.scaled_dot_product_attention(*inputs,

@@ -14,6 +14,7 @@ import warnings
 
 import torch
 import triton
+import triton.language as tl
 
 from jvp_attention.launch import carries, interpreting
 from jvp_attention.warp_specialized import (
@@ -24,7 +25,9 @@ from jvp_attention.warp_specialized import (
     LOADER_REGS,
     WARP_SPECIALIZED_MIN_KEYS,
     WARP_SPECIALIZED_MIN_WORK,
+    TensorDescriptor,
     _as_matrices,
+    _barrier,
     _blocks,
     _describable,
     _descriptor,
@@ -36,10 +39,12 @@ from jvp_attention.warp_specialized import (
     _ring_barriers,
     _store_rows,
     _take_turn,
+    fence_async_shared,
     gl,
     gluon,
     mbarrier,
     mma_layout,
+    tma,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -123,15 +128,79 @@ def _row_statistics(lse_ptr, delta_ptr, rows, n_q, delta_factor, p_exponent):
     return lse * LOG2E - p_exponent, delta * delta_factor
 
 
+try:  # the copy engine's bulk add: Triton 3.6's Gluon builds it, no Python wrapper yet
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+
+    @builtin
+    def _tma_reduce_add(desc, coord, src, _semantic=None):
+        """Add shared-memory block `src` into `desc`'s block at `coord` (fp32 adds in L2;
+        completion as a store's, `tma.store_wait`)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle,
+                                                  coord, src.handle)
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    _tma_reduce_add = gl
+
+
+@gluon.jit
+def _share_ds(dst, ds_tiles, ds_ready, ds_free, visit, GROUP: gl.constexpr):
+    """Store this group's dSᵀ tile of `visit` where the other group's dQ part reads it,
+    once both groups have read that buffer's last tile."""
+    buffer = visit % 2
+    mbarrier.wait(ds_free.index(buffer), ((visit // 2) & 1) ^ 1)
+    ds_tiles.index(2 * buffer + GROUP).store(dst)
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's part is stored before the group says so
+    mbarrier.arrive(ds_ready.index(buffer), count=1)
+
+
+@gluon.jit
+def _dq_part(ds_tiles, k_2d, dq_tiles, ds_ready, ds_free, dq_desc, visit, kv_head,
+             group_size, first_block, n_blocks, batch, GROUP: gl.constexpr,
+             num_warps: gl.constexpr):
+    """This group's part of visit `visit`'s dQ = dS K over the program's 128 keys, added
+    into the fp32 sum: at d = 128 the 64 columns from 64·GROUP, at d = 64 all of them on
+    the group's alternate visits."""
+    COLS: gl.constexpr = dq_desc.block_type.shape[3]
+    BLOCK_M: gl.constexpr = dq_desc.block_type.shape[2]
+    PARTS: gl.constexpr = k_2d.shape[2] // COLS
+    buffer = visit % 2
+    mbarrier.wait(ds_ready.index(buffer), (visit // 2) & 1)
+    if PARTS == 2 or visit % 2 == GROUP:
+        col: gl.constexpr = GROUP * COLS if PARTS == 2 else 0
+        dq = gl.zeros([BLOCK_M, COLS], gl.float32, mma_layout(COLS, num_warps))
+        for g in gl.static_range(2):
+            dq = warpgroup_mma(ds_tiles.index(2 * buffer + g).permute((1, 0)),
+                               k_2d.index(g).slice(col, COLS, 1), dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        gl.thread_barrier()  # every warp's products have read both tiles
+        mbarrier.arrive(ds_free.index(buffer), count=1)
+        head, start_m = _query_visit(visit, kv_head, group_size, first_block, n_blocks,
+                                     BLOCK_M)
+        stage = _as_matrices(dq_tiles, dq_desc).index(GROUP)
+        # The group's last addition has left the staging tile: one thread issued it and
+        # waits for it, the others wait for that thread.
+        tma.store_wait(0)
+        gl.thread_barrier()
+        stage.store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [batch, head, start_m, col], dq_tiles.index(GROUP))
+    else:
+        mbarrier.arrive(ds_free.index(buffer), count=1)
+
+
 @gluon.jit
 def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_ready, q_ready,
                             do_ready, slot_free, turns, dk_desc, dv_desc, lse_ptr, delta_ptr,
                             factors_ptr, batch, kv_head, k_start, group_size, first_block,
-                            n_blocks, n_heads, n_q, qk_scale, scale, GROUP: gl.constexpr,
+                            n_blocks, n_heads, n_q, qk_scale, scale, ds_tiles, dq_tiles,
+                            ds_ready, ds_free, dq_desc, GROUP: gl.constexpr,
                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, CARRY: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            FUSED_DQ: gl.constexpr, num_warps: gl.constexpr):
     """One group of 64 keys: per visit a turn for Sᵀ and dPᵀ, the probabilities and dSᵀ,
-    a turn for dV and dK; then s·dK and dV."""
+    a turn for dV and dK (and with FUSED_DQ the last visit's part of dQ); then s·dK and
+    dV."""
     GROUP_N: gl.constexpr = dk_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = q_ring.shape[1]
@@ -145,13 +214,14 @@ def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_re
     k_smem = k_2d.index(GROUP)
     v_smem = v_2d.index(GROUP)
     first_key = k_start + GROUP * GROUP_N
+    n_visits = group_size * n_blocks
 
     dk = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
     st_zero = gl.zeros([GROUP_N, BLOCK_M], gl.float32, st_layout)
     mbarrier.wait(kv_ready, 0)
     turn = 0
-    for j in range(group_size * n_blocks):
+    for j in range(n_visits):
         slot = j % STAGES
         phase = (j // STAGES) & 1
         head, start_m = _query_visit(j, kv_head, group_size, first_block, n_blocks, BLOCK_M)
@@ -173,14 +243,28 @@ def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_re
         pt = gl.exp2(st * qk_scale - gl.expand_dims(lse * LOG2E - p_exponent, 0))
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         delta = gl.load(delta_ptr + rows + queries, mask=queries < n_q, other=0.0)
-        dst = pt * (dpt - gl.expand_dims(delta * delta_factor, 0))
-        dst_op = gl.convert_layout(dst.to(dtype), op_layout)
+        dst = (pt * (dpt - gl.expand_dims(delta * delta_factor, 0))).to(dtype)
+        if FUSED_DQ:
+            _share_ds(dst, ds_tiles, ds_ready, ds_free, j, GROUP)
+        dst_op = gl.convert_layout(dst, op_layout)
         turn = _take_turn(turns, turn, GROUP, True)
         dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
         dk = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
         _pass_turn(turns, GROUP, True)
         dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
         mbarrier.arrive(slot_free.index(slot), count=1)
+        if FUSED_DQ and j > 0:
+            _dq_part(ds_tiles, k_2d, dq_tiles, ds_ready, ds_free, dq_desc, j - 1, kv_head,
+                     group_size, first_block, n_blocks, batch, GROUP, num_warps)
+    if FUSED_DQ:
+        if n_visits > 0:
+            last = n_visits - 1
+            _dq_part(ds_tiles, k_2d, dq_tiles, ds_ready, ds_free, dq_desc, last, kv_head,
+                     group_size, first_block, n_blocks, batch, GROUP, num_warps)
+            # The other group's last part reads this group's K tile, which is about to
+            # stage dK: wait until both have read it.
+            mbarrier.wait(ds_free.index(last % 2), (last // 2) & 1)
+        tma.store_wait(0)
 
     # Every product is done: the K and V tiles, viewed in the gradients' type, carry them out.
     dk = dk * (scale * _carried(factors_ptr, 3, CARRY, 1.0))
@@ -209,12 +293,14 @@ else:  # Triton 3.6
 
 
 @gluon.jit
-def warp_specialized_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, lse_ptr,
-                                 delta_ptr, factors_ptr, n_kv_heads, n_q, group_size,
+def warp_specialized_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, dq_desc,
+                                 lse_ptr, delta_ptr, factors_ptr, n_kv_heads, n_q, group_size,
                                  qk_scale, scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                                 CARRY: gl.constexpr, num_warps: gl.constexpr):
+                                 CARRY: gl.constexpr, FUSED_DQ: gl.constexpr,
+                                 num_warps: gl.constexpr):
     """Grid (cdiv(Nk, 128), B·Hkv): 128 keys of one key/value head per program, 64 per
-    compute group, summed over the query heads of its GQA group."""
+    compute group, summed over the query heads of its GQA group; with FUSED_DQ each query
+    tile's dQ over those keys is added into `dq_desc`'s fp32 sum."""
     GROUP_N: gl.constexpr = k_desc.block_type.shape[2]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     k_start = gl.program_id(0) * 2 * GROUP_N
@@ -227,6 +313,14 @@ def warp_specialized_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_de
     k_tiles, v_tiles = _blocks(k_desc, 2), _blocks(v_desc, 2)
     q_ring, do_ring = _blocks(q_desc, STAGES), _blocks(do_desc, STAGES)
     kv_ready, q_ready, do_ready, slot_free, turns = _ring_barriers(STAGES, 2)
+    if FUSED_DQ:  # dSᵀ: 2 visits x 2 groups; dQ's staging: one per group
+        ds_tiles = gl.allocate_shared_memory(
+            q_desc.dtype, [4, GROUP_N, BLOCK_M],
+            gl.NVMMASharedLayout.get_default_for([GROUP_N, BLOCK_M], q_desc.dtype))
+        dq_tiles = _blocks(dq_desc, 2)
+        ds_ready, ds_free = _barrier(2, 2), _barrier(2, 2)
+    else:  # unused
+        ds_tiles, dq_tiles, ds_ready, ds_free = k_tiles, k_tiles, turns, turns
     k_2d, v_2d = _as_matrices(k_tiles, k_desc), _as_matrices(v_tiles, v_desc)
     q_2d, do_2d = _as_matrices(q_ring, q_desc), _as_matrices(do_ring, do_desc)
     n_heads = n_kv_heads * group_size
@@ -235,12 +329,14 @@ def warp_specialized_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_de
                                    q_ready, do_ready, slot_free, turns, dk_desc, dv_desc,
                                    lse_ptr, delta_ptr, factors_ptr, batch, kv_head, k_start,
                                    group_size, first_block, n_blocks, n_heads, n_q, qk_scale,
-                                   scale, 0, STAGES, CAUSAL, CARRY, num_warps)),
+                                   scale, ds_tiles, dq_tiles, ds_ready, ds_free, dq_desc, 0,
+                                   STAGES, CAUSAL, CARRY, FUSED_DQ, num_warps)),
         (_dkdv_compute_partition, (k_tiles, v_tiles, k_2d, v_2d, q_2d, do_2d, kv_ready,
                                    q_ready, do_ready, slot_free, turns, dk_desc, dv_desc,
                                    lse_ptr, delta_ptr, factors_ptr, batch, kv_head, k_start,
                                    group_size, first_block, n_blocks, n_heads, n_q, qk_scale,
-                                   scale, 1, STAGES, CAUSAL, CARRY, num_warps)),
+                                   scale, ds_tiles, dq_tiles, ds_ready, ds_free, dq_desc, 1,
+                                   STAGES, CAUSAL, CARRY, FUSED_DQ, num_warps)),
         (_dkdv_load_partition, (k_desc, v_desc, q_desc, do_desc, k_tiles, v_tiles, q_ring,
                                 do_ring, kv_ready, q_ready, do_ready, slot_free, batch,
                                 kv_head, k_start, group_size, first_block, n_blocks, STAGES)),
@@ -356,6 +452,8 @@ DKDV_STAGES = 2  # ring slots of Q and dO: 2 x 32 KB at d = 128, with 64 KB of K
 DQ_KEY_BLOCK = 128  # keys per streamed tile
 DQ_STAGES = 2  # ring slots of K and V: 2 x 64 KB at d = 128, with 64 KB of Q and dO
 DQ_HEAD_DIMS = (128,)  # at d = 64 chapter 5's dQ kernel is faster
+DQ_SUM_COLS = 64  # columns of a dQ part the dK/dV kernel adds: 32 fp32 registers a thread
+DQ_SUM_BLOCK = 1024  # elements per program of the pass that scales and rounds the sum
 
 _failed = False  # set when this Triton cannot compile a kernel: chapter 5's run instead
 
@@ -397,6 +495,13 @@ def warp_specialized_backward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch
     return dq, dkdv
 
 
+def fuses_dq(head_dim: int, is_causal: bool, carried: bool) -> bool:
+    """Whether the dK/dV kernel also sums dQ (no dQ kernel runs): everywhere but causal
+    d = 128 on the carried operands, where its tile spills 276 bytes a thread and took
+    2.11 against 1.78 ms for the two kernels at (4, 16, 4096, 128) on the H200."""
+    return not (head_dim == 128 and is_causal and carried)
+
+
 def dkdv_query_rows(head_dim: int, is_causal: bool) -> int:
     """Query rows per streamed dK/dV tile: DKDV_WIDE_QUERY_ROWS at d = 64 without the
     causal mask (whose 128-row tile spills enough to take twice as long), else
@@ -404,25 +509,57 @@ def dkdv_query_rows(head_dim: int, is_causal: bool) -> int:
     return DKDV_WIDE_QUERY_ROWS if head_dim == 64 and not is_causal else DKDV_QUERY_ROWS
 
 
+def _sum_descriptor(t: torch.Tensor, rows: int):
+    """A descriptor over fp32 (B, H, N, D) `t` in (1, 1, rows, DQ_SUM_COLS) blocks: the
+    tiles of dQ's sum."""
+    block = [1, 1, rows, DQ_SUM_COLS]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, gl.float32))
+
+
+@triton.jit
+def _scaled_sum_kernel(total_ptr, out_ptr, factors_ptr, scale, n, CARRY: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out = total · scale (· the carried factor of dQ), rounded to out's type; both
+    contiguous, `n` elements."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    factor = scale
+    if CARRY:
+        factor = scale * tl.load(factors_ptr + 2)
+    total = tl.load(total_ptr + offsets, mask=offsets < n)
+    tl.store(out_ptr + offsets, (total * factor).to(out_ptr.dtype.element_ty),
+             mask=offsets < n)
+
+
 def launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv,
-                                 is_causal: bool, scale: float, *,
+                                 is_causal: bool, scale: float, dq=None, *,
                                  query_rows: int | None = None,
                                  stages: int = DKDV_STAGES) -> None:
     """Write dk and dv (contiguous, in the gradients' dtype) from the forward's `lse`
     (natural log) and `delta` = rowsum(dO ∘ O), fp32 (B, Hq, Nq); `factors` are chapter 5's
-    carried factors when q, k, v, grad_out are its carried copies, else None. `query_rows`
-    defaults to `dkdv_query_rows`."""
+    carried factors when q, k, v, grad_out are its carried copies, else None. With `dq`
+    (contiguous) the kernel sums dQ too, in 64-query tiles, and a last pass scales it into
+    `dq`. `query_rows` defaults to `dkdv_query_rows`."""
     batch, n_heads, n_q, _ = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
-    query_rows = query_rows or dkdv_query_rows(q.shape[-1], is_causal)
+    fused = dq is not None
+    query_rows = DKDV_QUERY_ROWS if fused else query_rows or dkdv_query_rows(q.shape[-1],
+                                                                              is_causal)
     descriptors = [_descriptor(t, rows) for t, rows in (
         (k, GROUP_ROWS), (v, GROUP_ROWS), (q, query_rows), (grad_out, query_rows),
         (dk, GROUP_ROWS), (dv, GROUP_ROWS))]
+    total = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32) if fused else None
+    descriptors.append(_sum_descriptor(total, query_rows) if fused else descriptors[4])
     grid = (triton.cdiv(n_k, 2 * GROUP_ROWS), batch * n_kv_heads)
     warp_specialized_dkdv_kernel[grid](
         *descriptors, lse, delta, lse if factors is None else factors, n_kv_heads, n_q,
         n_heads // n_kv_heads, scale * math.log2(math.e), scale, STAGES=stages,
-        CAUSAL=is_causal, CARRY=factors is not None, num_warps=4, maxnreg=LAUNCH_REGS)
+        CAUSAL=is_causal, CARRY=factors is not None, FUSED_DQ=fused, num_warps=4,
+        maxnreg=LAUNCH_REGS)
+    if fused:
+        _scaled_sum_kernel[(triton.cdiv(dq.numel(), DQ_SUM_BLOCK),)](
+            total, dq, lse if factors is None else factors, scale, dq.numel(),
+            CARRY=factors is not None, BLOCK=DQ_SUM_BLOCK)
 
 
 def launch_warp_specialized_dq(q, k, v, grad_out, lse, delta, factors, dq, is_causal: bool,

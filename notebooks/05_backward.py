@@ -760,10 +760,12 @@ def _attention_backward_dq_kernel(
 # The gradients come back contiguous, in the inputs' dtypes; dK and dV have the key heads'
 # shape (the GQA sum is already done). On an sm_90 GPU, unmasked first-order calls with long
 # rows hand their dQ and dK/dV to chapter 12's warp-specialised kernels (in "fast" mode the
-# row-statistics kernel then computes $\Delta$ first).
+# row-statistics kernel then computes $\Delta$ first), whose dK/dV kernel sums dQ as well
+# where `fuses_dq` says so.
 
 # %% tags=["export"]
 from jvp_attention.hopper_backward import (  # noqa: E402  (chapter 12)
+    fuses_dq,
     launch_warp_specialized_dkdv,
     launch_warp_specialized_dq,
     launched,
@@ -905,6 +907,8 @@ def flash_attention_backward(
     # Chapter 12's warp-specialised kernels take unmasked first-order calls on Hopper.
     ws_dq, ws_dkdv = ((False, False) if attn_mask is not None or has_tangent or mask_grad
                       else warp_specialized_backward_kernels(q, k, v, grad_out, exact))
+    # Where its dK/dV kernel sums dQ as well, no dQ kernel runs.
+    fused_dq = ws_dkdv and fuses_dq(head_dim, is_causal, carry)
     grad_operand, factors = grad_out, lse  # `factors` is not read without CARRY
     if carry:  # the copy kernel writes delta too
         with on_device(q):
@@ -936,7 +940,7 @@ def flash_attention_backward(
     # the dQ kernel computes it, launched first, when O's rows are 16-element aligned (else
     # its loads would not vectorise, and at d = 72 the dQ kernel needs up to twice the
     # registers); otherwise, and with the tangent, the row-statistics kernel does.
-    delta_in_dq = not (carry or has_tangent or ws_dq) and value_dim % 16 == 0
+    delta_in_dq = not (carry or has_tangent or ws_dq or fused_dq) and value_dim % 16 == 0
     ws_args = (q, k, v, grad_operand, lse, delta, factors if carry else None)
     with on_device(q):
         prepare_descriptors(use_tma)
@@ -946,16 +950,19 @@ def flash_attention_backward(
                 *row_strides(grad_out, dto), n_heads, n_q, value_dim,
                 HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
                 BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"], ALIGN=switches["ALIGN"])
+        fused_dq = fused_dq and launched(launch_warp_specialized_dkdv, *ws_args, dk, dv,
+                                         is_causal, scale, dq)
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
-        if not (ws_dq and launched(launch_warp_specialized_dq, *ws_args, dq, is_causal, scale)):
+        if not (fused_dq or ws_dq and launched(launch_warp_specialized_dq, *ws_args, dq,
+                                               is_causal, scale)):
             launchable(dq_kernel, q)[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
                 q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, out, residual, lse, delta, mu,
                 c, factors, dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes,
                 **switches, **dq_meta, MASK_GRAD=mask_grad, DELTA_HERE=delta_in_dq,
                 HAS_RESIDUAL=out_residual is not None)
         dkdv = _backward_dkdv_tangent if has_tangent else _backward_dkdv
-        if not (ws_dkdv and launched(launch_warp_specialized_dkdv, *ws_args, dk, dv, is_causal,
-                                     scale)):
+        if not (fused_dq or ws_dkdv and launched(launch_warp_specialized_dkdv, *ws_args, dk,
+                                                 dv, is_causal, scale)):
             launchable(dkdv, q)[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
                 q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
                 dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches, **meta)

@@ -83,9 +83,10 @@ def first_order(p, mode: str, mask=None, **options):
 
 def test_backward_hands_over_unmasked_calls(monkeypatch) -> None:
     """Chapter 5's launcher asks for first-order unmasked calls only, runs the
-    row-statistics pass first when the dQ kernel is handed over (Delta), passes the carried
-    factors only when it carries, and runs its own kernels for what is not handed over or
-    does not compile."""
+    row-statistics pass first when dQ is handed over (Delta), hands dq to the dK/dV
+    launcher where that kernel sums it (`fuses_dq`) and launches no dQ kernel then, passes
+    the carried factors only when it carries, and runs its own kernels for what is not
+    handed over or does not compile."""
     asked, launches = [], []
 
     def kernels(q, k, v, grad_out, exact):
@@ -94,7 +95,8 @@ def test_backward_hands_over_unmasked_calls(monkeypatch) -> None:
 
     def recorder(name):
         def launch(q, k, v, grad_out, lse, delta, factors, *outputs_and_options):
-            launches.append((name, delta.clone(), factors))
+            fused = name == "dkdv" and len(outputs_and_options) == 5
+            launches.append((name + " with dq" * fused, delta.clone(), factors))
         return launch
 
     monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels", kernels)
@@ -103,14 +105,17 @@ def test_backward_hands_over_unmasked_calls(monkeypatch) -> None:
     p = make_problem(Spec(batch=1, hq=2, hkv=1, nq=20, nk=24, d=16, causal=True),
                      torch.float16, device=DEVICE)
     (_, fwd) = first_order(p, "fast")
-    assert asked == [False] and [name for name, _, _ in launches] == ["dq", "dkdv"]
+    assert asked == [False] and [name for name, _, _ in launches] == ["dkdv with dq"]
+    monkeypatch.setattr(backward_module, "fuses_dq", lambda *args: False)
+    first_order(p, "fast")
+    assert [name for name, _, _ in launches[1:]] == ["dq", "dkdv"]
     delta = (fwd.out.float() * p.grad_out.float()).sum(-1)
     for _, handed, factors in launches:
         assert factors is None  # fp16 does not carry
         torch.testing.assert_close(handed, delta, rtol=1e-3, atol=1e-3)
     # A mask, or the backward through the tangent, keep chapter 5's kernels.
     first_order(p, "fast", torch.zeros(20, 24, device=DEVICE, dtype=torch.float16))
-    assert asked == [False] and len(launches) == 2
+    assert asked == [False, False] and len(launches) == 3
     # Only dK/dV handed over: chapter 5's dQ kernel runs (and computes Delta itself).
     monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels",
                         lambda *args: (False, True))
@@ -118,13 +123,14 @@ def test_backward_hands_over_unmasked_calls(monkeypatch) -> None:
     monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels",
                         lambda *args: (False, False))
     (dq_alone, _, _), _ = first_order(p, "fast")
-    assert torch.equal(dq, dq_alone) and [name for name, _, _ in launches] == ["dq", "dkdv",
-                                                                               "dkdv"]
+    assert torch.equal(dq, dq_alone) and [name for name, _, _ in launches] == [
+        "dkdv with dq", "dq", "dkdv", "dkdv"]
 
 
 def test_carried_operands_reach_the_kernels(monkeypatch) -> None:
     """"accurate" bf16 with long rows hands the kernels chapter 5's fp16 copies and their
-    factors, and Delta from the copy kernel."""
+    factors, and Delta from the copy kernel: the fused dK/dV kernel alone, or both kernels
+    where it does not sum dQ."""
     seen = []
 
     def launch(q, k, v, grad_out, lse, delta, factors, *rest):
@@ -141,7 +147,10 @@ def test_carried_operands_reach_the_kernels(monkeypatch) -> None:
     p = make_problem(Spec(batch=1, hq=1, hkv=1, nq=16, nk=n, d=16), torch.bfloat16,
                      device=DEVICE)
     first_order(p, "accurate")
-    assert seen == [(torch.float16, torch.float16, torch.float32, True, True)] * 2
+    assert seen == [(torch.float16, torch.float16, torch.float32, True, True)]
+    monkeypatch.setattr(backward_module, "fuses_dq", lambda *args: False)
+    first_order(p, "accurate")
+    assert seen == [(torch.float16, torch.float16, torch.float32, True, True)] * 3
 
 
 def test_a_failed_compile_falls_back_with_a_warning(monkeypatch) -> None:
@@ -183,15 +192,15 @@ def test_launch_plumbing(monkeypatch) -> None:
     dq, dk, dv = torch.empty_like(grad_out), torch.empty_like(k), torch.empty_like(v)
     hb.launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv, True, 0.5)
     assert dkdv["grid"] == (33, 8)
-    descriptors, rest = dkdv["args"][:6], dkdv["args"][6:]
-    assert [d.base for d in descriptors] == [k, v, q, grad_out, dk, dv]
+    descriptors, rest = dkdv["args"][:7], dkdv["args"][7:]
+    assert [d.base for d in descriptors] == [k, v, q, grad_out, dk, dv, dk]  # dQ's unread
     assert [d.block_shape[2] for d in descriptors] == [64, 64, hb.DKDV_QUERY_ROWS,
-                                                      hb.DKDV_QUERY_ROWS, 64, 64]
+                                                      hb.DKDV_QUERY_ROWS, 64, 64, 64]
     assert list(descriptors[2].strides) == list(q.stride())  # its own (B, N, H, D) strides
     assert rest[:3] == (lse, delta, factors) and rest[3:6] == (2, 300, 4)
     assert math.isclose(rest[6], 0.5 * math.log2(math.e)) and rest[7] == 0.5
     assert dkdv["kwargs"] == dict(STAGES=hb.DKDV_STAGES, CAUSAL=True, CARRY=True,
-                                  num_warps=4, maxnreg=ws.LAUNCH_REGS)
+                                  FUSED_DQ=False, num_warps=4, maxnreg=ws.LAUNCH_REGS)
     hb.launch_warp_specialized_dq(q, k, v, grad_out, lse, delta, None, dq, False, 0.5)
     assert dq_launch["grid"] == (3, 32)
     descriptors, rest = dq_launch["args"][:5], dq_launch["args"][5:]
@@ -201,6 +210,43 @@ def test_launch_plumbing(monkeypatch) -> None:
     assert rest[2] is lse and rest[3:7] == (8, 300, 4100, 4)  # no carry: LSE stands in
     assert dq_launch["kwargs"] == dict(STAGES=hb.DQ_STAGES, CAUSAL=False, CARRY=False,
                                        num_warps=4, maxnreg=ws.LAUNCH_REGS)
+
+
+def test_fused_launch_sums_dq_and_scales_it(monkeypatch) -> None:
+    """With dq the dK/dV launcher hands the kernel a zeroed fp32 sum in (1, 1, 64, 64)
+    blocks, 64-query tiles (even where the unfused kernel takes 128) and FUSED_DQ; then
+    the sum times the scale and dQ's carried factor, rounded, lands in dq."""
+    launched = {}
+
+    class Kernel:  # stands in for the Gluon kernel: records, and adds 1 to the sum
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                assert not args[6].base.any()
+                args[6].base.add_(1.0)
+                launched.update(grid=grid, args=args, kwargs=kwargs)
+            return launch
+
+    monkeypatch.setattr(hb, "warp_specialized_dkdv_kernel", Kernel())
+    q, k = heads(n=300, heads=4, d=64, layout="bnhd"), heads(n=4100, heads=2, d=64)
+    lse, factors = torch.empty(4, 4, 300), torch.tensor([1.0, 1.0, 4.0, 1.0, 1.0, 0.0])
+    dq = torch.empty(q.shape, dtype=q.dtype)
+    hb.launch_warp_specialized_dkdv(q, k, k, q, lse, lse, factors, torch.empty_like(k),
+                                    torch.empty_like(k), False, 0.5, dq)
+    total = launched["args"][6]
+    assert total.base.dtype == torch.float32 and total.base.shape == dq.shape
+    assert list(total.block_shape) == [1, 1, 64, hb.DQ_SUM_COLS]
+    assert [t.block_shape[2] for t in launched["args"][2:4]] == [64, 64]
+    assert launched["kwargs"]["FUSED_DQ"] and launched["kwargs"]["CARRY"]
+    assert torch.equal(dq, torch.full_like(dq, 0.5 * 4.0))
+
+
+def test_dq_is_fused_except_causal_d128_carried() -> None:
+    """The dK/dV kernel sums dQ everywhere but on causal d = 128 carried operands."""
+    for d in (64, 128):
+        for causal in (False, True):
+            for carried in (False, True):
+                assert hb.fuses_dq(d, causal, carried) == (not (d == 128 and causal
+                                                                and carried))
 
 
 def test_dkdv_query_tile_widens_only_at_d64_without_the_mask(monkeypatch) -> None:
@@ -216,27 +262,31 @@ def test_dkdv_query_tile_widens_only_at_d64_without_the_mask(monkeypatch) -> Non
         assert [t.block_shape[2] for t in dkdv["args"][2:4]] == [rows, rows]
 
 
-@pytest.mark.parametrize("tile", ["dq_d128_n128_s2", "dkdv_d64_m64_s2"])
+@pytest.mark.parametrize("tile", ["dq_d128_n128_s2", "dkdv_d64_m64_s2", "fused_d64_m64_s2"])
 def test_compiles_for_hopper_within_its_budget(tile: str) -> None:
-    """The library's dQ tile and its d = 64 dK/dV tile, carried ("accurate" bf16) and
-    causal, for sm_90: no spills, the register budgets of the design."""
+    """The library's dQ tile and its d = 64 dK/dV tiles (without and with the dQ sum),
+    carried ("accurate" bf16) and causal, for sm_90: no spills, the register budgets of the
+    design."""
     report = compiled_for_hopper("warp_specialized_backward",
                                  f"compile_for_hopper({tile!r}, causal=True, carry=True)")
     assert_within_budget(report)
     assert report["wgmma"] > 0
 
 
-@pytest.mark.parametrize(("tile", "causal", "max_spills"), [
-    ("dkdv_d128_m64_s2", True, 128), ("dkdv_d64_m128_s2", False, 512)])
-def test_spilling_dkdv_tiles_stay_within_bounds(tile: str, causal: bool,
+@pytest.mark.parametrize(("tile", "causal", "carry", "max_spills"), [
+    ("dkdv_d128_m64_s2", True, True, 128), ("dkdv_d64_m128_s2", False, True, 512),
+    ("fused_d128_m64_s2", False, True, 256), ("fused_d128_m64_s2", True, False, 256)])
+def test_spilling_dkdv_tiles_stay_within_bounds(tile: str, causal: bool, carry: bool,
                                                 max_spills: int) -> None:
-    """The dK/dV tiles that spill, carried: at d = 128 (224 of its 240 registers hold live
-    values) a few bytes a thread, within 128; the 128-query tile that d = 64 takes without
-    the causal mask 368 bytes with Triton 3.6 (and measured faster than the 64-query tile
-    all the same), within 512. Both within the shared memory a block may take."""
+    """The dK/dV tiles that spill: at d = 128 (224 of its 240 registers hold live values)
+    a few bytes a thread carried and causal, within 128; the 128-query tile at d = 64 368
+    bytes with Triton 3.6 (measured faster than the 64-query tile all the same), within 512;
+    the d = 128 tile that sums dQ, in the two forms the library runs that spill (carried
+    without the mask 144 bytes, "fast" causal 196), within 256. All within the shared
+    memory a block may take."""
     report = compiled_for_hopper(
         "warp_specialized_backward",
-        f"compile_for_hopper({tile!r}, causal={causal}, carry=True)")
+        f"compile_for_hopper({tile!r}, causal={causal}, carry={carry})")
     assert (report["spills"] <= max_spills and report["shared"] <= 232448
             and report["wgmma"] > 0)
 
@@ -263,17 +313,18 @@ def test_backward_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype, mode: s
     expected = (spec.d == 128, True)
     assert hb.warp_specialized_backward_kernels(p.q, p.k, p.v, p.grad_out,
                                                 mode == "accurate") == expected
+    fused = hb.fuses_dq(spec.d, spec.causal, mode == "accurate" and dtype == torch.bfloat16)
     ran = []
     for name in ("launch_warp_specialized_dq", "launch_warp_specialized_dkdv"):
         launch = getattr(backward_module, name)
         monkeypatch.setattr(backward_module, name,
-                            lambda *args, _launch=launch, _name=name: (ran.append(_name),
-                                                                       _launch(*args)))
+                            lambda *args, _launch=launch, _name=name: (
+                                ran.append(_name + " with dq" * (len(args) == 12)),
+                                _launch(*args)))
     truth, floor = expected_backward(p)
     with precision(mode):
         ours = kernel_backward(p)
-    assert ran == [name for name, taken in zip(("launch_warp_specialized_dq",
-                                                "launch_warp_specialized_dkdv"), expected,
-                                               strict=True) if taken]
+    assert ran == (["launch_warp_specialized_dkdv with dq"] if fused else
+                   ["launch_warp_specialized_dq", "launch_warp_specialized_dkdv"])
     assert_accurate(ours, truth, floor, dtype, p.label, f"warp-specialised backward, {mode}")
 
