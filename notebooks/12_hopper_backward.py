@@ -948,51 +948,42 @@ else:
     print(f"no saved run at {RESULTS}")
 
 # %% [markdown]
-# What the numbers say (one run, H200, bf16; `benchmarks/results/warp_specialized_backward_h200.json`,
+# What the numbers say (H200, bf16; `benchmarks/results/warp_specialized_backward_h200.json`,
 # whose rows also hold each kernel's GPU time from the profiler):
 #
-# * **The whole backward moves from 0.73x to 0.79x cuDNN's** at (4, 16, 4096, 128) in
-#   "accurate" precision (3.32 against 3.62 ms with chapter 5's kernels; cuDNN 2.62 ms),
-#   and from 0.78x to 0.84x at (1, 16, 16384, 128) (12.2 against 13.2 ms; cuDNN 10.3).
-#   At $d = 128$ it is 0.79x to 0.84x without the mask over 4096 to 32768 tokens, and
-#   0.74x to 0.79x causal (chapter 5's: 0.69x to 0.74x). "fast" reaches 0.84x to 0.86x,
-#   causal 0.79x to 0.82x. At $d = 64$, where only dK/dV changes kernel: 0.78x to 0.80x
-#   (from 0.74x to 0.76x), causal 0.73x to 0.78x (from 0.64x to 0.68x); "fast" 0.81x to
-#   0.84x and 0.77x to 0.81x. cuDNN's own time moves by a few percent between runs (2.72
-#   against 2.62 ms at (4, 16, 4096, 128) in the run before this one, for the same 3.32 ms
-#   of ours), so a ratio within 0.02 of the target is not settled by one run.
-# * **Where the time goes.** At (4, 16, 4096, 128) "accurate": dQ 1.16 ms (chapter 5's:
-#   1.44), dK/dV 1.75 ms (1.97), and 0.26 ms for the range pass and the carried copies that
-#   keep bf16 gradients at the math path's error. Those 0.26 ms are the difference between
-#   the two precisions, and most of what separates "accurate" from 0.8x cuDNN where it
-#   misses: causal at $d = 128$ "fast" clears 0.8x up to 16384 tokens.
-# * **dQ gains most** (9 to 21% less time at $d = 128$): the forward's shape, one
-#   accumulator, no spills. **dK/dV gains 3 to 11%** at $d = 128$ without the mask and
-#   nothing causal (1.08 against 1.05 ms at 4096 tokens, 3.80 against 3.89 at 16384): its
-#   tile spills a few bytes a thread, and the short causal programs leave the two groups
-#   less to overlap. At $d = 64$ it gains 6 to 7% without the mask and 17 to 21% causal.
-#   There the 128-query tile takes 2.40 ms alone in "fast" at (4, 32, 4096, 64), against
-#   2.61 for 64-query tiles, but carried 2.58 ms, hardly less than the 64-query tiles took
-#   carried in the previous run (2.64): carried, it spills a little more.
-# * **Seven products where cuDNN does five.** Chapter 5's split, kept here, has the dQ
-#   kernel compute S and dP again rather than summing dQ's partial products across key
-#   blocks into an fp32 dQ (atomic or bulk reduction traffic, as FlashAttention-2 and -3
-#   do). At (4, 16, 4096, 128) the two kernels alone take 1.24 + 1.80 = 3.04 ms in "fast"
-#   for seven products, 0.43 ms a product, against cuDNN's 2.62 ms for five, 0.52 ms a
-#   product; at (1, 16, 16384, 128) 1.70 against 2.05 ms a product. Per product ours is
-#   17% faster; the two products done twice are what hold the whole backward near 0.8x.
-#   Five products at this rate would take 2.17 ms, 1.2x cuDNN's speed: a fused dQ is the
-#   route past the line, not a faster tile.
-# * **Errors are chapter 5's**: every precision's `*_err_ratio` in the results file equals
-#   the Triton kernels' to the digits shown (the same products in the same precision, in
-#   another order); "accurate" 1.00x to 1.28x the math path's, above.
+# * **With the dQ sum, "accurate" clears 0.8x cuDNN at every $d = 128$ shape without the
+#   mask**: 0.83x at (4, 16, 4096, 128) (3.19 ms against cuDNN's 2.63; the split kernels
+#   took 3.32 in the previous run, chapter 5's 3.61), 0.87x at 8192 and 16384 tokens, 0.86x
+#   at 32768. At $d = 64$: 0.76x at 4096 tokens, 0.80x at 8192, 0.81x to 0.82x from 16384
+#   without the mask and 0.83x to 0.84x causal. "fast", which runs the sum everywhere: 0.86x
+#   to 0.89x at $d = 128$, 0.83x to 0.84x causal, 0.83x to 0.86x at $d = 64$ with or without
+#   the mask: every shape above the line.
+# * **Where "accurate" stays below it:** causal $d = 128$ up to 16384 tokens (0.76x to
+#   0.78x; 0.80x at 32768), which keeps the split kernels because the summing tile spills
+#   276 bytes a thread on the carried operands; and $d = 64$ at 4096 and 8192 tokens, where
+#   the carried copies' pass (0.07 ms for the range, 0.19 for the copies) is 6% of the call
+#   and the kernel on fp16 copies runs 3% slower than on the bf16 inputs (3.77 against 3.65
+#   ms at (4, 32, 4096, 64)).
+# * **Where the time goes.** At (4, 16, 4096, 128) "accurate": the summing dK/dV kernel
+#   2.81 ms, where the split took 1.75 + 1.16 = 2.91; then 0.26 ms for the range pass and
+#   the copies, 0.03 to zero the sum, 0.05 to scale it. Five products in 2.81 ms are 0.56 ms
+#   a product, more than the split's 0.43: the sum costs the kernel most of the two products
+#   it saves. Each visit now ends with a product that waits on its result, a 16 KB store to
+#   shared memory and the copy engine's add; the other group's turn hides part of that, not
+#   all of it. A first version in which each group added its own 64 keys' whole $dQ$ (twice
+#   the reduction traffic, a 64 × 128 fp32 part) took 3.34 ms for the kernel alone in
+#   "fast", against 3.10 for the split: the traffic through L2's adders, not the products,
+#   set its pace, hence one addition per 128 keys.
+# * **Errors are chapter 5's**: the summed dQ is the same products in another order, and
+#   every `*_err_ratio` of the results file stays where the split kernels had it;
+#   "accurate" 1.00x to 1.28x the math path's, above.
 #
-# So the first-order backward reaches 0.8x cuDNN in "fast" precision at every $d = 128$
-# shape up to 16384 tokens and at $d = 64$ without the mask, and in "accurate" at
-# $d = 128$ without the mask from 8192 tokens (0.79x at 4096) and at (2, 32, 8192, 64); not
-# yet causal, nor at $d = 64$ elsewhere. What remains is the two products the dQ kernel
-# computes again (a fused dQ would drop them), the carried copies' pass (a conversion
-# inside the kernels, from bf16 tiles to fp16 in shared memory, would remove it), the
-# dK/dV tile's spills (at $d = 128$, and at $d = 64$ the 128-query tile's, whose causal
-# form spills enough to take twice as long), and at $d = 64$ a dQ kernel that beats
-# chapter 5's; the second-order backward still runs chapter 6's kernels.
+# So the first-order backward now reaches 0.8x cuDNN in "fast" precision at every shape
+# from 4096 to 32768 tokens at $d = 64$ and $128$, causal or not, and in "accurate" at
+# $d = 128$ without the mask everywhere, at $d = 64$ from 8192 tokens (0.80x) and causal
+# $d = 128$ at 32768. What remains: the summing tile's registers at causal $d = 128$ on the
+# carried operands (a precomputed shift of the LSE and $\Delta$ in the copy kernel would take
+# two live values out of its loop), the carried copies' pass (a conversion from bf16 tiles
+# to fp16 in shared memory, inside the kernel, would remove the copies), and the end of
+# each visit, whose product, store and addition a third partition could take over if the
+# registers allowed one. The second-order backward still runs chapter 6's kernels.
