@@ -814,6 +814,9 @@ def launched(launch, *args) -> bool:
 # With the dQ sum (`fused_*`) the $d = 64$ tile still fits; at $d = 128$ it fits in "fast"
 # without the mask, spills 144 bytes carried and 196 causal, which its timings absorb, and
 # 276 bytes causal and carried: the one form the library leaves to the split kernels.
+# Compiled without the dQ part, the $d = 128$ tile spills 84, 204 and 232 bytes in those
+# three forms; without the part and the store of $dS^\top$ as well, 0, 36 and 92: most of
+# the cost is the store of $dS^\top$ to shared memory, not the part's 32 registers.
 
 # %% tags=["hide_input"]
 resources = json.loads(RESOURCES.read_text())
