@@ -199,8 +199,9 @@ def direct_launch(q, k, v, grad_out, forward, delta, causal: bool, name: str):
     return dk, dv
 
 
-def measure(shapes, check_n: int) -> list[dict]:
-    """Every call at every shape, full and causal: checked, then timed."""
+def measure(shapes, check_n: int, tiles: list[str] | None = None) -> list[dict]:
+    """Every call at every shape, full and causal: checked, then timed; `tiles` limits the
+    `ws_*` rows to those tiles (default: all)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
@@ -220,7 +221,7 @@ def measure(shapes, check_n: int) -> list[dict]:
                     row |= kernel_times(call)
                 rows.append(row)
         for name, tile in (*DKDV_TILES.items(), *DQ_TILES.items(), *FUSED_TILES.items()):
-            if tile[0] == d:
+            if tile[0] == d and (tiles is None or name in tiles):
                 names, share = (("dq",), 0.6) if name in DQ_TILES else (
                     (("dq", "dk", "dv"), 1.0) if name in FUSED_TILES else (("dk", "dv"), 0.8))
                 rows.append(checked_and_timed(
@@ -240,12 +241,16 @@ def measure(shapes, check_n: int) -> list[dict]:
 
 
 def main() -> None:
-    args = schedule_arguments(__doc__.split("\n")[0], ["4,16,4096,128", "1,16,16384,128",
-                                                       "4,32,4096,64"]).parse_args()
+    parser = schedule_arguments(__doc__.split("\n")[0], ["4,16,4096,128", "1,16,16384,128",
+                                                         "4,32,4096,64"])
+    parser.add_argument("--tiles", nargs="*", choices=[*DKDV_TILES, *DQ_TILES, *FUSED_TILES],
+                        help="time only these tiles alone (ws_* rows; the flag alone: none)")
+    args = parser.parse_args()
     if args.resources:
         rows = resources()
     else:
-        rows = measure([tuple(int(x) for x in s.split(",")) for s in args.shapes], args.check_n)
+        rows = measure([tuple(int(x) for x in s.split(",")) for s in args.shapes], args.check_n,
+                       args.tiles)
     if args.out:
         args.out.write_text(json.dumps(run_record(SCHEMA, rows), indent=1) + "\n")
 
