@@ -128,19 +128,25 @@ def _row_statistics(lse_ptr, delta_ptr, rows, n_q, delta_factor, p_exponent):
     return lse * LOG2E - p_exponent, delta * delta_factor
 
 
-try:  # the copy engine's bulk add: Triton 3.6's Gluon builds it, no Python wrapper yet
-    from triton._C.libtriton import ir
-    from triton.experimental.gluon.language._core import builtin
+# The copy engine's bulk add: Triton 3.9's Gluon names it `tma.async_atomic_add`; 3.6's
+# builds the operation but has no Python wrapper for it yet. The barrier over a group's
+# threads: `gl.barrier` in 3.9, `gl.thread_barrier` in 3.6.
+_tma_reduce_add = getattr(tma, "async_atomic_add", None)
+_group_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier", None)
+if _tma_reduce_add is None:
+    try:
+        from triton._C.libtriton import ir
+        from triton.experimental.gluon.language._core import builtin
 
-    @builtin
-    def _tma_reduce_add(desc, coord, src, _semantic=None):
-        """Add shared-memory block `src` into `desc`'s block at `coord` (fp32 adds in L2;
-        completion as a store's, `tma.store_wait`)."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle,
-                                                  coord, src.handle)
-except ImportError:  # pragma: no cover - a Triton without Gluon
-    _tma_reduce_add = gl
+        @builtin
+        def _tma_reduce_add(desc, coord, src, _semantic=None):
+            """Add shared-memory block `src` into `desc`'s block at `coord` (fp32 adds in L2;
+            completion as a store's, `tma.store_wait`)."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD,
+                                                      desc.handle, coord, src.handle)
+    except ImportError:  # pragma: no cover - a Triton without Gluon
+        _tma_reduce_add = gl
 
 
 @gluon.jit
@@ -151,7 +157,7 @@ def _share_ds(dst, ds_tiles, ds_ready, ds_free, visit, GROUP: gl.constexpr):
     mbarrier.wait(ds_free.index(buffer), ((visit // 2) & 1) ^ 1)
     ds_tiles.index(2 * buffer + GROUP).store(dst)
     fence_async_shared()
-    gl.thread_barrier()  # every thread's part is stored before the group says so
+    _group_barrier()  # every thread's part is stored before the group says so
     mbarrier.arrive(ds_ready.index(buffer), count=1)
 
 
@@ -174,7 +180,7 @@ def _dq_part(ds_tiles, k_2d, dq_tiles, ds_ready, ds_free, dq_desc, visit, kv_hea
             dq = warpgroup_mma(ds_tiles.index(2 * buffer + g).permute((1, 0)),
                                k_2d.index(g).slice(col, COLS, 1), dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
-        gl.thread_barrier()  # every warp's products have read both tiles
+        _group_barrier()  # every warp's products have read both tiles
         mbarrier.arrive(ds_free.index(buffer), count=1)
         head, start_m = _query_visit(visit, kv_head, group_size, first_block, n_blocks,
                                      BLOCK_M)
@@ -182,7 +188,7 @@ def _dq_part(ds_tiles, k_2d, dq_tiles, ds_ready, ds_free, dq_desc, visit, kv_hea
         # The group's last addition has left the staging tile: one thread issued it and
         # waits for it, the others wait for that thread.
         tma.store_wait(0)
-        gl.thread_barrier()
+        _group_barrier()
         stage.store(dq)
         fence_async_shared()
         _tma_reduce_add(dq_desc, [batch, head, start_m, col], dq_tiles.index(GROUP))
@@ -456,6 +462,7 @@ DQ_SUM_COLS = 64  # columns of a dQ part the dK/dV kernel adds: 32 fp32 register
 DQ_SUM_BLOCK = 1024  # elements per program of the pass that scales and rounds the sum
 
 _failed = False  # set when this Triton cannot compile a kernel: chapter 5's run instead
+_summing_failed = False  # set when it cannot compile the summing form: the split run
 
 
 def fits_warp_specialized_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -498,8 +505,9 @@ def warp_specialized_backward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch
 def fuses_dq(head_dim: int, is_causal: bool, carried: bool) -> bool:
     """Whether the dK/dV kernel also sums dQ (no dQ kernel runs): everywhere but causal
     d = 128 on the carried operands, where its tile spills 276 bytes a thread and took
-    2.11 against 1.78 ms for the two kernels at (4, 16, 4096, 128) on the H200."""
-    return not (head_dim == 128 and is_causal and carried)
+    2.11 against 1.78 ms for the two kernels at (4, 16, 4096, 128) on the H200; nowhere
+    once this Triton has failed to compile the summing form."""
+    return not (_summing_failed or head_dim == 128 and is_causal and carried)
 
 
 def dkdv_query_rows(head_dim: int, is_causal: bool) -> int:
@@ -578,16 +586,22 @@ def launch_warp_specialized_dq(q, k, v, grad_out, lse, delta, factors, dq, is_ca
         CAUSAL=is_causal, CARRY=factors is not None, num_warps=4, maxnreg=LAUNCH_REGS)
 
 
-def launched(launch, *args) -> bool:
-    """Run `launch(*args)`; False when this Triton cannot compile its kernel (warned once,
-    and no later call asks again): the caller runs chapter 5's kernel instead."""
-    global _failed
+def launched(launch, *args, summing: bool = False) -> bool:
+    """Run `launch(*args)`; False when this Triton cannot compile its kernel (warned once
+    per form, and no later launch asks again): the caller runs chapter 5's kernel instead,
+    or for the dK/dV kernel that sums dQ (`summing`) the split kernels."""
+    global _failed, _summing_failed
+    if _failed or summing and _summing_failed:
+        return False
     try:
         launch(*args)
     except triton.CompilationError as error:
-        _failed = True
-        warnings.warn(f"jvp_attention: the warp-specialised backward does not compile with "
-                      f"Triton {triton.__version__} ({type(error).__name__}); chapter 5's "
-                      f"kernels run instead", RuntimeWarning, stacklevel=2)
+        form, instead = (("summing dK/dV kernel", "the split kernels") if summing
+                         else ("backward", "chapter 5's kernels"))
+        _summing_failed = True
+        _failed = _failed or not summing
+        warnings.warn(f"jvp_attention: the warp-specialised {form} does not compile with "
+                      f"Triton {triton.__version__} ({type(error).__name__}); {instead} run "
+                      f"instead", RuntimeWarning, stacklevel=2)
         return False
     return True

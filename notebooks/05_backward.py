@@ -951,7 +951,7 @@ def flash_attention_backward(
                 HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
                 BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"], ALIGN=switches["ALIGN"])
         fused_dq = fused_dq and launched(launch_warp_specialized_dkdv, *ws_args, dk, dv,
-                                         is_causal, scale, dq)
+                                         is_causal, scale, dq, summing=True)
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
         if not (fused_dq or ws_dq and launched(launch_warp_specialized_dq, *ws_args, dq,
                                                is_causal, scale)):

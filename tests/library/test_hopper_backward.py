@@ -153,23 +153,59 @@ def test_carried_operands_reach_the_kernels(monkeypatch) -> None:
     assert seen == [(torch.float16, torch.float16, torch.float32, True, True)] * 3
 
 
+def test_a_failed_summing_compile_keeps_the_split_kernels(monkeypatch) -> None:
+    """A Triton that compiles the split kernels but not the dK/dV kernel that sums dQ:
+    warned once, the split kernels take that call and every later one, none asks for the
+    summing form again, and the other kernels stay on."""
+    import triton
+
+    launches = []
+
+    def launch(name):
+        def record(*args):
+            if len(args) > 11:  # dq handed over: the summing form
+                raise triton.CompilationError(None, None, "an API this Triton lacks")
+            launches.append(name)
+        return record
+
+    monkeypatch.setattr(hb, "_failed", False)
+    monkeypatch.setattr(hb, "_summing_failed", False)
+    monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels",
+                        lambda *args: (True, True))
+    monkeypatch.setattr(backward_module, "launch_warp_specialized_dq", launch("dq"))
+    monkeypatch.setattr(backward_module, "launch_warp_specialized_dkdv", launch("dkdv"))
+    p = make_problem(Spec(batch=1, hq=2, hkv=2, nq=20, nk=20, d=16), torch.float16,
+                     device=DEVICE)
+    with pytest.warns(RuntimeWarning, match="summing dK/dV kernel does not compile"):
+        first_order(p, "fast")
+    assert launches == ["dq", "dkdv"] and hb._summing_failed and not hb._failed
+    assert not hb.fuses_dq(64, False, False)
+    first_order(p, "fast")
+    assert launches == ["dq", "dkdv"] * 2
+
+
 def test_a_failed_compile_falls_back_with_a_warning(monkeypatch) -> None:
-    """A Triton whose Gluon has moved on: warned once, then chapter 5's kernels for good,
-    with the same gradients as without the hand-over."""
+    """A Triton whose Gluon has moved on: warned once for each form it tried (the summing
+    kernel, then the split ones), then chapter 5's kernels for good, with the same
+    gradients as without the hand-over."""
     import triton
 
     def broken(*args, **kwargs):
         raise triton.CompilationError(None, None, "an API this Triton no longer has")
 
     monkeypatch.setattr(hb, "_failed", False)
+    monkeypatch.setattr(hb, "_summing_failed", False)
     monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels",
                         lambda *args: (True, True))
     monkeypatch.setattr(backward_module, "launch_warp_specialized_dq", broken)
     monkeypatch.setattr(backward_module, "launch_warp_specialized_dkdv", broken)
     p = make_problem(Spec(batch=1, hq=2, hkv=2, nq=20, nk=20, d=16), torch.float16,
                      device=DEVICE)
-    with pytest.warns(RuntimeWarning, match="warp-specialised backward does not compile"):
+    with pytest.warns(RuntimeWarning, match="does not compile") as warned:
         grads, _ = first_order(p, "fast")
+    # the summing form first, then dQ's kernel
+    summing, split = (str(w.message) for w in warned if "not compile" in str(w.message))
+    assert "summing dK/dV kernel" in summing and "specialised backward does" in split
     assert hb._failed
     assert hb.warp_specialized_backward_kernels(heads(), heads(), heads(), heads(),
                                                 True) == (False, False)
