@@ -970,43 +970,51 @@ else:
 # whose rows also hold each kernel's GPU time from the profiler):
 #
 # * **With the dQ sum, "accurate" clears 0.8x cuDNN at every $d = 128$ shape without the
-#   mask**: 0.82x at (4, 16, 4096, 128) (3.19 ms against cuDNN's 2.63; the split kernels
-#   took 3.32 in the previous run, chapter 5's 3.61), 0.87x at 8192 tokens, 0.86x at 16384
-#   and 32768. At $d = 64$: 0.76x at 4096 tokens, 0.797x and 0.795x (causal) at 8192, then
-#   0.81x without the mask and 0.83x to 0.84x causal. "fast", which runs the sum everywhere:
-#   0.86x to 0.89x at $d = 128$, 0.83x to 0.84x causal, 0.83x to 0.86x at $d = 64$ with or
-#   without the mask: every shape above the line.
-# * **Where "accurate" stays below it:** causal $d = 128$ up to 16384 tokens (0.76x to
-#   0.78x; 0.80x at 32768), which keeps the split kernels because the summing tile spills
-#   276 bytes a thread on the carried operands; and $d = 64$ at 4096 and 8192 tokens, where
-#   the carried copies' pass (0.07 ms for the range, 0.19 for the copies) is 6% of the call
-#   and the kernel on fp16 copies runs 3% slower than on the bf16 inputs (3.77 against 3.65
-#   ms at (4, 32, 4096, 64)).
+#   mask**: 0.83x at (4, 16, 4096, 128) (3.17 ms against cuDNN's 2.63; chapter 5's kernels
+#   3.71), 0.85x at 8192 tokens, 0.87x at 16384, 0.86x at 32768. At $d = 64$: 0.78x at
+#   4096 tokens (causal 0.78x), 0.80x at 8192 (causal 0.79x), then 0.82x to 0.84x with or
+#   without the mask. "fast", which runs the sum everywhere: 0.84x to 0.87x at $d = 128$,
+#   0.82x to 0.85x causal, 0.84x to 0.88x at $d = 64$ with or without the mask: every shape
+#   above the line.
+# * **Where "accurate" stays below it:** causal $d = 128$ (0.76x to 0.79x), which keeps the
+#   split kernels because the summing tile spills 276 bytes a thread on the carried
+#   operands; and $d = 64$ at 4096 tokens and causal at 8192, where the carried copies'
+#   pass (0.07 ms for the range, 0.19 for the copies) is 6% of the call and the kernel on
+#   fp16 copies runs 4% slower than on the bf16 inputs (3.77 against 3.63 ms at
+#   (4, 32, 4096, 64); at $d = 128$ it is 3% faster, 2.80 against 2.89).
 # * **Where the time goes.** At (4, 16, 4096, 128) "accurate": the summing dK/dV kernel
-#   2.81 ms, where the split took 1.75 + 1.16 = 2.91; then 0.26 ms for the range pass and
-#   the copies, 0.03 to zero the sum, 0.05 to scale it. Five products in 2.81 ms are 0.56 ms
-#   a product, more than the split's 0.43: the sum costs the kernel most of the two products
-#   it saves. Each visit now ends with a product that waits on its result, a 16 KB store to
-#   shared memory and the copy engine's add; the other group's turn hides part of that, not
-#   all of it. A first version in which each group added its own 64 keys' whole $dQ$ (twice
-#   the reduction traffic, a 64 × 128 fp32 part) took 3.34 ms for the kernel alone in
-#   "fast", against 3.10 for the split: the traffic through L2's adders, not the products,
-#   set its pace, hence one addition per 128 keys.
+#   2.80 ms, where the split took 1.75 + 1.16 = 2.91 in the previous run; then 0.26 ms for
+#   the range pass and the copies, 0.03 to zero the sum, 0.05 to scale it. Five products in
+#   2.80 ms are 0.56 ms a product, more than the split's 0.42: the sum costs the kernel most
+#   of the two products it saves. Each visit now ends with a product that waits on its
+#   result, a 16 KB store to shared memory and the copy engine's add; the other group's turn
+#   hides part of that, not all of it. A first version in which each group added its own 64
+#   keys' whole $dQ$ (twice the reduction traffic, a 64 × 128 fp32 part) took 3.34 ms for
+#   the kernel alone in "fast", against 3.10 for the split: the traffic through L2's
+#   adders, not the products, set its pace, hence one addition per 128 keys.
 # * **Errors are chapter 5's**: the summed dQ is the same products in another order, and
 #   the check above has every gradient within 1.16x the math path's error in "accurate"
-#   and within 2x in "fast", as the split kernels. The results file was timed before one
-#   fix, and its rows show why the fix was needed: there a group could stage $dK$ in its
-#   $K$ tile while the other group's last $dQ$ part still read that tile, and the last query
-#   tile's dQ came out wrong now and then (`dq_err_ratio` 3.10 at (4, 32, 4096, 64) causal
-#   "fast", against chapter 5's 1.64; its `note` says so). Each group now waits for both
-#   last parts before it stages its gradients (`ds_free`), which changes no product.
+#   and within 2x in "fast", as the split kernels; so do the results file's rows (up to
+#   4096 tokens). The first execution of this chapter found a race, fixed before the
+#   kernel was taken: a group could stage $dK$ in its $K$ tile while the other group's last
+#   $dQ$ part still read that tile, and the last query tile's $dQ$ came out wrong now and
+#   then (42x the math path's error at (2, 16/4, 4160, 64) causal fp16). Each group now
+#   waits for both last parts before it stages its gradients (`ds_free`), which changes no
+#   product.
+# * **Tried and left out: $dK$ from the shared $dS^\top$ tile.** The summing kernel stores
+#   $dS^\top$ in shared memory anyway, so $dK$'s product can read it there instead of from
+#   registers. Compiled, that cuts the carried $d = 128$ tile's spills from 144 to 40 bytes
+#   (and leaves the causal forms as they are); timed through the library's backward on the
+#   H200 it was 2% faster at $d = 128$ without the mask in "accurate" (3.14 against 3.20
+#   ms at (4, 16, 4096, 128), 5.93 against 6.09 at (2, 16, 8192, 128)), level in "fast"
+#   and 1% to 2.5% slower at $d = 64$: not worth a second form of the loop.
 #
-# So the first-order backward now reaches 0.8x cuDNN in "fast" precision at every shape
-# from 4096 to 32768 tokens at $d = 64$ and $128$, causal or not, and in "accurate" at
-# $d = 128$ without the mask everywhere, at $d = 64$ from 16384 tokens and causal
-# $d = 128$ at 32768. What remains: the summing tile's registers at causal $d = 128$ on the
-# carried operands (a precomputed shift of the LSE and $\Delta$ in the copy kernel would take
-# two live values out of its loop), the carried copies' pass (a conversion from bf16 tiles
-# to fp16 in shared memory, inside the kernel, would remove the copies), and the end of
-# each visit, whose product, store and addition a third partition could take over if the
-# registers allowed one. The second-order backward still runs chapter 6's kernels.
+# So the first-order backward reaches 0.8x cuDNN in "fast" precision at every shape from
+# 4096 to 32768 tokens at $d = 64$ and $128$, causal or not, and in "accurate" at $d = 128$
+# without the mask everywhere and at $d = 64$ from 8192 tokens (causal from 16384). What
+# remains: the summing tile's registers at causal $d = 128$ on the carried operands (a
+# precomputed shift of the LSE and $\Delta$ in the copy kernel would take two live values out
+# of its loop), the carried copies' pass (a conversion from bf16 tiles to fp16 in shared
+# memory, inside the kernel, would remove the copies), and the end of each visit, whose
+# product, store and addition a third partition could take over if the registers allowed
+# one. The second-order backward still runs chapter 6's kernels.
