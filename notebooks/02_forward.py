@@ -1155,10 +1155,13 @@ def _attention_forward_kernel(
 # arguments to the key itself. Under the interpreter there is one small configuration
 # (several would need a GPU to time them), chosen so that CPU tests cross block boundaries.
 #
-# Triton's autotuner is used with two changes (`KeyedAutotuner`). Timing the candidates
+# Triton's autotuner is used with three changes (`KeyedAutotuner`). Timing the candidates
 # takes seconds at a new key, so the chosen tiles are written to Triton's cache directory
 # (its `cache_results`), and a new process at a known shape reads them back instead of
-# timing again (`benchmarks/first_call.py` measures the difference, chapter 8). And on every
+# timing again (`benchmarks/first_call.py` measures the difference, chapter 8). Each
+# candidate is timed for 20 ms after 5 ms of warm-up (`time_candidate`) where Triton's
+# default spends 100 and 25: a hundred calls of a 0.2 ms kernel rank tiles as well, and
+# the first step at a new shape waits a quarter as long. And on every
 # launch, Triton's autotuner builds dictionaries of all of the kernel's ~60 arguments to
 # find the key. That is tens of microseconds per launch, at shapes where the kernel itself
 # runs for 0.2 ms. Once a key is tuned, `KeyedAutotuner` reads the key's arguments by
@@ -1258,6 +1261,20 @@ def prune_wide_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -
 
 AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
                  "IS_CAUSAL", "MASK_KIND", "HAS_TANGENT", "SPLIT", "USE_TMA"]
+
+# Milliseconds of warm-up and of timed calls per candidate tile. Triton's default, 25 and
+# 100, made the first backward at a new DiT shape take 4 s of timing; 20 ms still times a
+# 0.2 ms kernel a hundred times (L2 flushed between calls), and a 10 ms one twice after
+# five calls for the estimate.
+TUNING_WARMUP_MS = 5
+TUNING_REP_MS = 20
+
+
+def time_candidate(kernel_call, quantiles=None):
+    """The autotuner's timing of one candidate tile: `triton.testing.do_bench` with
+    TUNING_WARMUP_MS and TUNING_REP_MS."""
+    return triton.testing.do_bench(kernel_call, warmup=TUNING_WARMUP_MS, rep=TUNING_REP_MS,
+                                   quantiles=quantiles)
 
 
 # Distinct launches (shapes, strides, dtypes, alignments) remembered per kernel; past this
@@ -1427,11 +1444,12 @@ def launch_hooks() -> bool:
 
 
 class KeyedAutotuner(Autotuner):
-    """Triton's autotuner with two changes for a kernel launched many times per step.
+    """Triton's autotuner with three changes for a kernel launched many times per step.
 
     - Tuned tiles persist across processes: Triton's `cache_results`, stored in Triton's
       cache directory (`TRITON_CACHE_DIR`, by default `~/.triton/cache`) under a hash of
       the kernel's source, the GPU, Triton's version, the tuning key and the candidates.
+    - Each candidate is timed for TUNING_REP_MS (`time_candidate`), not Triton's 100 ms.
     - A launch at a key already tuned finds its tile from the key arguments' positions.
       Triton's own `run` builds and filters dicts of all of the kernel's ~60 arguments on
       every launch, a sizeable share of a short call's host time. The launch itself goes
@@ -1440,7 +1458,7 @@ class KeyedAutotuner(Autotuner):
 
     def __init__(self, kernel, configs: list[triton.Config], key: list[str]):
         super().__init__(kernel, kernel.arg_names, configs, key, reset_to_zero=None,
-                         restore_value=None, cache_results=True,
+                         restore_value=None, cache_results=True, do_bench=time_candidate,
                          prune_configs_by={"early_config_prune": prune_wide_tiles})
         self.tuned: dict[tuple, triton.Config] = {}
         self.key_positions = [kernel.arg_names.index(name) for name in key]

@@ -286,6 +286,25 @@ def test_tuned_tiles_are_looked_up_by_key(monkeypatch) -> None:
     assert len(tuner.tuned) == len(tuner.cache) == 3
 
 
+
+def test_candidates_are_timed_briefly(monkeypatch) -> None:
+    """Every `KeyedAutotuner` times a candidate with `time_candidate`: Triton's do_bench
+    for TUNING_REP_MS after TUNING_WARMUP_MS, not Triton's default 100 and 25 ms."""
+    import triton
+
+    launch = jvp_attention.launch
+    assert launch.TUNING_REP_MS < 100 and launch.TUNING_WARMUP_MS < 25
+    for tuner in (jvp_attention.forward._attention_forward,
+                  jvp_attention.backward._backward_dkdv):
+        assert isinstance(tuner, launch.KeyedAutotuner)
+        assert tuner.do_bench is launch.time_candidate
+    seen = {}
+    monkeypatch.setattr(triton.testing, "do_bench",
+                        lambda call, **options: seen.update(options) or [0.1])
+    assert launch.time_candidate(lambda: None, quantiles=(0.5,)) == [0.1]
+    assert seen == {"warmup": launch.TUNING_WARMUP_MS, "rep": launch.TUNING_REP_MS,
+                    "quantiles": (0.5,)}
+
 # --- fuzzing ------------------------------------------------------------------------------
 
 @fuzz_settings("JVP_FUZZ_EXAMPLES", 120)
