@@ -148,10 +148,10 @@ def prune_wide_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -
 AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
                  "IS_CAUSAL", "MASK_KIND", "HAS_TANGENT", "SPLIT", "USE_TMA"]
 
-# Milliseconds of warm-up and of timed calls per candidate tile. Triton's default, 25 and
-# 100, made the first backward at a new DiT shape take 4 s of timing; 20 ms still times a
-# 0.2 ms kernel a hundred times (L2 flushed between calls), and a 10 ms one twice after
-# five calls for the estimate.
+# Milliseconds of warm-up and of timed calls per candidate tile. With Triton's default, 25
+# and 100, timing the backward's tiles at a new DiT shape took 1.4 to 2.4 s on the H200;
+# 20 ms still times a 0.2 ms kernel a hundred times (L2 flushed between calls), and a 10 ms
+# one twice after five calls for the estimate.
 TUNING_WARMUP_MS = 5
 TUNING_REP_MS = 20
 

@@ -1904,6 +1904,8 @@ if FC is None:
 else:
     print(f"results: {FIRST_CALL.relative_to(REPO)} | {FC['gpu']} | commit "
           f"{FC['git']['commit'][:10]} | {FC['date']} | {FC['dtype']}")
+    if FC.get("note"):
+        print(f"note: {FC['note']}")
     rows = []
     for case in FC["cases"]:
         shape = FC["shapes"][case["shape"]]
@@ -1917,3 +1919,16 @@ else:
     FC_TABLE = HTML(html_table(["shape", "cache", "first jvp", "first backward",
                                 "first step", "second step", "import"], rows))
 FC_TABLE if FC is not None else None
+
+# %% [markdown]
+# What it says (H200, bf16). The tiles' timing is the difference between the `compiled`
+# and `tuned` rows. Each candidate is timed for 20 ms after 5 ms of warm-up since chapter
+# 2's `time_candidate` (Triton's default: 100 and 25), and the backward's timing went from
+# 1.4 to 2.4 s at these shapes in the previous run (2026-12-01) to 0.39 to 0.48 s here. The
+# first `jvp` of this run is not comparable with that run's: the machine's site-packages
+# had no compiled bytecode, so every process compiled torch's modules from source, most of
+# them in the first call's lazy imports (a profile of one `tuned` process: 7.9 s of
+# Python's `compile`), which is why the `tuned` rows' first `jvp` takes 3.9 to 5.8 s where
+# it took 0.75 to 0.82 s before. `benchmarks/first_call.py` now compiles the bytecode once
+# before its timed processes, as an installed package has it; a run with it is still to be
+# made, so the first step at a new shape is not yet shown under 3 s.
