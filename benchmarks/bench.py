@@ -862,7 +862,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                         help="skip the math path above this memory estimate")
     parser.add_argument("--autotune-rep-ms", type=float, default=20.0,
                         help="time each tile of our autotuned kernels for this long (one warm "
-                             "call, then >= 1 timed); 0 keeps Triton's default benchmarker")
+                             "call, then >= 1 timed); 0 keeps each autotuner's own (the library's: "
+                             "jvp_attention.launch.time_candidate)")
     parser.add_argument("--rcm-kernel", type=Path, metavar="PATH",
                         help="NVlabs rcm's rcm/utils/flash_attention_jvp_triton.py: adds the "
                              "rcm column, loading that file at run time (never committed: "

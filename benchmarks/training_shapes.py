@@ -855,8 +855,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--math-limit-gb", type=float, default=100.0,
                         help="skip the math path above this memory estimate")
     parser.add_argument("--autotune-rep-ms", type=float, default=20.0,
-                        help="bench.py's quick autotuning timer for our kernels; 0 keeps "
-                             "Triton's default")
+                        help="bench.py's quick autotuning timer for our kernels; 0 keeps the "
+                             "library's (jvp_attention.launch.time_candidate)")
     parser.add_argument("--max-seconds", type=float, default=540.0,
                         help="wall budget from start: later cases are recorded as skipped "
                              "(finish with --resume); 0 or less: no limit")
