@@ -838,7 +838,7 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # dK/dV kernel summing dQ too, and chapter 12's run times it at every backward shape of the
 # grid from 4096 tokens: 0.83x to 0.87x cuDNN at $d = 128$ without the mask (the line met
 # everywhere), 0.76x to 0.79x causal (the split kernels there: the summing tile spills on
-# the carried operands); 0.78x to 0.83x at $d = 64$ (the line met from 8192 tokens), 0.78x
+# the carried operands); 0.78x to 0.83x at $d = 64$ (the line met from 8192 tokens), 0.77x
 # to 0.84x causal (from 16384). "fast" clears 0.8x at every shape; what holds "accurate"
 # below it is the carried copies' pass (0.26 ms at B4 H16 N4096) and the summing tile's
 # registers (chapter 12). The second-order backward still runs chapter 6's Triton kernels

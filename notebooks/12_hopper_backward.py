@@ -972,7 +972,7 @@ else:
 # * **With the dQ sum, "accurate" clears 0.8x cuDNN at every $d = 128$ shape without the
 #   mask**: 0.83x at (4, 16, 4096, 128) (3.17 ms against cuDNN's 2.63; chapter 5's kernels
 #   3.71), 0.85x at 8192 tokens, 0.87x at 16384, 0.86x at 32768. At $d = 64$: 0.78x at
-#   4096 tokens (causal 0.78x), 0.80x at 8192 (causal 0.79x), then 0.82x to 0.84x with or
+#   4096 tokens (causal 0.77x), 0.80x at 8192 (causal 0.79x), then 0.82x to 0.84x with or
 #   without the mask. "fast", which runs the sum everywhere: 0.84x to 0.87x at $d = 128$,
 #   0.82x to 0.85x causal, 0.84x to 0.88x at $d = 64$ with or without the mask: every shape
 #   above the line.
