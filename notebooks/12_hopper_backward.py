@@ -660,7 +660,10 @@ def warp_specialized_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
 # (`WARP_SPECIALIZED_MIN_WORK`), in "fast" precision on tensors the copy engine can
 # address, or in "accurate" precision where bf16 carries. dQ only at $d = 128$: at
 # $d = 64$ chapter 5's dQ kernel was faster on the H200 (1.33 against 1.59 ms at
-# (4, 32, 4096, 64)). If this Triton cannot compile a kernel, chapter 5's runs (warned once).
+# (4, 32, 4096, 64)). If this Triton cannot compile a kernel, chapter 5's runs (warned once);
+# if it cannot compile only the dK/dV kernel that sums dQ, the split kernels run (warned
+# once too), since that form leans on the newest of Gluon's operations: Triton 3.6 builds
+# the copy engine's add without a Python name for it, and 3.9 named it `async_atomic_add`.
 
 # %% tags=["export"]
 DKDV_QUERY_ROWS = 64  # query rows per streamed tile: 128 spill at d = 128
