@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -139,25 +138,25 @@ def main() -> None:
                          "torch.autograd.grad(out, (q, k, v), grad); q, k, v require grad",
                  "cases": []})
     started = time.perf_counter()
-    bytecode = Path(tempfile.mkdtemp(prefix="jvp_first_call_bytecode_"))
-    with tempfile.TemporaryDirectory(prefix="jvp_first_call_warmup_") as folder:
-        warmed = run_child(next(iter(SMOKE_SHAPES)), Path(folder), True, bytecode)
-    data["bytecode_warmup_s"] = warmed["process_s"]
-    print(f"Python bytecode compiled in {warmed['process_s']:.1f} s", flush=True)
-    for shape in shapes:
-        with tempfile.TemporaryDirectory(prefix="jvp_first_call_") as folder:
-            cache = Path(folder)
-            for state in STATES:
-                deleted = forget_tuned_tiles(cache) if state == "compiled" else 0
-                result = run_child(shape, cache, args.smoke, bytecode)
-                case = {"shape": shape, "state": state, "tuned_tiles_deleted": deleted, **result}
-                data["cases"].append(case)
-                first = result["first"]
-                print(f"{shape:12s} {state:9s} first step: jvp {first['jvp_s']:7.3f} s, "
-                      f"backward {first['backward_s']:7.3f} s | second step "
-                      f"{result['second']['jvp_s'] + result['second']['backward_s']:.4f} s | "
-                      f"import {result['import_s']:.2f} s", flush=True)
-    shutil.rmtree(bytecode, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="jvp_first_call_bytecode_") as bytecode_dir:
+        bytecode = Path(bytecode_dir)
+        with tempfile.TemporaryDirectory(prefix="jvp_first_call_warmup_") as folder:
+            warmed = run_child(next(iter(SMOKE_SHAPES)), Path(folder), True, bytecode)
+        data["bytecode_warmup_s"] = warmed["process_s"]
+        print(f"Python bytecode compiled in {warmed['process_s']:.1f} s", flush=True)
+        for shape in shapes:
+            with tempfile.TemporaryDirectory(prefix="jvp_first_call_") as folder:
+                cache = Path(folder)
+                for state in STATES:
+                    deleted = forget_tuned_tiles(cache) if state == "compiled" else 0
+                    result = run_child(shape, cache, args.smoke, bytecode)
+                    case = {"shape": shape, "state": state, "tuned_tiles_deleted": deleted, **result}
+                    data["cases"].append(case)
+                    first = result["first"]
+                    print(f"{shape:12s} {state:9s} first step: jvp {first['jvp_s']:7.3f} s, "
+                          f"backward {first['backward_s']:7.3f} s | second step "
+                          f"{result['second']['jvp_s'] + result['second']['backward_s']:.4f} s | "
+                          f"import {result['import_s']:.2f} s", flush=True)
     data["wall_seconds"] = round(time.perf_counter() - started, 1)
     out = args.out or REPO / "benchmarks" / "results" / (
         f"first_call_{'gpu' if data['device'].get('cuda') else 'cpu'}.json")
