@@ -428,9 +428,7 @@ def _traced_twin(name: str, fake, traceable) -> None:
         return _LAUNCHERS[name](*args) if traceable(*args) else opaque(*args)
 
     body.__signature__ = signature  # the schema is inferred from it
-    # triton_op scans the body's source for the kernels it launches, and importing the
-    # scanner's helpers (torch._inductor) costs about a second; it cannot see through
-    # _LAUNCHERS anyway (it finds none either way), so the body gets no source file.
+    # No source file, so that triton_op skips its scan for kernels (see below)
     body.__code__ = body.__code__.replace(co_filename=f"<{name}_traced>")
     torch.library.triton_op(f"jvp_attention::{name}_traced", body,
                             mutates_args=()).register_fake(fake)

@@ -46,6 +46,7 @@
 import functools
 import math
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -869,6 +870,7 @@ guard, the mask operand, the shape checks and the host side of the bf16 carry.
 
 import functools
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -972,7 +974,8 @@ def carries(q: torch.Tensor, n_keys: int) -> bool:
     than splitting them: bf16 inputs with at least `carry_min_keys` keys per row. Shorter
     rows split, which is as accurate and cheaper there; fp16 always splits (it has no wider
     16-bit type) and fp32 has nothing to round."""
-    return q.dtype == torch.bfloat16 and n_keys >= carry_min_keys(q.shape[-1])
+    return (q.dtype == torch.bfloat16 and n_keys >= carry_min_keys(q.shape[-1])
+            and not host_bound_graph(q))
 
 
 # %% tags=["export"]
@@ -1533,6 +1536,23 @@ def traceable_launches(q: torch.Tensor, n_k: int, *, carry: bool, long_rows: boo
     if carry or long_rows or interpreting() or os.environ.get("JVP_ATTENTION_TMA") == "1":
         return False
     return not (cut and needs_sound_ptxas(q)) or pads_in_graph(q, n_k)
+
+
+# A compiled graph keeps an operator it cannot trace as an opaque call, which runs this
+# library's Python on every step: about 1 ms per call at DiT-B/2's 1024 tokens, where a
+# compiled MeanFlow step spent 58.7 of its 63.6 ms in the host's forward and backward
+# (chapter 9). Unless CUDA graphs replay the graph (`mode="reduce-overhead"`), which takes
+# that host work out, a graph therefore takes the kernels it can trace over the faster ones
+# it cannot: the split instead of the carry (`carries`) and, in the backward, pointers
+# instead of tensor descriptors below 4096 tokens (chapter 5).
+def host_bound_graph(q: torch.Tensor) -> bool:
+    """Whether `q` is a tensor of a compiled graph being traced that will run its launches
+    from Python on every call: not one that Inductor will replay through CUDA graphs (its
+    `triton.cudagraphs` option, set while it compiles)."""
+    if not isinstance(q, FunctionalTensor):
+        return False
+    config = sys.modules.get("torch._inductor.config")
+    return config is None or not config.triton.cudagraphs
 
 
 def needs_sound_ptxas(q: torch.Tensor) -> bool:

@@ -91,6 +91,7 @@ from jvp_attention.launch import (
     check_kernel_shapes,
     check_mask_tangent,
     cut_in_two,
+    host_bound_graph,
     kernel_meta,
     launch_column_tiles,
     launchable,
@@ -796,20 +797,30 @@ _ROW_BLOCK = 64
 # tokens descriptors lead, 1.12 against 1.31 ms at (32, 12, 1024, 64), 2.20 against 2.78
 # at (4, 16, 4096, 64).
 BACKWARD_TMA_MIN_TOKENS = 1024
+# A compiled graph that runs its launches from Python traces pointer kernels below this many
+# tokens rather than keep an opaque operator for the descriptors (`host_bound_graph`).
+GRAPH_TMA_MIN_TOKENS = 4096
+
+
+def backward_tma_min_tokens(q: torch.Tensor) -> int:
+    """Tokens (queries and keys alike) from which the first-order kernels read through
+    tensor descriptors: BACKWARD_TMA_MIN_TOKENS, or GRAPH_TMA_MIN_TOKENS in a compiled graph
+    that runs its launches from Python (`host_bound_graph`)."""
+    return GRAPH_TMA_MIN_TOKENS if host_bound_graph(q) else BACKWARD_TMA_MIN_TOKENS
 
 
 def traceable_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str,
                        has_tangent: bool, mask_grad: bool) -> bool:
     """Whether the backward's launches may enter a compiled graph (`traceable_launches`):
     the first-order backward carries as the forward does, reads through descriptors from
-    BACKWARD_TMA_MIN_TOKENS and cuts head dims in its dQ kernel; the second-order backward
+    `backward_tma_min_tokens` and cuts head dims in its dQ kernel; the second-order backward
     does none of these."""
     if has_tangent:
         return traceable_launches(q, k.shape[-2], carry=False, long_rows=False, cut=False)
     n_q, n_k = q.shape[-2], k.shape[-2]
     return traceable_launches(q, n_k,
                               carry=accurate(precision) and not mask_grad and carries(q, n_k),
-                              long_rows=min(n_q, n_k) >= BACKWARD_TMA_MIN_TOKENS,
+                              long_rows=min(n_q, n_k) >= backward_tma_min_tokens(q),
                               cut=cut_in_two(q.shape[-1], v.shape[-1]))
 
 
@@ -929,8 +940,11 @@ def flash_attention_backward(
              next_power_of_2(n_q), next_power_of_2(n_k))
     # Descriptors (chapter 4) for the first-order kernels only: compiled for sm_90, the
     # second-order kernels spill hundreds of bytes per thread with them (tools/kernel_resources.py).
+    # (the first test spares short calls a function call: this runs on every backward)
+    tokens = min(n_q, n_k)
     use_tma = not has_tangent and tma_eligible(
-        q, k, v, grad_operand, long_enough=min(n_q, n_k) >= BACKWARD_TMA_MIN_TOKENS)
+        q, k, v, grad_operand, long_enough=tokens >= BACKWARD_TMA_MIN_TOKENS
+        and tokens >= backward_tma_min_tokens(q))
     switches = {"IS_CAUSAL": is_causal, "MASK_KIND": mask_kind, "HAS_TANGENT": has_tangent,
                 "USE_TMA": use_tma, "CARRY": carry,
                 "ALIGN": row_alignment((q, k, v, tq, tk, tv, grad_operand, dto),

@@ -534,9 +534,7 @@ def _traced_twin(name: str, fake, traceable) -> None:
         return _LAUNCHERS[name](*args) if traceable(*args) else opaque(*args)
 
     body.__signature__ = signature  # the schema is inferred from it
-    # triton_op scans the body's source for the kernels it launches, and importing the
-    # scanner's helpers (torch._inductor) costs about a second; it cannot see through
-    # _LAUNCHERS anyway (it finds none either way), so the body gets no source file.
+    # No source file, so that triton_op skips its scan for kernels (see below)
     body.__code__ = body.__code__.replace(co_filename=f"<{name}_traced>")
     torch.library.triton_op(f"jvp_attention::{name}_traced", body,
                             mutates_args=()).register_fake(fake)
@@ -598,6 +596,21 @@ if not interpreting():
 # (`sound_ptxas`: Inductor's compile workers would use Triton's, which faults at d = 40
 # and 72). Smaller calls at those head dims enter the graph with one padded column tile
 # (`launch_column_tiles`, chapter 2), whose host time saved outweighs the extra products.
+#
+# Two of those choices are only worth their opaque call where something else removes its
+# host work. CUDA graphs do (`mode="reduce-overhead"`); without them an opaque call costs
+# about 1 ms of Python per step, and at DiT-B/2's 1024 tokens a compiled MeanFlow step spent
+# 58.7 of its 63.6 ms in the host's forward and backward (chapter 9). So a graph that runs
+# its launches from Python (`host_bound_graph`, chapter 2) traces the split where eager
+# mode would carry, and the backward's pointer kernels below 4096 tokens where eager mode
+# would read through descriptors (`backward_tma_min_tokens`, chapter 5): some GPU time for
+# all of that host time. A graph that CUDA graphs replay keeps the opaque operators and
+# their faster kernels.
+#
+# Registering a twin would import `torch._inductor` (about a second, paid by the first call
+# of every process, compiled or not): `triton_op` scans the body's source for the kernels it
+# launches, which it cannot find behind `_LAUNCHERS` anyway, so the body is given no
+# source file to scan.
 #
 # Comparing compiled steps with eager ones on the H200 found two ways in which a graph
 # went wrong, both from handing a kernel something other than the whole tensor it reads. A

@@ -14,6 +14,7 @@ import re
 import sys
 
 import torch
+import torch._inductor.config
 import triton
 from triton.backends.compiler import GPUTarget
 
@@ -122,8 +123,10 @@ def trace(case: dict) -> dict:
         return call(case, {**t, **dict(zip(names, inputs, strict=True))})
 
     error = None
+    # Inductor sets triton.cudagraphs while it compiles for mode="reduce-overhead"
+    replayed = torch._inductor.config.patch({"triton.cudagraphs": bool(case.get("cudagraphs"))})
     try:
-        with mode:
+        with mode, replayed:
             aot_function(traced, fw_compiler=keep)(*(t[name] for name in names))
     except Exception as e:  # noqa: BLE001 - reported; running the traced graph needs CUDA
         error = f"{type(e).__name__}: {e}"[:500]

@@ -57,8 +57,12 @@ CASES = [
     # is specialised by the launcher's guards (a new count recompiles), and either traces
     ({"op": "forward_jvp", "dynamic": "batch", "device": "cpu"}, [FORWARD_JVP]),
     ({"op": "forward_jvp", "dynamic": "tokens", "device": "cpu"}, [FORWARD_JVP]),
-    # bf16 "accurate" from carry_min_keys keys carries: its copy kernel takes a jit function
-    ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64]}, None),
+    # bf16 "accurate" from carry_min_keys keys carries, and its copy kernel takes a jit
+    # function: a graph that CUDA graphs replay keeps the opaque operator, one whose
+    # launches run from Python each step traces the split
+    ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "cudagraphs": True},
+     None),
+    ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64]}, [FORWARD_JVP]),
     ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "precision": "fast"},
      [FORWARD_JVP]),
     # from FORWARD_TMA_MIN_KEYS keys, tensor descriptors: chosen by the data's alignment
@@ -74,11 +78,20 @@ CASES = [
     # d = 40: rows not 16-aligned, so the row-statistics kernel writes delta first
     ({"op": "backward", "shape": [2, 4, 64, 40], "device": "cpu"},
      [["delta_ptr"], ["dq_ptr"], KEY_GRADS]),
-    ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64]}, None),
+    # from BACKWARD_TMA_MIN_TOKENS the backward reads through descriptors (and carries in
+    # bf16): opaque under CUDA graphs, traced with pointers (and the split) otherwise, up to
+    # GRAPH_TMA_MIN_TOKENS
+    ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64], "cudagraphs": True}, None),
+    ({"op": "backward", "shape": [1, 2, 1024, 64], "cudagraphs": True}, None),
+    ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64]},
+     [["delta_ptr", "dq_ptr"], KEY_GRADS]),
+    ({"op": "backward", "shape": [1, 2, 2048, 64]}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
+    ({"op": "backward", "shape": [1, 2, 4096, 64]}, None),
     ({"op": "backward", "shape": [2, 4, 64, 72]}, [["delta_ptr"], ["dq_ptr"], KEY_GRADS]),
-    # 1024 queries and keys: the backward reads through descriptors (BACKWARD_TMA_MIN_TOKENS),
-    # opaque whichever ptxas compiles (with Triton 3.9's, the cut alone would be traced)
-    ({"op": "backward", "shape": LARGE_D72}, None),
+    # 1024 queries and keys: pointer kernels in the graph (GRAPH_TMA_MIN_TOKENS), so cut head
+    # dims decide, as in the forward
+    ({"op": "backward", "shape": LARGE_D72},
+     None if CUT_IS_OPAQUE else [["delta_ptr"], ["dq_ptr"], KEY_GRADS]),
     ({"op": "backward_tangent"}, SECOND_ORDER),
     ({"op": "backward_tangent", "mask": "float", "mask_grad": True, "residual": True},
      [SECOND_ORDER[0], SECOND_ORDER[1] + ["dmask_ptr", "dtmask_ptr"], SECOND_ORDER[2]]),
@@ -132,6 +145,10 @@ COMPILED_CONFIGS = {
     "fp16-d40-causal": {"dtype": "fp16", "d": 40, "causal": True},
     "fp32": {"dtype": "fp32"},
     "bf16-fast": {"dtype": "bf16", "precision": "fast"},
+    # 1024 tokens: the split and pointer kernels traced where eager carries through
+    # descriptors; under CUDA graphs the opaque operators
+    "bf16-1024": {"dtype": "bf16", "n": 1024},
+    "bf16-1024-cuda-graphs": {"dtype": "bf16", "n": 1024, "mode": "reduce-overhead"},
 }
 DTYPE_OF = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -145,7 +162,8 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
     same steps in eager mode: every gradient within the dtype's rounding (Inductor times the
     tiles itself and may sum in another order), for bool masks, biases with a tangent, bias
     parameters whose gradient the kernels compute, causal GQA, head dims padded in the graph
-    (cut in two in eager mode), fp32 and the fast precision."""
+    (cut in two in eager mode), fp32, the fast precision, and 1024 tokens (the split and
+    pointer kernels traced, or the opaque operators under CUDA graphs)."""
     import torch
 
     from jvp_attention import attention, precision
@@ -154,7 +172,7 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
     dtype = getattr(torch, DTYPE_OF[options["dtype"]])
     torch._dynamo.reset()
     torch.manual_seed(0)
-    b, h, n, d = 4, 4, 256, options.get("d", 64)
+    b, h, n, d = 4, 4, options.get("n", 256), options.get("d", 64)
     hkv = options.get("hkv", h)
 
     def tensor(heads):
@@ -186,7 +204,7 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
         return torch.autograd.grad(loss, (*primals, *wanted))
 
     with precision(options.get("precision", "accurate")):
-        compiled = torch.compile(grads)(*primals)
+        compiled = torch.compile(grads, mode=options.get("mode"))(*primals)
         eager = grads(*primals)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     for number, (ours, expected) in enumerate(zip(compiled, eager, strict=True)):
