@@ -112,8 +112,11 @@ def _causal_transposed(st, first_key, start_m, CAUSAL: gl.constexpr):
     """Sᵀ with the keys after their query set to -inf (top-left causal: query i sees keys
     j <= i)."""
     if CAUSAL and start_m < first_key + st.shape[0]:
-        keys = first_key + gl.arange(0, st.shape[0], gl.SliceLayout(1, st.type.layout))
-        queries = start_m + gl.arange(0, st.shape[1], gl.SliceLayout(0, st.type.layout))
+        # key first_key + r sees query start_m + c iff first_key - start_m + r <= c: the
+        # tile's own offsets, one shift per visit (fewer registers than absolute indices)
+        keys = (first_key - start_m) + gl.arange(0, st.shape[0],
+                                                 gl.SliceLayout(1, st.type.layout))
+        queries = gl.arange(0, st.shape[1], gl.SliceLayout(0, st.type.layout))
         st = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), st,
                       -float("inf"))
     return st
@@ -216,7 +219,7 @@ def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_re
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                   k_width=2)
     query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     k_smem = k_2d.index(GROUP)
     v_smem = v_2d.index(GROUP)
     first_key = k_start + GROUP * GROUP_N
@@ -235,6 +238,16 @@ def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_re
         do_smem = do_ring.index(slot)
         mbarrier.wait(q_ready.index(slot), phase)
         mbarrier.wait(do_ready.index(slot), phase)
+        # The visit's LSE and Delta, one query a thread (two loads, not 2 x 16 in the
+        # products' layout), issued before the products; the carried factors read and applied
+        # per visit rather than held across the loop.
+        rows = (batch * n_heads + head).to(gl.int64) * n_q
+        queries = start_m + gl.arange(0, BLOCK_M, row_layout)
+        lse_rows = gl.load(lse_ptr + rows + queries, mask=queries < n_q, other=float("inf"))
+        delta_rows = gl.load(delta_ptr + rows + queries, mask=queries < n_q, other=0.0)
+        st_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
+        lse_rows = lse_rows * LOG2E - p_exponent
+        delta_rows = delta_rows * delta_factor
         turn = _take_turn(turns, turn, GROUP, True)
         st = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False,
                            is_async=True)
@@ -242,14 +255,12 @@ def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_re
                             is_async=True)
         _pass_turn(turns, GROUP, True)
         st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-        rows = (batch * n_heads + head).to(gl.int64) * n_q
-        queries = start_m + gl.arange(0, BLOCK_M, query_layout)
-        lse = gl.load(lse_ptr + rows + queries, mask=queries < n_q, other=float("inf"))
+        lse = gl.convert_layout(lse_rows, query_layout)
         st = _causal_transposed(st, first_key, start_m, CAUSAL)
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse * LOG2E - p_exponent, 0))
+        pt = gl.exp2(st * st_scale - gl.expand_dims(lse, 0))
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-        delta = gl.load(delta_ptr + rows + queries, mask=queries < n_q, other=0.0)
-        dst = (pt * (dpt - gl.expand_dims(delta * delta_factor, 0))).to(dtype)
+        delta = gl.convert_layout(delta_rows, query_layout)
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         if FUSED_DQ:
             _share_ds(dst, ds_tiles, ds_ready, ds_free, j, GROUP)
         dst_op = gl.convert_layout(dst, op_layout)
@@ -503,11 +514,11 @@ def warp_specialized_backward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def fuses_dq(head_dim: int, is_causal: bool, carried: bool) -> bool:
-    """Whether the dK/dV kernel also sums dQ (no dQ kernel runs): everywhere but causal
-    d = 128 on the carried operands, where its tile spills 276 bytes a thread and took
-    2.11 against 1.78 ms for the two kernels at (4, 16, 4096, 128) on the H200; nowhere
-    once this Triton has failed to compile the summing form."""
-    return not (_summing_failed or head_dim == 128 and is_causal and carried)
+    """Whether the dK/dV kernel also sums dQ (no dQ kernel runs): everywhere, once its
+    row statistics load one query a thread (causal d = 128 on the carried operands spilled
+    276 bytes a thread before, and took the two kernels); nowhere once this Triton has
+    failed to compile the summing form."""
+    return not _summing_failed
 
 
 def dkdv_query_rows(head_dim: int, is_causal: bool) -> int:

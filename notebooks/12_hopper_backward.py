@@ -42,8 +42,7 @@
 #   $dS$, and $dQ \mathrel{+}= dS\,K$ in the next; at the end it stores $s\,dQ$.
 #
 # The fused kernel computes the five products of one pass over the tiles where the split
-# computes seven, and it is what the library runs except on one shape of work (causal
-# $d = 128$ in "accurate" bf16, where its registers spill; see `fuses_dq`).
+# computes seven, and it is what the library runs (`fuses_dq`).
 #
 # $\Delta = \mathrm{rowsum}(dO \circ O)$ comes first, from chapter 5's kernels: the copy
 # kernel that makes the exact fp16 operands of "accurate" bf16 writes it, and in "fast"
@@ -223,8 +222,11 @@ def _causal_transposed(st, first_key, start_m, CAUSAL: gl.constexpr):
     """Sᵀ with the keys after their query set to -inf (top-left causal: query i sees keys
     j <= i)."""
     if CAUSAL and start_m < first_key + st.shape[0]:
-        keys = first_key + gl.arange(0, st.shape[0], gl.SliceLayout(1, st.type.layout))
-        queries = start_m + gl.arange(0, st.shape[1], gl.SliceLayout(0, st.type.layout))
+        # key first_key + r sees query start_m + c iff first_key - start_m + r <= c: the
+        # tile's own offsets, one shift per visit (fewer registers than absolute indices)
+        keys = (first_key - start_m) + gl.arange(0, st.shape[0],
+                                                 gl.SliceLayout(1, st.type.layout))
+        queries = gl.arange(0, st.shape[1], gl.SliceLayout(0, st.type.layout))
         st = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(queries, 0), st,
                       -float("inf"))
     return st
@@ -379,7 +381,7 @@ def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_re
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                   k_width=2)
     query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     k_smem = k_2d.index(GROUP)
     v_smem = v_2d.index(GROUP)
     first_key = k_start + GROUP * GROUP_N
@@ -398,6 +400,16 @@ def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_re
         do_smem = do_ring.index(slot)
         mbarrier.wait(q_ready.index(slot), phase)
         mbarrier.wait(do_ready.index(slot), phase)
+        # The visit's LSE and Delta, one query a thread (two loads, not 2 x 16 in the
+        # products' layout), issued before the products; the carried factors read and applied
+        # per visit rather than held across the loop.
+        rows = (batch * n_heads + head).to(gl.int64) * n_q
+        queries = start_m + gl.arange(0, BLOCK_M, row_layout)
+        lse_rows = gl.load(lse_ptr + rows + queries, mask=queries < n_q, other=float("inf"))
+        delta_rows = gl.load(delta_ptr + rows + queries, mask=queries < n_q, other=0.0)
+        st_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
+        lse_rows = lse_rows * LOG2E - p_exponent
+        delta_rows = delta_rows * delta_factor
         turn = _take_turn(turns, turn, GROUP, True)
         st = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False,
                            is_async=True)
@@ -405,14 +417,12 @@ def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_re
                             is_async=True)
         _pass_turn(turns, GROUP, True)
         st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-        rows = (batch * n_heads + head).to(gl.int64) * n_q
-        queries = start_m + gl.arange(0, BLOCK_M, query_layout)
-        lse = gl.load(lse_ptr + rows + queries, mask=queries < n_q, other=float("inf"))
+        lse = gl.convert_layout(lse_rows, query_layout)
         st = _causal_transposed(st, first_key, start_m, CAUSAL)
-        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse * LOG2E - p_exponent, 0))
+        pt = gl.exp2(st * st_scale - gl.expand_dims(lse, 0))
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-        delta = gl.load(delta_ptr + rows + queries, mask=queries < n_q, other=0.0)
-        dst = (pt * (dpt - gl.expand_dims(delta * delta_factor, 0))).to(dtype)
+        delta = gl.convert_layout(delta_rows, query_layout)
+        dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
         if FUSED_DQ:
             _share_ds(dst, ds_tiles, ds_ready, ds_free, j, GROUP)
         dst_op = gl.convert_layout(dst, op_layout)
@@ -649,9 +659,9 @@ def warp_specialized_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
 # ("fast", the kernel alone); with the mask they spill more and took 2.71 against 1.41
 # ms, so causal calls keep 64 rows.
 # A third ring slot changed neither kernel by more than 2%.
-# The dK/dV kernel sums $dQ$ as well (`fuses_dq`) everywhere but causal $d = 128$ on
-# the carried operands, and then takes 64-query tiles at every head dim (the 128-query
-# tile at $d = 64$ spills 708 bytes a thread with the sum); the launcher zeroes the fp32
+# The dK/dV kernel sums $dQ$ as well (`fuses_dq`), and then takes 64-query tiles at every
+# head dim (the 128-query tile at $d = 64$ spills 708 bytes a thread with the sum); the
+# launcher zeroes the fp32
 # sum first and scales it into `dq` after, two memory-bound passes (about 0.05 ms at
 # (4, 16, 4096, 128)).
 # Chapter 5's launcher asks `warp_specialized_backward_kernels` which of its two kernels
@@ -717,11 +727,11 @@ def warp_specialized_backward_kernels(q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def fuses_dq(head_dim: int, is_causal: bool, carried: bool) -> bool:
-    """Whether the dK/dV kernel also sums dQ (no dQ kernel runs): everywhere but causal
-    d = 128 on the carried operands, where its tile spills 276 bytes a thread and took
-    2.11 against 1.78 ms for the two kernels at (4, 16, 4096, 128) on the H200; nowhere
-    once this Triton has failed to compile the summing form."""
-    return not (_summing_failed or head_dim == 128 and is_causal and carried)
+    """Whether the dK/dV kernel also sums dQ (no dQ kernel runs): everywhere, once its
+    row statistics load one query a thread (causal d = 128 on the carried operands spilled
+    276 bytes a thread before, and took the two kernels); nowhere once this Triton has
+    failed to compile the summing form."""
+    return not _summing_failed
 
 
 def dkdv_query_rows(head_dim: int, is_causal: bool) -> int:
@@ -826,17 +836,31 @@ def launched(launch, *args, summing: bool = False) -> bool:
 #
 # Compiled for sm_90 with Triton 3.6 on a CPU machine (`python
 # benchmarks/warp_specialized_backward.py --resources`), in both precisions the library
-# runs and causal or not. The dQ tiles and the $d = 64$ dK/dV tile of 64 query rows fit
-# without spilling; the $d = 128$ dK/dV tile spills a few bytes a thread, which its
-# timings below absorb, and the 128-row tile at $d = 64$ spills 352 bytes (368 carried).
-# With the dQ sum (`fused_*`) the $d = 64$ tile still fits; at $d = 128$ it fits in "fast"
-# without the mask, spills 144 bytes carried and 196 causal, which its timings absorb, and
-# 276 bytes causal and carried: the one form the library leaves to the split kernels.
-# Compiled without the dQ part, the $d = 128$ tile spills 84, 204 and 232 bytes in those
-# three forms; without the part and the store of $dS^\top$ as well, 0, 36 and 92: most of
-# the cost is the store of $dS^\top$ to shared memory, not the part's 32 registers.
-# Triton 3.9 (the newest release, compiled the same way, not run) allocates the summing
-# tile better: 16 and 24 bytes without the mask, fast and carried, 136 and 184 causal.
+# runs and causal or not. Every tile fits but two: the summing tile at $d = 128$, causal
+# on the carried operands, spills 40 bytes a thread, three values stored before its main
+# loop and read back after it (the SASS has no local loads or stores inside the loop), and
+# the unused 128-row split tile at $d = 64$ spills 316 bytes with the causal mask.
+#
+# It took one change to get there. The loads of a visit's LSE and $\Delta$ were made in
+# the products' layout, where each thread holds 16 queries' entries: 32 masked loads with
+# their own addresses and predicates, which the compiler hoisted above the exponentials
+# while $dK$, $dV$, $S^\top$ and $dP^\top$ already held 192 registers. Now they are two loads,
+# one query a thread, issued before the visit's products and moved into the products'
+# layout after them (`gl.convert_layout`, through shared memory); the carried factors are
+# read each visit and applied to those 64 values, not held across the loop, and the causal
+# mask compares offsets within the tile. The arithmetic is the same operations on the
+# same values, so the gradients are bitwise those of before. Before it, the $d = 128$
+# summing tile spilled 144 bytes carried, 196 causal and 276 causal and carried, and that
+# last form ran the two split kernels instead (2.11 against 1.78 ms at (4, 16, 4096, 128));
+# the 128-row split tile at $d = 64$ spilled 352 bytes (368 carried). Timed through the
+# library's backward on the H200 in one process (bf16, best of three, before against
+# after): causal $d = 128$ "accurate" 1.957 against 1.848 ms at (4, 16, 4096, 128), the
+# split then against the summing kernel now, and 3.514 against 3.195 ms at (2, 16, 8192,
+# 128); "fast" 1.770 against 1.649 and 3.252 against 3.042; at $d = 64$ (4, 32, 4096, 64)
+# 4.114 against 3.968 ms and causal 2.362 against 2.238. Only $d = 128$ without the mask
+# lost, 1.3% to 1.5% (3.158 against 3.206 ms "accurate", 2.969 against 3.008 "fast"): the
+# two conversions a visit cost more there than the spills they remove. Every gradient's
+# error ratio was the same as before to three digits.
 
 # %% tags=["hide_input"]
 resources = json.loads(RESOURCES.read_text())
@@ -981,12 +1005,16 @@ else:
 #   without the mask. "fast", which runs the sum everywhere: 0.84x to 0.87x at $d = 128$,
 #   0.82x to 0.85x causal, 0.84x to 0.88x at $d = 64$ with or without the mask: every shape
 #   above the line.
-# * **Where "accurate" stays below it:** causal $d = 128$ (0.76x to 0.79x), which keeps the
-#   split kernels because the summing tile spills 276 bytes a thread on the carried
-#   operands; and $d = 64$ at 4096 tokens and causal at 8192, where the carried copies'
-#   pass (0.07 ms for the range, 0.19 for the copies) is 6% of the call and the kernel on
-#   fp16 copies runs 4% slower than on the bf16 inputs (3.77 against 3.63 ms at
-#   (4, 32, 4096, 64); at $d = 128$ it is 3% faster, 2.80 against 2.89).
+# * **Where "accurate" stayed below it in this run:** causal $d = 128$ (0.76x to 0.79x), on
+#   the split kernels then; and $d = 64$ at 4096 tokens and causal at 8192, where the
+#   carried copies' pass (0.07 ms for the range, 0.19 for the copies) is 6% of the call and
+#   the kernel on fp16 copies runs 4% slower than on the bf16 inputs (3.77 against 3.63 ms
+#   at (4, 32, 4096, 64); at $d = 128$ it is 3% faster, 2.80 against 2.89). This run
+#   predates the row statistics loaded one query a thread ("What it costs" above), which
+#   put causal $d = 128$ on the summing kernel: scaled by that change's own timings, this
+#   run's causal $d = 128$ rows would be 0.80x at 4096 tokens and 0.85x at 8192, $d = 64$ at
+#   4096 0.81x and 0.82x causal, and $d = 128$ without the mask 1.5% lower (0.82x at
+#   4096). Those are estimates across two runs; the table has not been measured again.
 # * **Where the time goes.** At (4, 16, 4096, 128) "accurate": the summing dK/dV kernel
 #   2.80 ms, where the split took 1.75 + 1.16 = 2.91 in the previous run; then 0.26 ms for
 #   the range pass and the copies, 0.03 to zero the sum, 0.05 to scale it. Five products in
@@ -1018,10 +1046,11 @@ else:
 #
 # So the first-order backward reaches 0.8x cuDNN in "fast" precision at every shape from
 # 4096 to 32768 tokens at $d = 64$ and $128$, causal or not, and in "accurate" at $d = 128$
-# without the mask everywhere and at $d = 64$ from 8192 tokens (causal from 16384). What
-# remains: the summing tile's registers at causal $d = 128$ on the carried operands (a
-# precomputed shift of the LSE and $\Delta$ in the copy kernel would take two live values out
-# of its loop), the carried copies' pass (a conversion from bf16 tiles to fp16 in shared
+# without the mask everywhere and at $d = 64$ from 8192 tokens (causal from 16384) in the
+# table's run; with the row statistics loaded one query a thread, the estimates above put
+# the shapes they cover at or just above the line (causal $d = 128$ at 16384 and 32768
+# tokens was not timed again), to be confirmed by a new run.
+# What remains: the carried copies' pass (a conversion from bf16 tiles to fp16 in shared
 # memory, inside the kernel, would remove the copies), and the end of each visit, whose
 # product, store and addition a third partition could take over if the registers allowed
 # one. The second-order backward still runs chapter 6's kernels.
