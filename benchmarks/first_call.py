@@ -8,7 +8,8 @@ cache directory). Saved as JSON.
     python benchmarks/first_call.py --smoke   # CPU: a tiny shape through Triton's interpreter
 
 Python's bytecode is compiled once first, as an installed package has it: one process runs
-the step on a tiny shape through Triton's interpreter with `PYTHONPYCACHEPREFIX` set to a
+the step on a tiny shape (on the GPU, with a Triton cache of its own that is then thrown
+away; through Triton's interpreter with --smoke) with `PYTHONPYCACHEPREFIX` set to a
 folder of this run, and every timed process reads that folder (on a machine whose
 site-packages were never imported, compiling torch's modules from source alone took 8 s of
 a first step). Each measurement is then a fresh Python process (`--child`) that imports
@@ -51,7 +52,7 @@ STATE_LABELS = {
 }
 
 
-def child(shape: str, smoke: bool) -> dict:
+def child(shape: str) -> dict:
     """One fresh process's first and second MeanFlow-style steps at `shape` (seconds)."""
     start = time.perf_counter()
     import torch
@@ -62,7 +63,7 @@ def child(shape: str, smoke: bool) -> dict:
     imported = time.perf_counter() - start
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
-    b, h, n, d = (SMOKE_SHAPES if smoke else SHAPES)[shape]
+    b, h, n, d = {**SHAPES, **SMOKE_SHAPES}[shape]
     generator = torch.Generator(device).manual_seed(0)
     primals = [torch.randn(b, h, n, d, device=device, dtype=dtype, generator=generator)
                .requires_grad_() for _ in range(3)]
@@ -88,12 +89,12 @@ def child(shape: str, smoke: bool) -> dict:
 
 def run_child(shape: str, cache: Path, smoke: bool, bytecode: Path) -> dict:
     """The child's result at `shape` with Triton's cache `cache` and Python's bytecode in
-    `bytecode`; `process_s` is the whole process's wall time."""
+    `bytecode` (through Triton's interpreter with `smoke`); `process_s` is the whole
+    process's wall time."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache), PYTHONPYCACHEPREFIX=str(bytecode))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = [sys.executable, str(Path(__file__).resolve()), "--child", shape]
     if smoke:
-        command.append("--smoke")
         env["TRITON_INTERPRET"] = "1"
     start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -122,7 +123,7 @@ def main() -> None:
     parser.add_argument("--child", metavar="SHAPE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.smoke)))
+        print(json.dumps(child(args.child)))
         return
 
     sys.path.insert(0, str(HERE))
@@ -141,7 +142,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="jvp_first_call_bytecode_") as bytecode_dir:
         bytecode = Path(bytecode_dir)
         with tempfile.TemporaryDirectory(prefix="jvp_first_call_warmup_") as folder:
-            warmed = run_child(next(iter(SMOKE_SHAPES)), Path(folder), True, bytecode)
+            warmed = run_child(next(iter(SMOKE_SHAPES)), Path(folder), args.smoke, bytecode)
         data["bytecode_warmup_s"] = warmed["process_s"]
         print(f"Python bytecode compiled in {warmed['process_s']:.1f} s", flush=True)
         for shape in shapes:

@@ -654,8 +654,9 @@ def warp_specialized_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
 # LSE stands in). The split kernels' tiles come from the register budget and the timings
 # below: 64-query tiles in two ring slots for dK/dV, 128-key tiles in two slots for dQ. At
 # $d = 64$ without the causal mask the split dK/dV kernel streams 128-query tiles (unused
-# by the library since $d = 64$ sums dQ, kept for the split): they spill a few hundred
-# bytes a thread, and still took 2.40 against 2.61 ms at (4, 32, 4096, 64) on the H200
+# by the library since $d = 64$ sums dQ, kept for the split): they spilled a few hundred
+# bytes a thread (none since the change in "What it costs" below), and still took 2.40
+# against 2.61 ms at (4, 32, 4096, 64) on the H200
 # ("fast", the kernel alone); with the mask they spill more and took 2.71 against 1.41
 # ms, so causal calls keep 64 rows.
 # A third ring slot changed neither kernel by more than 2%.

@@ -276,13 +276,14 @@ def test_fused_launch_sums_dq_and_scales_it(monkeypatch) -> None:
     assert torch.equal(dq, torch.full_like(dq, 0.5 * 4.0))
 
 
-def test_dq_is_fused_except_causal_d128_carried() -> None:
-    """The dK/dV kernel sums dQ everywhere but on causal d = 128 carried operands."""
-    for d in (64, 128):
-        for causal in (False, True):
-            for carried in (False, True):
-                assert hb.fuses_dq(d, causal, carried) == (not (d == 128 and causal
-                                                                and carried))
+def test_dq_is_fused_unless_its_compile_failed(monkeypatch) -> None:
+    """The dK/dV kernel sums dQ at every head dim, causal or not, carried or not; nowhere
+    once the summing form has failed to compile."""
+    forms = [(d, causal, carried) for d in (64, 128) for causal in (False, True)
+             for carried in (False, True)]
+    assert all(hb.fuses_dq(*form) for form in forms)
+    monkeypatch.setattr(hb, "_summing_failed", True)
+    assert not any(hb.fuses_dq(*form) for form in forms)
 
 
 def test_dkdv_query_tile_widens_only_at_d64_without_the_mask(monkeypatch) -> None:
@@ -310,16 +311,17 @@ def test_compiles_for_hopper_within_its_budget(tile: str) -> None:
 
 
 @pytest.mark.parametrize(("tile", "causal", "carry", "max_spills"), [
-    ("dkdv_d128_m64_s2", True, True, 128), ("dkdv_d64_m128_s2", False, True, 512),
-    ("fused_d128_m64_s2", False, True, 256), ("fused_d128_m64_s2", True, False, 256)])
+    ("dkdv_d128_m64_s2", True, True, 64), ("dkdv_d64_m128_s2", False, True, 64),
+    *[("fused_d128_m64_s2", causal, carry, 64) for causal in (False, True)
+      for carry in (False, True)]])
 def test_spilling_dkdv_tiles_stay_within_bounds(tile: str, causal: bool, carry: bool,
                                                 max_spills: int) -> None:
-    """The dK/dV tiles that spill: at d = 128 (224 of its 240 registers hold live values)
-    a few bytes a thread carried and causal, within 128; the 128-query tile at d = 64 368
-    bytes with Triton 3.6 (measured faster than the 64-query tile all the same), within 512;
-    the d = 128 tile that sums dQ, in the two forms the library runs that spill (carried
-    without the mask 144 bytes, "fast" causal 196), within 256. All within the shared
-    memory a block may take."""
+    """The dK/dV tiles at d = 128 (224 of its 240 registers hold live values), split or
+    summing dQ, in every form, and the split 128-query tile at d = 64 without the mask
+    (run only where the summing form failed to compile): at most a few values a thread
+    (Triton 3.6: 8 bytes for the split d = 128 tile causal, 40 for the summing tile causal
+    and carried, kept outside its loop, 0 otherwise), within 64 bytes, and within the
+    shared memory a block may take."""
     report = compiled_for_hopper(
         "warp_specialized_backward",
         f"compile_for_hopper({tile!r}, causal={causal}, carry={carry})")
