@@ -837,11 +837,16 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # first-order backward runs chapter 12's warp-specialised kernels from 4096 tokens, its
 # dK/dV kernel summing dQ too, and chapter 12's run times it at every backward shape of the
 # grid from 4096 tokens: 0.83x to 0.87x cuDNN at $d = 128$ without the mask (the line met
-# everywhere), 0.76x to 0.79x causal (the split kernels there: the summing tile spills on
+# everywhere), 0.76x to 0.79x causal (the split kernels then: the summing tile spilled on
 # the carried operands); 0.78x to 0.83x at $d = 64$ (the line met from 8192 tokens), 0.77x
-# to 0.84x causal (from 16384). "fast" clears 0.8x at every shape; what holds "accurate"
-# below it is the carried copies' pass (0.26 ms at B4 H16 N4096) and the summing tile's
-# registers (chapter 12). The second-order backward still runs chapter 6's Triton kernels
+# to 0.84x causal (from 16384). "fast" clears 0.8x at every shape; what held "accurate"
+# below it was the carried copies' pass (0.26 ms at B4 H16 N4096) and the summing tile's
+# registers. Since that run the summing tile loads its row statistics one query a thread
+# (chapter 12, "What it costs"), which takes causal $d = 128$ onto it: timed before and
+# after in one process, 5.6% faster at B4 H16 N4096 causal and 9% at B2 H16 N8192, and
+# 3.5% to 5% at $d = 64$ N4096, which scaled onto this run's times would put causal
+# $d = 128$ at 0.80x and 0.85x there and $d = 64$ at 0.81x (0.82x causal); $d = 128$
+# without the mask lost 1.5%. The table above has not been measured again. The second-order backward still runs chapter 6's Triton kernels
 # (chapter 4 lists what bounds them).
 
 # %% [markdown]
