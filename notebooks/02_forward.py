@@ -712,7 +712,11 @@ def _forward_key_block(
 # alike, except at head dims cut into two column tiles (72 = 64 + 16, `column_tiles` in
 # "Tiles, autotuning and the launch" below): at DiT-XL/2's (16, 16, 1024, 72) the carried
 # forward+JVP took 1.62 ms against the split's 1.25 ms, and the MeanFlow step 3.75 against
-# 2.71 ms, so those carry from 2048 keys, the earlier threshold. Below 1024 keys the two O(N) passes of the carry cost more than the split's extra
+# 2.71 ms, so those carry from 2048 keys, the earlier threshold. Measured again with the
+# two-launch carry and paired tails (H200, bf16, (16, 16, 1024, 72), `triton.testing.do_bench`
+# of the call, one process), the carry took 0.900 ms for the forward+JVP against the
+# split's 0.942 ("fast": 0.756), and 2.361 against 2.353 ms for the MeanFlow call (forward
+# with the tangent, then the backward; "fast": 2.002): level, so the threshold stays. Below 1024 keys the two O(N) passes of the carry cost more than the split's extra
 # products saves (0.33 against 0.18 ms at 256 keys with the first version; not measured
 # again), and accurate mode costs the split: 15 to 30% more GPU time than "fast" for the
 # forward+JVP, where the call is bound by host work anyway.
