@@ -507,7 +507,10 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   time per phase says why so little: our step spent 58.7 ms of its 63.6 in the host's
 #   forward and backward (the opaque operators' Python, twelve layers of it), the math
 #   path's 33.7 of its 68.1 (GPU-bound). At 1024 tokens the compiled step is bound by the
-#   host cost of the opaque operators, not by the kernels.
+#   host cost of the opaque operators, not by the kernels. Since then a graph without CUDA
+#   graphs traces the split products and the backward's pointer kernels at these lengths
+#   instead of calling the opaque operators (`host_bound_graph`, chapter 7): some GPU time
+#   for that host time. The compiled step at 1024 tokens has not been timed again with it.
 # - **At 4096 tokens the bound is the attention's arithmetic.** Compiled, our attention is
 #   19.3 of the step's 33.0 ms of kernels (59%): its forward with the tangent runs at about
 #   400 TFLOP/s and its backward at about 300, near what chapter 8 measures for the
