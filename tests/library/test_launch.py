@@ -390,18 +390,21 @@ def test_compiled_training_step_is_launched_by_inductor(step: str) -> None:
 
 def test_traced_twins_register_with_their_operators_signatures() -> None:
     """Outside the interpreter (as on a GPU), importing the autograd layer registers a traced
-    twin of each operator, with the opaque operator's schema; on the CPU this runs in a
-    subprocess without TRITON_INTERPRET, which only imports."""
+    twin of each operator, with the opaque operator's schema, without importing
+    torch._inductor (`triton_op`'s kernel scan would, about a second of every process's
+    first call: the twins give it no source to scan); on the CPU this runs in a subprocess
+    without TRITON_INTERPRET, which only imports."""
     import subprocess
     import sys
 
-    code = ("import torch, jvp_attention.autograd as a\n"
+    code = ("import sys, torch, jvp_attention.autograd as a\n"
             "ops = torch.ops.jvp_attention\n"
             "assert a._TRACED == {n: n + '_traced' for n in "
             "('forward', 'forward_jvp', 'backward', 'backward_tangent')}, a._TRACED\n"
             "for name, twin in a._TRACED.items():\n"
             "    opaque, traced = (str(getattr(ops, n).default._schema) for n in (name, twin))\n"
-            "    assert traced == opaque.replace(name + '(', twin + '(', 1), (opaque, traced)\n")
+            "    assert traced == opaque.replace(name + '(', twin + '(', 1), (opaque, traced)\n"
+            "assert 'torch._inductor.utils' not in sys.modules\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, check=False, cwd=os.path.dirname(os.path.dirname(

@@ -39,21 +39,6 @@ def test_importing_a_module_imports_only_what_it_needs() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_registering_the_traced_twins_does_not_import_inductor() -> None:
-    """Outside the interpreter chapter 7 registers each operator's traced twin with
-    `torch.library.triton_op`, whose kernel scan would import torch._inductor (about a
-    second) for the first call of every process; the twins give it no source to scan."""
-    code = ("import sys, torch, jvp_attention.autograd as autograd; "
-            "assert sorted(autograd._TRACED) == "
-            "['backward', 'backward_tangent', 'forward', 'forward_jvp'], autograd._TRACED; "
-            "assert hasattr(torch.ops.jvp_attention, 'forward_jvp_traced'); "
-            "assert 'torch._inductor.utils' not in sys.modules")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=env, check=False, cwd=INIT.parent.parent)
-    assert result.returncode == 0, result.stderr[-2000:]
-
-
 def test_unknown_names_raise_attribute_error() -> None:
     try:
         jvp_attention.no_such_name  # noqa: B018
