@@ -123,12 +123,25 @@ def _causal_transposed(st, first_key, start_m, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _row_statistics(lse_ptr, delta_ptr, rows, n_q, delta_factor, p_exponent):
-    """A tile's LSE in log2 units less P's shift, and its Delta in the carried units.
-    Rows past the end read LSE = +inf, so their P is exactly 0."""
+def _load_row_statistics(lse_ptr, delta_ptr, rows, n_q):
+    """A tile's LSE and Delta as stored. Rows past the end read LSE = +inf, so their P is
+    exactly 0."""
     lse = gl.load(lse_ptr + rows, mask=rows < n_q, other=float("inf"))
     delta = gl.load(delta_ptr + rows, mask=rows < n_q, other=0.0)
+    return lse, delta
+
+
+@gluon.jit
+def _row_statistics_in_units(lse, delta, delta_factor, p_exponent):
+    """LSE in log2 units less P's shift, and Delta in the carried units."""
     return lse * LOG2E - p_exponent, delta * delta_factor
+
+
+@gluon.jit
+def _row_statistics(lse_ptr, delta_ptr, rows, n_q, delta_factor, p_exponent):
+    """A tile's LSE in log2 units less P's shift, and its Delta in the carried units."""
+    lse, delta = _load_row_statistics(lse_ptr, delta_ptr, rows, n_q)
+    return _row_statistics_in_units(lse, delta, delta_factor, p_exponent)
 
 
 # The copy engine's bulk add: Triton 3.9's Gluon names it `tma.async_atomic_add`; 3.6's
@@ -241,13 +254,13 @@ def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_re
         # The visit's LSE and Delta, one query a thread (two loads, not 2 x 16 in the
         # products' layout), issued before the products; the carried factors read and applied
         # per visit rather than held across the loop.
-        rows = (batch * n_heads + head).to(gl.int64) * n_q
-        queries = start_m + gl.arange(0, BLOCK_M, row_layout)
-        lse_rows = gl.load(lse_ptr + rows + queries, mask=queries < n_q, other=float("inf"))
-        delta_rows = gl.load(delta_ptr + rows + queries, mask=queries < n_q, other=0.0)
+        head_rows = (batch * n_heads + head).to(gl.int64) * n_q
+        lse_rows, delta_rows = _load_row_statistics(
+            lse_ptr + head_rows, delta_ptr + head_rows,
+            start_m + gl.arange(0, BLOCK_M, row_layout), n_q)
         st_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
-        lse_rows = lse_rows * LOG2E - p_exponent
-        delta_rows = delta_rows * delta_factor
+        lse_rows, delta_rows = _row_statistics_in_units(lse_rows, delta_rows, delta_factor,
+                                                        p_exponent)
         turn = _take_turn(turns, turn, GROUP, True)
         st = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False,
                            is_async=True)

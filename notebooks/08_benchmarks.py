@@ -833,21 +833,19 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # cuDNN at $d = 128$. Below their line: causal at B4 H16 N4096, 0.87x full at $d = 128$
 # where 16384 tokens give 0.95x (shorter rows, relatively more tiles on the diagonal; not
 # analysed further); the $d = 64$ causal calls, which stay on chapter 2's forward because their launch would
-# cost the host more than chapter 11's kernel saves; and the backward passes. The
+# cost the host more than chapter 11's kernel saves; and the second-order backward. The
 # first-order backward runs chapter 12's warp-specialised kernels from 4096 tokens, its
 # dK/dV kernel summing dQ too, and chapter 12's run times it at every backward shape of the
-# grid from 4096 tokens: 0.83x to 0.87x cuDNN at $d = 128$ without the mask (the line met
-# everywhere), 0.76x to 0.79x causal (the split kernels then: the summing tile spilled on
-# the carried operands); 0.78x to 0.83x at $d = 64$ (the line met from 8192 tokens), 0.77x
-# to 0.84x causal (from 16384). "fast" clears 0.8x at every shape; what held "accurate"
-# below it was the carried copies' pass (0.26 ms at B4 H16 N4096) and the summing tile's
-# registers. Since that run the summing tile loads its row statistics one query a thread
-# (chapter 12, "What it costs"), which takes causal $d = 128$ onto it: timed before and
-# after in one process, 5.6% faster at B4 H16 N4096 causal and 9% at B2 H16 N8192, and
-# 3.5% to 5% at $d = 64$ N4096, which scaled onto this run's times would put causal
-# $d = 128$ at 0.80x and 0.85x there and $d = 64$ at 0.81x (0.82x causal); $d = 128$
-# without the mask lost 1.5%. The table above has not been measured again. The second-order backward still runs chapter 6's Triton kernels
-# (chapter 4 lists what bounds them).
+# grid from 4096 to 32768 tokens: in "accurate" precision 0.83x to 0.86x cuDNN at
+# $d = 128$ without the mask and 0.81x to 0.89x causal, 0.81x to 0.87x at $d = 64$ and
+# 0.82x to 0.93x causal, so the 0.8x line is met at every one of those shapes (closest at
+# B4 H16 N4096 d128 causal and B4 H32 N4096 d64, 0.81x); "fast" runs at 0.84x to 0.94x.
+# That run follows the summing tile's change to load its row statistics one query a thread
+# (chapter 12, "What it costs"), which put causal $d = 128$ on the summing kernel too; the
+# run before it had "accurate" at 0.76x to 0.79x causal at $d = 128$ and 0.77x to 0.80x
+# at $d = 64$ up to 8192 tokens. What keeps "accurate" behind "fast" now is mostly the
+# carried copies' pass (0.26 ms at B4 H16 N4096). The second-order backward still runs
+# chapter 6's Triton kernels (chapter 4 lists what bounds them).
 
 # %% [markdown]
 # ## What the numbers mean
@@ -1926,14 +1924,22 @@ else:
 FC_TABLE if FC is not None else None
 
 # %% [markdown]
-# What it says (H200, bf16). The tiles' timing is the difference between the `compiled`
-# and `tuned` rows. Each candidate is timed for 20 ms after 5 ms of warm-up since chapter
-# 2's `time_candidate` (Triton's default: 100 and 25), and the backward's timing went from
-# 1.4 to 2.4 s at these shapes in the previous run (2026-12-01) to 0.39 to 0.48 s here. The
-# first `jvp` of this run is not comparable with that run's: the machine's site-packages
-# had no compiled bytecode, so every process compiled torch's modules from source, most of
-# them in the first call's lazy imports (a profile of one `tuned` process: 7.9 s of
-# Python's `compile`), which is why the `tuned` rows' first `jvp` takes 3.9 to 5.8 s where
-# it took 0.75 to 0.82 s before. `benchmarks/first_call.py` now compiles the bytecode once
-# before its timed processes, as an installed package has it; a run with it is still to be
-# made, so the first step at a new shape is not yet shown under 3 s.
+# What it says (H200, bf16, Python's bytecode compiled before the timed processes, as an
+# installed package has it). With the compiled kernels and the tuned tiles cached
+# (`tuned`), the first step at a new shape, first `jvp` and first backward, takes 2.22 s
+# at DiT-B/2 256 px, 2.31 s at 512 px and 2.69 s at DiT-XL/2 256 px: under 3 s at each
+# shape, with the import of torch and the library (3.5 to 4.1 s in those processes) timed
+# apart. The first `jvp` takes 0.47 to 0.50 s. About a second of the first backward (1.75
+# to 2.19 s) is PyTorch's own first use of a module: `torch.autograd.grad` with an explicit
+# gradient checks its shape through `torch.fx.experimental.symbolic_shapes`, whose import
+# loads sympy (1.07 s of a 2.35 s first backward in a CPU profile of the same step;
+# `loss.backward()` on a scalar loss does not take that path). Earlier runs counted that
+# second in the first `jvp`, whose registration of the traced twins imported
+# `torch._inductor`, which loads sympy as well; since the twins no longer import it
+# (chapter 7) the second shows in the backward instead. Timing the tiles, the difference
+# between the `compiled` and `tuned` rows (two processes, so only roughly), takes 0.11 to
+# 0.30 s for the forward with the tangent and 0.29 to 0.64 s for the backward; the
+# backward's took 1.4 to 2.4 s at these shapes in a run of 2026-12-01, before each
+# candidate was timed for 20 ms after 5 ms of warm-up (chapter 2's `time_candidate`;
+# Triton's default: 100 and 25). With an empty cache (`cold`), where every candidate tile
+# is compiled first, the first step takes 17.5 to 25.3 s.

@@ -499,18 +499,24 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   39.1 ms in the run above: host-bound steps vary from run to run), and with CUDA graphs
 #   27.1 against 28.7 ms (1.06x). That meets the 1.5x target at 256 tokens in the default
 #   mode only: with CUDA graphs, which take the host out of both, the two steps are within
-#   6%. At 1024 tokens the twins call the same opaque operators (the bf16 carry, tensor
-#   descriptors). That session's one 1024-token row ran on a host slowed in every phase,
-#   the optimizer's included (the file's notes); run again alone in a fresh process
-#   (`examples/results/bench_dit_b2_twins_1024_h200.json`), the step took 63.6 ms against
-#   the math path's 68.1 ms (1.07x), with 12.7 ms of attention kernels (35%). The host
-#   time per phase says why so little: our step spent 58.7 ms of its 63.6 in the host's
-#   forward and backward (the opaque operators' Python, twelve layers of it), the math
-#   path's 33.7 of its 68.1 (GPU-bound). At 1024 tokens the compiled step is bound by the
-#   host cost of the opaque operators, not by the kernels. Since then a graph without CUDA
-#   graphs traces the split products and the backward's pointer kernels at these lengths
-#   instead of calling the opaque operators (`host_bound_graph`, chapter 7): some GPU time
-#   for that host time. The compiled step at 1024 tokens has not been timed again with it.
+#   6%. At 1024 tokens the twins then called the same opaque operators (the bf16 carry,
+#   tensor descriptors). That session's one 1024-token row ran on a host slowed in every
+#   phase, the optimizer's included (the file's notes); run again alone in a fresh process
+#   (2026-12-02), the step took 63.6 ms against the math path's 68.1 ms (1.07x), 58.7 ms
+#   of it in the host's forward and backward: the opaque operators' Python, twelve layers
+#   of it, bound the step, not the kernels. Since then a graph without CUDA graphs traces
+#   the split products and the backward's pointer kernels at these lengths instead of
+#   calling the opaque operators (`host_bound_graph`, chapter 7), and the same command
+#   run again (`examples/results/bench_dit_b2_twins_1024_h200.json`, a fresh process,
+#   batch 16) gives 57.4 ms against the math path's 68.3 ms (1.19x; 7.9 against 17.0 GB at peak).
+#   The host's forward and backward take 25.1 ms (15.8 + 9.3) of the 57.4, so the step no
+#   longer waits on the host. The attention kernels take 17.0 ms (42% of the step), up from
+#   12.7 ms in the run before: the split products and pointer loads cost more GPU time than the carried
+#   copies and tensor descriptors, and save more host time than that. The other 40 ms or so
+#   of the step are everything else (the DiT's other layers, the optimizer): with an
+#   attention that took no time at all the step would still be at most about 1.7x shorter
+#   than the math path's 68.3 ms, so the 2.5x target at 1024 tokens is out of reach for
+#   any attention; the rest of the model bounds it.
 # - **At 4096 tokens the bound is the attention's arithmetic.** Compiled, our attention is
 #   19.3 of the step's 33.0 ms of kernels (59%): its forward with the tangent runs at about
 #   400 TFLOP/s and its backward at about 300, near what chapter 8 measures for the

@@ -233,12 +233,25 @@ def _causal_transposed(st, first_key, start_m, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _row_statistics(lse_ptr, delta_ptr, rows, n_q, delta_factor, p_exponent):
-    """A tile's LSE in log2 units less P's shift, and its Delta in the carried units.
-    Rows past the end read LSE = +inf, so their P is exactly 0."""
+def _load_row_statistics(lse_ptr, delta_ptr, rows, n_q):
+    """A tile's LSE and Delta as stored. Rows past the end read LSE = +inf, so their P is
+    exactly 0."""
     lse = gl.load(lse_ptr + rows, mask=rows < n_q, other=float("inf"))
     delta = gl.load(delta_ptr + rows, mask=rows < n_q, other=0.0)
+    return lse, delta
+
+
+@gluon.jit
+def _row_statistics_in_units(lse, delta, delta_factor, p_exponent):
+    """LSE in log2 units less P's shift, and Delta in the carried units."""
     return lse * LOG2E - p_exponent, delta * delta_factor
+
+
+@gluon.jit
+def _row_statistics(lse_ptr, delta_ptr, rows, n_q, delta_factor, p_exponent):
+    """A tile's LSE in log2 units less P's shift, and its Delta in the carried units."""
+    lse, delta = _load_row_statistics(lse_ptr, delta_ptr, rows, n_q)
+    return _row_statistics_in_units(lse, delta, delta_factor, p_exponent)
 
 
 # %% [markdown]
@@ -403,13 +416,13 @@ def _dkdv_compute_partition(k_tiles, v_tiles, k_2d, v_2d, q_ring, do_ring, kv_re
         # The visit's LSE and Delta, one query a thread (two loads, not 2 x 16 in the
         # products' layout), issued before the products; the carried factors read and applied
         # per visit rather than held across the loop.
-        rows = (batch * n_heads + head).to(gl.int64) * n_q
-        queries = start_m + gl.arange(0, BLOCK_M, row_layout)
-        lse_rows = gl.load(lse_ptr + rows + queries, mask=queries < n_q, other=float("inf"))
-        delta_rows = gl.load(delta_ptr + rows + queries, mask=queries < n_q, other=0.0)
+        head_rows = (batch * n_heads + head).to(gl.int64) * n_q
+        lse_rows, delta_rows = _load_row_statistics(
+            lse_ptr + head_rows, delta_ptr + head_rows,
+            start_m + gl.arange(0, BLOCK_M, row_layout), n_q)
         st_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
-        lse_rows = lse_rows * LOG2E - p_exponent
-        delta_rows = delta_rows * delta_factor
+        lse_rows, delta_rows = _row_statistics_in_units(lse_rows, delta_rows, delta_factor,
+                                                        p_exponent)
         turn = _take_turn(turns, turn, GROUP, True)
         st = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False,
                            is_async=True)
@@ -999,29 +1012,30 @@ else:
 # What the numbers say (H200, bf16; `benchmarks/results/warp_specialized_backward_h200.json`,
 # whose rows also hold each kernel's GPU time from the profiler):
 #
-# * **With the dQ sum, "accurate" clears 0.8x cuDNN at every $d = 128$ shape without the
-#   mask**: 0.83x at (4, 16, 4096, 128) (3.17 ms against cuDNN's 2.63; chapter 5's kernels
-#   3.71), 0.85x at 8192 tokens, 0.87x at 16384, 0.86x at 32768. At $d = 64$: 0.78x at
-#   4096 tokens (causal 0.77x), 0.80x at 8192 (causal 0.79x), then 0.82x to 0.84x with or
-#   without the mask. "fast", which runs the sum everywhere: 0.84x to 0.87x at $d = 128$,
-#   0.82x to 0.85x causal, 0.84x to 0.88x at $d = 64$ with or without the mask: every shape
-#   above the line.
-# * **Where "accurate" stayed below it in this run:** causal $d = 128$ (0.76x to 0.79x), on
-#   the split kernels then; and $d = 64$ at 4096 tokens and causal at 8192, where the
-#   carried copies' pass (0.07 ms for the range, 0.19 for the copies) is 6% of the call and
-#   the kernel on fp16 copies runs 4% slower than on the bf16 inputs (3.77 against 3.63 ms
-#   at (4, 32, 4096, 64); at $d = 128$ it is 3% faster, 2.80 against 2.89). This run
-#   predates the row statistics loaded one query a thread ("What it costs" above), which
-#   put causal $d = 128$ on the summing kernel: scaled by that change's own timings, this
-#   run's causal $d = 128$ rows would be 0.80x at 4096 tokens and 0.85x at 8192, $d = 64$ at
-#   4096 0.81x and 0.82x causal, and $d = 128$ without the mask 1.5% lower (0.82x at
-#   4096). Those are estimates across two runs; the table has not been measured again.
+# * **With the dQ sum, "accurate" clears 0.8x cuDNN at every shape of the run**, $d = 64$
+#   and $128$, 4096 to 32768 tokens, causal or not. At $d = 128$: 0.84x at (4, 16, 4096,
+#   128) (3.22 ms against cuDNN's 2.72; chapter 5's kernels 3.67), 0.83x at 8192 tokens,
+#   0.86x at 16384, 0.85x at 32768; causal 0.81x (1.85 against 1.50 ms), 0.84x, 0.88x,
+#   0.89x. At $d = 64$: 0.81x, 0.84x, 0.87x, 0.86x; causal 0.82x, 0.85x, 0.90x, 0.93x.
+#   "fast": 0.84x to 0.94x, up to 0.09x above "accurate" at 4096 tokens and within 0.02x
+#   of it from 16384. Chapter 5's kernels alone (`triton_*`): 0.65x to 0.78x.
+# * **What loading the row statistics one query a thread changed** ("What it costs"
+#   above). In the run before it, causal $d = 128$ "accurate" ran the split kernels, at
+#   0.76x to 0.79x cuDNN, and $d = 64$ was at or below the line up to 8192 tokens (0.77x
+#   to 0.80x). Now causal $d = 128$ runs the summing kernel (1.85 against 2.01 ms at (4, 16,
+#   4096, 128), 3.29 against 3.66 at (2, 16, 8192, 128), across the two runs), and at
+#   $d = 64$ the kernel on the carried fp16 copies is level with the kernel on the bf16
+#   inputs (3.67 against 3.66 ms at (4, 32, 4096, 64)), where it was 4% slower (3.77
+#   against 3.63); at $d = 128$ it stays the faster one (2.85 against 2.89). What still
+#   separates the precisions is the carried copies' pass, 0.07 ms for the range and 0.19
+#   for the copies against 0.05 for "fast"'s row statistics: 8% of the call at (4, 16,
+#   4096, 128), 1% at 32768 tokens.
 # * **Where the time goes.** At (4, 16, 4096, 128) "accurate": the summing dK/dV kernel
-#   2.80 ms, where the split took 1.75 + 1.16 = 2.91 in the previous run; then 0.26 ms for
-#   the range pass and the copies, 0.03 to zero the sum, 0.05 to scale it. Five products in
-#   2.80 ms are 0.56 ms a product, more than the split's 0.42: the sum costs the kernel most
-#   of the two products it saves. Each visit now ends with a product that waits on its
-#   result, a 16 KB store to shared memory and the copy engine's add; the other group's turn
+#   2.85 ms, where the split kernels took 1.75 + 1.16 = 2.91 in an earlier run; then 0.26
+#   ms for the range pass and the copies, 0.03 to zero the sum, 0.05 to scale it. Five
+#   products in 2.85 ms are 0.57 ms a product, more than the split's 0.42: the sum costs
+#   the kernel most of the two products it saves. Each visit now ends with a product that
+#   waits on its result, a 16 KB store to shared memory and the copy engine's add; the other group's turn
 #   hides part of that, not all of it. A first version in which each group added its own 64
 #   keys' whole $dQ$ (twice the reduction traffic, a 64 × 128 fp32 part) took 3.34 ms for
 #   the kernel alone in "fast", against 3.10 for the split: the traffic through L2's
@@ -1045,12 +1059,9 @@ else:
 #   ms at (4, 16, 4096, 128), 5.93 against 6.09 at (2, 16, 8192, 128)), level in "fast"
 #   and 1% to 2.5% slower at $d = 64$: not worth a second form of the loop.
 #
-# So the first-order backward reaches 0.8x cuDNN in "fast" precision at every shape from
-# 4096 to 32768 tokens at $d = 64$ and $128$, causal or not, and in "accurate" at $d = 128$
-# without the mask everywhere and at $d = 64$ from 8192 tokens (causal from 16384) in the
-# table's run; with the row statistics loaded one query a thread, the estimates above put
-# the shapes they cover at or just above the line (causal $d = 128$ at 16384 and 32768
-# tokens was not timed again), to be confirmed by a new run.
+# So the first-order backward reaches 0.8x cuDNN in both precisions at every shape from
+# 4096 to 32768 tokens at $d = 64$ and $128$, causal or not: 0.81x to 0.93x in "accurate"
+# (closest to the line at 4096 tokens), 0.84x to 0.94x in "fast".
 # What remains: the carried copies' pass (a conversion from bf16 tiles to fp16 in shared
 # memory, inside the kernel, would remove the copies), and the end of each visit, whose
 # product, store and addition a third partition could take over if the registers allowed
