@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 
 from jvp_attention.launch import (
+    AUTOTUNE_KEYS,
+    KeyedAutotuner,
     accurate,
     autotuned,
     carried_operands,
@@ -27,6 +29,7 @@ from jvp_attention.launch import (
     prepare_descriptors,
     row_alignment,
     row_strides,
+    tile_configs,
     tma_eligible,
     traceable_launches,
     unit_last_stride,
@@ -307,9 +310,10 @@ def _attention_backward_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     USE_TMA: tl.constexpr, CARRY: tl.constexpr, ALIGN: tl.constexpr,
+    KEYS: tl.constexpr, VALUES: tl.constexpr,
 ):
-    """dK, dV (and dtK, dtV) of one key block, summed over all query heads of its GQA group.
-    Row strides and head dims are multiples of ALIGN."""
+    """dK (and dtK) with KEYS, dV (and dtV) with VALUES, of one key block, summed over all
+    query heads of its GQA group. Row strides and head dims are multiples of ALIGN."""
     (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
      stride_dtom, head_dim, value_dim) = _aligned_backward_operands(
         stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
@@ -374,20 +378,26 @@ def _attention_backward_dkdv_kernel(
                 q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
                 head_mask, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
                 IS_CAUSAL, MASK_KIND, HAS_TANGENT, True, DOT_PRECISION, q, k, v, do, 0, 0)
-            acc_dv = dot_rounded(tl.trans(p), do, acc_dv, DOT_PRECISION, SPLIT)
-            acc_dk = dot_rounded(tl.trans(ds), q, acc_dk, DOT_PRECISION, SPLIT)
-            if HAS_TANGENT:
+            if VALUES:
+                acc_dv = dot_rounded(tl.trans(p), do, acc_dv, DOT_PRECISION, SPLIT)
+            if KEYS:
+                acc_dk = dot_rounded(tl.trans(ds), q, acc_dk, DOT_PRECISION, SPLIT)
+            if HAS_TANGENT and VALUES:
                 acc_dv = dot_rounded(tl.trans(tp), dto, acc_dv, DOT_PRECISION, SPLIT)
                 acc_dtv = dot_rounded(tl.trans(p), dto, acc_dtv, DOT_PRECISION, SPLIT)
+            if HAS_TANGENT and KEYS:
                 acc_dk = dot_rounded(tl.trans(dts), tq, acc_dk, DOT_PRECISION, SPLIT)
                 acc_dtk = dot_rounded(tl.trans(dts), q, acc_dtk, DOT_PRECISION, SPLIT)
     key_rows = tl.program_id(1).to(tl.int64) * n_k + cols
     dk_factor = scale * carry_factor(factors_ptr, 3, CARRY, 1.0)
-    store_rows(dk_ptr, acc_dk * dk_factor, key_rows, cols, dims, n_k, head_dim)
+    if KEYS:
+        store_rows(dk_ptr, acc_dk * dk_factor, key_rows, cols, dims, n_k, head_dim)
     dv_factor = carry_factor(factors_ptr, 4, CARRY, 1.0)
-    store_rows(dv_ptr, acc_dv * dv_factor, key_rows, cols, dims_v, n_k, value_dim)
-    if HAS_TANGENT:
+    if VALUES:
+        store_rows(dv_ptr, acc_dv * dv_factor, key_rows, cols, dims_v, n_k, value_dim)
+    if HAS_TANGENT and KEYS:
         store_rows(dtk_ptr, acc_dtk * scale, key_rows, cols, dims, n_k, head_dim)
+    if HAS_TANGENT and VALUES:
         store_rows(dtv_ptr, acc_dtv, key_rows, cols, dims_v, n_k, value_dim)
 
 
@@ -564,6 +574,14 @@ _backward_dkdv = autotuned(_attention_backward_dkdv_kernel, [
 # before it (tools/tile_sweep.py --kernel backward_dkdv_tangent).
 _backward_dkdv_tangent = autotuned(_attention_backward_dkdv_kernel, [
     (32, 32, 8, 2), (128, 16, 8, 2), (32, 32, 4, 1), (64, 32, 8, 2), (16, 32, 4, 2)])
+_KEY_SIDE_TILES = [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
+                   (128, 16, 8, 2), (64, 32, 8, 2), (32, 32, 4, 1), (16, 32, 4, 2)]
+_backward_dv_tangent, _backward_dk_tangent = (
+    KeyedAutotuner(_attention_backward_dkdv_kernel, tile_configs(_KEY_SIDE_TILES),
+                   [*AUTOTUNE_KEYS, "KEYS", "VALUES"]) for _ in range(2))
+# The second-order dK/dV work in one pass (four accumulators) or in two (dV and dtV, then
+# dK and dtK: two accumulators each, at the cost of the score products done twice).
+SPLIT_KEY_SIDE = True
 _backward_dq = autotuned(_attention_backward_dq_kernel, [
     (128, 32, 8, 2), (64, 64, 8, 2), (128, 16, 8, 2), (64, 32, 8, 2), (128, 64, 8, 2),
     (64, 64, 4, 2), (32, 32, 4, 1)])
@@ -755,12 +773,20 @@ def flash_attention_backward(
                 c, factors, dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes,
                 **switches, **dq_meta, MASK_GRAD=mask_grad, DELTA_HERE=delta_in_dq,
                 HAS_RESIDUAL=out_residual is not None)
-        dkdv = _backward_dkdv_tangent if has_tangent else _backward_dkdv
         if not (fused_dq or ws_dkdv and launched(launch_warp_specialized_dkdv, *ws_args, dk,
                                                  dv, is_causal, scale)):
-            launchable(dkdv, q)[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
-                q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c, factors,
-                dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches, **meta)
+            if not has_tangent:
+                passes = ((_backward_dkdv, True, True),)
+            elif SPLIT_KEY_SIDE:
+                passes = ((_backward_dv_tangent, False, True),
+                          (_backward_dk_tangent, True, False))
+            else:
+                passes = ((_backward_dkdv_tangent, True, True),)
+            for dkdv, keys, values in passes:
+                launchable(dkdv, q)[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
+                    q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c,
+                    factors, dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches,
+                    **meta, KEYS=keys, VALUES=values)
     grads = (dq, dk, dv, dtq, dtk, dtv) if has_tangent else (dq, dk, dv)
     if mask_grad:
         return (*grads, dmask, dmask_tangent) if has_tangent else (*grads, dmask)

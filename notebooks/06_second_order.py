@@ -57,7 +57,9 @@
 # tried: 1.01 against 1.14 ms at (64, 12, 256, 64), 6.51 against 7.43 ms at
 # (32, 12, 1024, 64), 10.7 against 12.4 ms at (16, 16, 1024, 72), 15.8 against 18.4 ms at
 # (4, 16, 4096, 64) and 28.2 against 33.0 ms at (4, 16, 4096, 128), with bitwise equal
-# gradients. The spills cost less than the recomputation, so the key side stays one kernel.
+# gradients. The spills cost less than the recomputation, so the key side stayed one kernel
+# then; the two passes below reversed that at 4096 tokens and more, once each pass had a
+# tile list of its own.
 #
 # Smaller tiles are the other way to fit the four accumulators. At d = 128 three tiles
 # outside the list compile without spills: 16 × 32 on 4 warps (1 or 2 stages) and 32 × 16
@@ -72,6 +74,17 @@
 # causal), against 169 and 154 (164 and 172 causal) in the earlier headline run
 # (`benchmarks/results/second_order_h200.json`; separate runs, so the comparison is
 # between runs). The dQ side's list keeps its best, 128 × 32 on 8 warps (6.6 ms).
+#
+# With two accumulators a pass, the key side can take the tiles the first-order kernel
+# takes (64 × 64 on 4 warps, 128 × 32 on 8, ...), each pass autotuned over its own list
+# (chapter 5, `SPLIT_KEY_SIDE`). Timed in one session on the H200 at (4, 16, 4096, 128),
+# bf16, the whole backward through both outputs took 21.39 ms in two passes against 22.49
+# in one in "accurate" precision (193 against 183 TFLOP/s) and 16.21 against 18.62 ms in
+# "fast" (254 against 221); at (4, 32, 4096, 64) 23.75 and 16.76 ms (174 and 246 TFLOP/s),
+# against 26.68 and 22.22 ms for the one pass in the earlier run. So the key side now runs
+# in two passes. The timings printed at the end of this chapter predate that change
+# (`benchmarks/results/second_order_h200.json` has the newer run), and the short DiT
+# shapes of the one-kernel comparison above were not timed again with the two passes.
 #
 # When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
 # target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward

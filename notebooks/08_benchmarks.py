@@ -844,8 +844,14 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # (chapter 12, "What it costs"), which put causal $d = 128$ on the summing kernel too; the
 # run before it had "accurate" at 0.76x to 0.79x causal at $d = 128$ and 0.77x to 0.80x
 # at $d = 64$ up to 8192 tokens. What keeps "accurate" behind "fast" now is mostly the
-# carried copies' pass (0.26 ms at B4 H16 N4096). The second-order backward still runs
-# chapter 6's Triton kernels (chapter 4 lists what bounds them).
+# carried copies' pass (0.26 ms at B4 H16 N4096). The second-order backward runs chapter
+# 6's Triton kernels, since 2026-12-03 with its key side in two passes (chapter 5,
+# `SPLIT_KEY_SIDE`): 180 to 195 TFLOP/s in "accurate" precision at $d = 128$ (183 and 182
+# before at B4 H16 N4096 and B1 H16 N16384) and 159 to 174 at $d = 64$, 231 to 254 in
+# "fast". The 250 TFLOP/s line is met only in "fast" at $d = 128$ without the mask; what
+# bounds "accurate" is its hi + lo products (per key tile the two passes do 21
+# product-sized units of work in "accurate", 15 in "fast") and the registers of the dK
+# pass at $d = 128$, which still spills on its larger tiles (chapter 4).
 
 # %% [markdown]
 # ## What the numbers mean

@@ -142,6 +142,7 @@ def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str,
     launches: list = []
     saved = {(forward, "_attention_forward"), (forward, "_attention_forward_jvp"),
              (backward, "_backward_dkdv"), (backward, "_backward_dkdv_tangent"),
+             (backward, "_backward_dv_tangent"), (backward, "_backward_dk_tangent"),
              (backward, "_backward_dq"), (backward, "_backward_dq_tangent")}
     originals = {(m, n): getattr(m, n) for m, n in saved | LAUNCH_SITES}
     try:

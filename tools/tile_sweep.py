@@ -3,6 +3,9 @@ kernel of the first- or the second-order backward) at given shapes and head dims
 what the autotuner chooses from, and how far the best tile of one head dim is from another's.
 Times are GPU time per call from the profiler (short calls are bound by host work, so wall
 time would hide the kernels): `ms` the swept kernel's, `call_ms` all of the call's kernels.
+The second-order key side's two passes (backward_dv_tangent, backward_dk_tangent) are one
+kernel to the profiler, so their `ms` is both passes'; backward_dkdv_tangent sweeps the
+single pass (`jvp_attention.backward.SPLIT_KEY_SIDE` off while it runs).
 
     python tools/tile_sweep.py --shape 64 12 256 --shape 32 12 1024 --head-dims 64 72 80 \
         --json sweep.json
@@ -73,6 +76,10 @@ KERNELS = {
                             "second_order", None),
     "backward_dkdv_tangent": (backward._backward_dkdv_tangent,
                               "_attention_backward_dkdv_kernel", "second_order", None),
+    "backward_dv_tangent": (backward._backward_dv_tangent,
+                            "_attention_backward_dkdv_kernel", "second_order", None),
+    "backward_dk_tangent": (backward._backward_dk_tangent,
+                            "_attention_backward_dkdv_kernel", "second_order", None),
 }
 
 
@@ -149,6 +156,9 @@ def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
     every = list(tuner.configs)
     candidates = tiles or every
     rows = []
+    # backward_dkdv_tangent is the key side in one pass; the dv/dk passes run by default.
+    split_key_side = backward.SPLIT_KEY_SIDE
+    backward.SPLIT_KEY_SIDE = kernel != "backward_dkdv_tangent"
     try:
         for config in [None] if auto_only else [*candidates, None]:
             tuner.configs = candidates if config is None else [config]
@@ -171,6 +181,7 @@ def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
+        backward.SPLIT_KEY_SIDE = split_key_side
         tuner.configs = every
         tuner.tuned.clear()
         tuner.cache.clear()

@@ -70,19 +70,37 @@ def test_second_order_grid(spec: Spec, dtype: torch.dtype) -> None:
                                   Spec(nq=33, nk=33, d=24, dv=40)], ids=lambda s: s.id)
 def test_second_order_with_query_blocks_narrower_than_key_blocks(spec: Spec,
                                                                  monkeypatch) -> None:
-    """The GPU list's 16 x 32 dK/dV tile (chapter 5) has query blocks narrower than its key
-    blocks, the reverse of the interpreter's 32 x 16: run that shape through the kernel."""
+    """The GPU lists' 16 x 32 dK/dV tile (chapter 5) has query blocks narrower than its key
+    blocks, the reverse of the interpreter's 32 x 16: run that shape through both passes."""
     import triton
 
     import jvp_attention.backward as backward
 
+    tuners = (backward._backward_dv_tangent, backward._backward_dk_tangent)
+    for tuner in tuners:
+        monkeypatch.setattr(tuner, "configs", [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32},
+                                                             num_warps=4, num_stages=2)])
+        monkeypatch.setattr(tuner, "tuned", {})
+        monkeypatch.setattr(tuner, "cache", {})
+    check_second_order(spec, torch.float32)
+    for tuner in tuners:
+        assert (tuner.best_config.kwargs["BLOCK_M"], tuner.best_config.kwargs["BLOCK_N"]) == (16, 32)
+
+
+@pytest.mark.parametrize("spec", [Spec(hq=4, hkv=2, nq=45, nk=70, causal=True),
+                                  Spec(nq=33, nk=40, d=24, dv=40, mask="additive")],
+                         ids=lambda s: s.id)
+def test_second_order_in_one_key_side_pass(spec: Spec, monkeypatch) -> None:
+    """SPLIT_KEY_SIDE = False: dK, dV, dtK and dtV from one pass over the queries (four
+    accumulators), as before the split; same accuracy."""
+    import jvp_attention.backward as backward
+
     tuner = backward._backward_dkdv_tangent
-    monkeypatch.setattr(tuner, "configs", [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32},
-                                                         num_warps=4, num_stages=2)])
+    monkeypatch.setattr(backward, "SPLIT_KEY_SIDE", False)
     monkeypatch.setattr(tuner, "tuned", {})
     monkeypatch.setattr(tuner, "cache", {})
-    check_second_order(spec, torch.float32)
-    assert (tuner.best_config.kwargs["BLOCK_M"], tuner.best_config.kwargs["BLOCK_N"]) == (16, 32)
+    check_second_order(spec, torch.float16)
+    assert tuner.tuned, "the one-pass kernel did not run"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)

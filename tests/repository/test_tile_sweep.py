@@ -45,6 +45,8 @@ def test_the_kernels_are_the_library_autotuners() -> None:
     assert tuners["backward_dkdv"] is backward._backward_dkdv
     assert tuners["backward_dq_tangent"] is backward._backward_dq_tangent
     assert tuners["backward_dkdv_tangent"] is backward._backward_dkdv_tangent
+    assert tuners["backward_dv_tangent"] is backward._backward_dv_tangent
+    assert tuners["backward_dk_tangent"] is backward._backward_dk_tangent
 
 
 def test_smoke_run_writes_its_rows(tmp_path: Path) -> None:
@@ -58,7 +60,7 @@ def test_smoke_run_writes_its_rows(tmp_path: Path) -> None:
     assert all(row["kernel"] == "forward_jvp" and row["N"] == 16 for row in data["rows"])
 
 
-@pytest.mark.parametrize("kernel", ["forward_jvp", "backward_dkdv_tangent"])
+@pytest.mark.parametrize("kernel", ["forward_jvp", "backward_dk_tangent"])
 def test_check_puts_each_tile_at_the_math_paths_error(kernel: str) -> None:
     """--check: every row says how far the call's outputs are from float64, as a multiple of
     PyTorch's math attention's error in the same dtype (the tests accept 2)."""
