@@ -81,6 +81,7 @@ for path in (str(REPO), str(HERE)):
 import bench  # noqa: E402  (benchmarks/bench.py: device, versions, git, jfa, autotuning)
 
 import jvp_attention  # noqa: E402
+import jvp_attention.backward  # noqa: E402
 
 SCHEMA = "jvp_attention.training_shapes/1"
 Skip = bench.Skip
@@ -744,6 +745,7 @@ def header(args: argparse.Namespace, cycles_per_ms: float | None) -> dict:
             "sleep_cycles_per_ms": cycles_per_ms,
             "causal": False, "mask": None, "layout": args.layout,
             "padded_max_scores": jvp_attention.launch.PADDED_MAX_SCORES,
+            "key_side_passes": 2 if jvp_attention.backward.SPLIT_KEY_SIDE else 1,
         },
         "shapes": {name: {"B": b, "H": h, "N": n, "d": d, "label": SHAPE_LABELS.get(name, name)}
                    for name, (b, h, n, d) in (SMOKE_SHAPES if args.smoke else SHAPES).items()},
@@ -838,6 +840,9 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                              "calls of at most this many scores pad head dims cut in two "
                              "(d = 40, 72) to one column tile, larger ones keep the opaque "
                              "operators; 0 never pads (default: the library's)")
+    parser.add_argument("--key-side-passes", type=int, choices=(1, 2), default=None,
+                        help="the second-order backward's key side in one pass or two "
+                             "(jvp_attention.backward.SPLIT_KEY_SIDE; default: the library's)")
     parser.add_argument("--out", type=Path, help="the JSON file to write (default: "
                         "benchmarks/results/training_shapes_<date>.json; smoke: a temp file)")
     parser.add_argument("--warmup-steps", type=int, default=None,
@@ -872,6 +877,16 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def configure_library(args: argparse.Namespace) -> None:
+    """The library's switches that the command line sets for the run."""
+    if args.precision:
+        jvp_attention.set_precision(args.precision)
+    if args.padded_max_scores is not None:
+        jvp_attention.launch.PADDED_MAX_SCORES = args.padded_max_scores
+    if args.key_side_passes is not None:
+        jvp_attention.backward.SPLIT_KEY_SIDE = args.key_side_passes == 2
+
+
 def main(argv: Iterable[str] | None = None) -> dict:
     start = time.perf_counter()  # the wall budget counts from here, not from the import
     args = parse_args(argv)
@@ -880,10 +895,7 @@ def main(argv: Iterable[str] | None = None) -> dict:
         for i, case in enumerate(cases, 1):
             print(f"{i:4} {case.label()} {case.flops / 1e12:9.3f} TFLOP", flush=True)
         return {}
-    if args.precision:
-        jvp_attention.set_precision(args.precision)
-    if args.padded_max_scores is not None:
-        jvp_attention.launch.PADDED_MAX_SCORES = args.padded_max_scores
+    configure_library(args)
     device = "cuda" if HAS_CUDA else "cpu"
     if HAS_CUDA:  # initialise the context and cuBLAS before anything is timed
         x = torch.randn(256, 256, device=device)

@@ -277,3 +277,15 @@ def test_qkv_layout_step_matches_the_math_path(mode: str) -> None:
     for ours, math in zip(grads["ours"], grads["math"], strict=True):
         assert ours is not None and ours.shape == math.shape
         torch.testing.assert_close(ours, math, rtol=1e-4, atol=1e-5)
+
+
+def test_key_side_passes_option_sets_the_library_switch(monkeypatch) -> None:
+    """--key-side-passes 1 runs the second-order key side in one pass, 2 in two; without it
+    the library's default stays."""
+    import jvp_attention.backward as backward
+
+    for argv, expected in ((["--key-side-passes", "1"], False),
+                           (["--key-side-passes", "2"], True), ([], "default")):
+        monkeypatch.setattr(backward, "SPLIT_KEY_SIDE", "default")
+        ts.configure_library(ts.parse_args(argv))
+        assert backward.SPLIT_KEY_SIDE == expected, argv
