@@ -848,7 +848,8 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # 6's Triton kernels, since 2026-12-03 with its key side in two passes (chapter 5,
 # `SPLIT_KEY_SIDE`): 180 to 195 TFLOP/s in "accurate" precision at $d = 128$ (183 and 182
 # before at B4 H16 N4096 and B1 H16 N16384) and 159 to 174 at $d = 64$, 231 to 254 in
-# "fast". The 250 TFLOP/s line is met only in "fast" at $d = 128$ without the mask; what
+# "fast". The 250 TFLOP/s line is met only in "fast" at B4 H16 N4096 $d = 128$ without the
+# mask (254; 249.7 at B1 H16 N16384); what
 # bounds "accurate" is its hi + lo products (per key tile the two passes do 21
 # product-sized units of work in "accurate", 15 in "fast") and the registers of the dK
 # pass at $d = 128$, which still spills on its larger tiles (chapter 4).
