@@ -26,8 +26,9 @@ FORWARD = ["o_ptr", "lse_ptr"]
 FORWARD_JVP = ["o_ptr", "to_ptr", "lse_ptr", "mu_ptr"]
 RESIDUALS = ["o_residual_ptr", "to_residual_ptr"]
 KEY_GRADS = ["dk_ptr", "dv_ptr"]
-SECOND_ORDER = [["delta_ptr", "c_ptr"], ["dq_ptr", "dtq_ptr"],
-                ["dk_ptr", "dv_ptr", "dtk_ptr", "dtv_ptr"]]
+# the key side in two passes (chapter 5's SPLIT_KEY_SIDE): dV and dtV, then dK and dtK
+SECOND_ORDER = [["delta_ptr", "c_ptr"], ["dq_ptr", "dtq_ptr"], ["dv_ptr", "dtv_ptr"],
+                ["dk_ptr", "dtk_ptr"]]
 # Triton 3.6's own ptxas miscompiles head dims cut into two column tiles (chapter 2): where
 # this library compiles with another, a compiled graph pads them to one tile in calls of up
 # to PADDED_MAX_SCORES scores and keeps the opaque operator in larger ones.
@@ -94,10 +95,10 @@ CASES = [
      None if CUT_IS_OPAQUE else [["delta_ptr"], ["dq_ptr"], KEY_GRADS]),
     ({"op": "backward_tangent"}, SECOND_ORDER),
     ({"op": "backward_tangent", "mask": "float", "mask_grad": True, "residual": True},
-     [SECOND_ORDER[0], SECOND_ORDER[1] + ["dmask_ptr", "dtmask_ptr"], SECOND_ORDER[2]]),
+     [SECOND_ORDER[0], SECOND_ORDER[1] + ["dmask_ptr", "dtmask_ptr"], *SECOND_ORDER[2:]]),
     ({"op": "backward_tangent", "mask": "float", "mask_tangent": True, "mask_grad": True,
       "residual": True, "device": "cpu"},
-     [SECOND_ORDER[0], SECOND_ORDER[1] + ["dmask_ptr", "dtmask_ptr"], SECOND_ORDER[2]]),
+     [SECOND_ORDER[0], SECOND_ORDER[1] + ["dmask_ptr", "dtmask_ptr"], *SECOND_ORDER[2:]]),
     ({"op": "backward", "mask": "bool"}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
     # the second-order kernels keep d = 72 in one padded column tile: no cut, traced
     ({"op": "backward_tangent", "dtype": "bf16", "shape": [2, 4, 64, 72], "causal": True,
