@@ -76,7 +76,7 @@
 # between runs). The dQ side's list keeps its best, 128 × 32 on 8 warps (6.6 ms).
 #
 # With two accumulators a pass, the key side can take the tiles the first-order kernel
-# takes (64 × 64 on 4 warps, 128 × 32 on 8, ...), each pass autotuned over its own list
+# takes (64 × 64 on 4 warps, 128 × 32 on 8, ...), each pass tuned on its own over one list
 # (chapter 5, `SPLIT_KEY_SIDE`). Timed in one session on the H200 at (4, 16, 4096, 128),
 # bf16, the whole backward through both outputs took 21.39 ms in two passes against 22.49
 # in one in "accurate" precision (193 against 183 TFLOP/s) and 16.21 against 18.62 ms in
