@@ -323,6 +323,17 @@ print(f"worst ratio to the floor: {worst:.2f}")
 # primal forward keeps one rounding: its error is at the floor already for realistic lengths.
 # `set_precision("fast")` turns both off: one rounding to the input's own 16-bit type.
 #
+# All three probability products need the extra bits, not only the centred one whose
+# entries cancel in the sum. A variant that split only $\tilde P \circ (t_S - \mu)$ and
+# rounded $\tilde P$ once for $\tilde P V$ and $\tilde P\,t_V$ was measured on the H200
+# (bf16, rows split rather than carried; B2 H4, causal or not, tangent offsets 0 and 4,
+# the worst of three seeds): it saved about half of what the split costs over "fast"
+# (forward+JVP GPU time 0.151 ms at (64, 12, 256, 64) against 0.173 with all three split
+# and 0.132 in "fast"; 0.942 against 1.121 and 0.801 at (32, 12, 1024, 64)), but left $O$
+# at up to 1.28x the floor at 2048 keys, as "fast" does, and $t_O$ at up to 1.26x (1.19x
+# already at 256 keys, $d = 72$, causal), where splitting all three kept both at 1.00. So
+# the kernel splits all three, or carries.
+#
 # The next cell measures the worst case for centring (the same large vector added to every
 # key's tangent, which shifts $t_S$ row-wise by $s\,Q\,c^\top$) and both precision modes.
 

@@ -82,9 +82,12 @@
 # in one in "accurate" precision (193 against 183 TFLOP/s) and 16.21 against 18.62 ms in
 # "fast" (254 against 221); at (4, 32, 4096, 64) 23.75 and 16.76 ms (174 and 246 TFLOP/s),
 # against 26.68 and 22.22 ms for the one pass in the earlier run. So the key side now runs
-# in two passes. The timings printed at the end of this chapter predate that change
-# (`benchmarks/results/second_order_h200.json` has the newer run), and the short DiT
-# shapes of the one-kernel comparison above were not timed again with the two passes.
+# in two passes. At the short DiT shapes the two passes gain less but still gain: the
+# second-order step (`benchmarks/training_shapes.py --mode second_order --key-side-passes
+# 1|2`, GPU time of the call, "accurate", one session) took 0.98 against 1.00 ms at
+# (64, 12, 256, 64), 1.01 against 1.03 at (32, 16, 256, 72), 5.87 against 6.46 at
+# (32, 12, 1024, 64), 6.64 against 6.88 at (16, 16, 1024, 72) and 6.84 against 7.11 at
+# (16, 16, 1024, 128) (`benchmarks/results/training_shapes_key_side_*_h200.json`).
 #
 # When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
 # target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward

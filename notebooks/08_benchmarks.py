@@ -847,9 +847,10 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # carried copies' pass (0.26 ms at B4 H16 N4096). The second-order backward runs chapter
 # 6's Triton kernels, since 2026-12-03 with its key side in two passes (chapter 5,
 # `SPLIT_KEY_SIDE`): 180 to 195 TFLOP/s in "accurate" precision at $d = 128$ (183 and 182
-# before at B4 H16 N4096 and B1 H16 N16384) and 159 to 174 at $d = 64$, 231 to 254 in
-# "fast". The 250 TFLOP/s line is met only in "fast" at B4 H16 N4096 $d = 128$ without the
-# mask (254; 249.7 at B1 H16 N16384); what
+# before at B4 H16 N4096 and B1 H16 N16384) and 159 to 174 at $d = 64$ (4096 and 16384
+# tokens); in "fast" 231 to 254 at $d = 128$ and 217 to 249 at $d = 64$. The 250 TFLOP/s
+# line is met only in "fast" at B4 H16 N4096 $d = 128$ without the mask (254; 249.7 at
+# B1 H16 N16384 $d = 128$, 248.8 at B1 H32 N16384 $d = 64$); what
 # bounds "accurate" is its hi + lo products (per key tile the two passes do 21
 # product-sized units of work in "accurate", 15 in "fast") and the registers of the dK
 # pass at $d = 128$, which still spills on its larger tiles (chapter 4).
