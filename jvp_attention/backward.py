@@ -273,6 +273,40 @@ def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @triton.jit
+def _key_gradient(a, b, acc, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+                  TRANSPOSED: tl.constexpr):
+    """acc + aᵀ b for an fp32 (query × key) tile `a` and a (query × d) input tile `b`
+    (`dot_rounded`, chapter 2), or with TRANSPOSED its transpose, acc + bᵀ a."""
+    if TRANSPOSED:
+        hi = a.to(b.dtype)
+        acc = tl.dot(tl.trans(b), hi, acc=acc, input_precision=DOT_PRECISION)
+        if SPLIT:
+            lo = (a - hi.to(tl.float32)).to(b.dtype)
+            acc = tl.dot(tl.trans(b), lo, acc=acc, input_precision=DOT_PRECISION)
+    else:
+        acc = dot_rounded(tl.trans(a), b, acc, DOT_PRECISION, SPLIT)
+    return acc
+
+
+@triton.jit
+def _key_accumulator(keys: tl.constexpr, dims: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A key block's fp32 gradient accumulator: keys × dims, or dims × keys TRANSPOSED."""
+    if TRANSPOSED:
+        acc = tl.zeros([dims, keys], dtype=tl.float32)
+    else:
+        acc = tl.zeros([keys, dims], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _store_key_rows(ptr, acc, key_rows, cols, dims, n_k, n_dims, TRANSPOSED: tl.constexpr):
+    """`store_rows` of a key block's gradient from either layout of `_key_accumulator`."""
+    if TRANSPOSED:
+        acc = tl.trans(acc)
+    store_rows(ptr, acc, key_rows, cols, dims, n_k, n_dims)
+
+
+@triton.jit
 def _carried_units(factors_ptr, qk_scale, CARRY: tl.constexpr):
     """Both backward kernels' prologue: the score scale (in fp32, `in_fp32`), the factor of
     delta and the exponent shift of P in the units of the carried fp16 copies (identities
@@ -310,10 +344,11 @@ def _attention_backward_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     USE_TMA: tl.constexpr, CARRY: tl.constexpr, ALIGN: tl.constexpr,
-    KEYS: tl.constexpr, VALUES: tl.constexpr,
+    KEYS: tl.constexpr, VALUES: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """dK (and dtK) with KEYS, dV (and dtV) with VALUES, of one key block, summed over all
-    query heads of its GQA group. Row strides and head dims are multiples of ALIGN."""
+    query heads of its GQA group, accumulated transposed with TRANSPOSED (`_key_gradient`).
+    Row strides and head dims are multiples of ALIGN."""
     (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
      stride_dtom, head_dim, value_dim) = _aligned_backward_operands(
         stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
@@ -330,15 +365,15 @@ def _attention_backward_dkdv_kernel(
                         n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
     v = load_head_rows(head_base(v_ptr, batch, kv_head, stride_vb, stride_vh, ALIGN), start_n, stride_vn,
                         n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
-    acc_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    acc_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    acc_dk = _key_accumulator(BLOCK_N, BLOCK_D, TRANSPOSED)
+    acc_dv = _key_accumulator(BLOCK_N, BLOCK_DV, TRANSPOSED)
     if HAS_TANGENT:
         tk = load_head_rows(head_base(tk_ptr, batch, kv_head, stride_tkb, stride_tkh, ALIGN), start_n,
                              stride_tkn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
         tv = load_head_rows(head_base(tv_ptr, batch, kv_head, stride_tvb, stride_tvh, ALIGN), start_n,
                              stride_tvn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
-        acc_dtk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        acc_dtv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        acc_dtk = _key_accumulator(BLOCK_N, BLOCK_D, TRANSPOSED)
+        acc_dtv = _key_accumulator(BLOCK_N, BLOCK_DV, TRANSPOSED)
     else:
         tk, tv = k, v
         acc_dtk = tl.zeros([1, 1], dtype=tl.float32)
@@ -379,26 +414,29 @@ def _attention_backward_dkdv_kernel(
                 head_mask, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
                 IS_CAUSAL, MASK_KIND, HAS_TANGENT, True, DOT_PRECISION, q, k, v, do, 0, 0)
             if VALUES:
-                acc_dv = dot_rounded(tl.trans(p), do, acc_dv, DOT_PRECISION, SPLIT)
+                acc_dv = _key_gradient(p, do, acc_dv, DOT_PRECISION, SPLIT, TRANSPOSED)
             if KEYS:
-                acc_dk = dot_rounded(tl.trans(ds), q, acc_dk, DOT_PRECISION, SPLIT)
+                acc_dk = _key_gradient(ds, q, acc_dk, DOT_PRECISION, SPLIT, TRANSPOSED)
             if HAS_TANGENT and VALUES:
-                acc_dv = dot_rounded(tl.trans(tp), dto, acc_dv, DOT_PRECISION, SPLIT)
-                acc_dtv = dot_rounded(tl.trans(p), dto, acc_dtv, DOT_PRECISION, SPLIT)
+                acc_dv = _key_gradient(tp, dto, acc_dv, DOT_PRECISION, SPLIT, TRANSPOSED)
+                acc_dtv = _key_gradient(p, dto, acc_dtv, DOT_PRECISION, SPLIT, TRANSPOSED)
             if HAS_TANGENT and KEYS:
-                acc_dk = dot_rounded(tl.trans(dts), tq, acc_dk, DOT_PRECISION, SPLIT)
-                acc_dtk = dot_rounded(tl.trans(dts), q, acc_dtk, DOT_PRECISION, SPLIT)
+                acc_dk = _key_gradient(dts, tq, acc_dk, DOT_PRECISION, SPLIT, TRANSPOSED)
+                acc_dtk = _key_gradient(dts, q, acc_dtk, DOT_PRECISION, SPLIT, TRANSPOSED)
     key_rows = tl.program_id(1).to(tl.int64) * n_k + cols
     dk_factor = scale * carry_factor(factors_ptr, 3, CARRY, 1.0)
     if KEYS:
-        store_rows(dk_ptr, acc_dk * dk_factor, key_rows, cols, dims, n_k, head_dim)
+        _store_key_rows(dk_ptr, acc_dk * dk_factor, key_rows, cols, dims, n_k, head_dim,
+                        TRANSPOSED)
     dv_factor = carry_factor(factors_ptr, 4, CARRY, 1.0)
     if VALUES:
-        store_rows(dv_ptr, acc_dv * dv_factor, key_rows, cols, dims_v, n_k, value_dim)
+        _store_key_rows(dv_ptr, acc_dv * dv_factor, key_rows, cols, dims_v, n_k, value_dim,
+                        TRANSPOSED)
     if HAS_TANGENT and KEYS:
-        store_rows(dtk_ptr, acc_dtk * scale, key_rows, cols, dims, n_k, head_dim)
+        _store_key_rows(dtk_ptr, acc_dtk * scale, key_rows, cols, dims, n_k, head_dim,
+                        TRANSPOSED)
     if HAS_TANGENT and VALUES:
-        store_rows(dtv_ptr, acc_dtv, key_rows, cols, dims_v, n_k, value_dim)
+        _store_key_rows(dtv_ptr, acc_dtv, key_rows, cols, dims_v, n_k, value_dim, TRANSPOSED)
 
 
 @triton.jit
@@ -566,9 +604,15 @@ from jvp_attention.hopper_backward import (  # noqa: E402  (chapter 12)
 
 # Tiles that compile for Hopper without register spills at d = 128 (tools/kernel_resources.py):
 # the dK/dV kernel holds two fp32 accumulators the size of a key block, four with the tangent.
-_backward_dkdv = autotuned(_attention_backward_dkdv_kernel, [
+_backward_dkdv = KeyedAutotuner(_attention_backward_dkdv_kernel, tile_configs([
     (64, 32, 8, 2), (128, 32, 8, 1), (128, 16, 8, 2), (32, 32, 8, 2), (128, 32, 8, 2),
-    (64, 64, 4, 2), (32, 32, 4, 1)])
+    (64, 64, 4, 2), (32, 32, 4, 1)]), [*AUTOTUNE_KEYS, "TRANSPOSED"])
+# Keys per row up to which the first-order dK/dV kernel accumulates transposed
+# (`_key_gradient`). H200, bf16, the kernel alone, best tile of each layout (64 x 64 on 4
+# warps): 0.150 against 0.171 ms at (64, 12, 256, 64), 0.219 against 0.241 at
+# (32, 16, 256, 72), but 0.704 against 0.610 at (32, 12, 1024, 64). The second-order passes
+# keep the stored layout (transposed, the one-pass form was slower at every tile tried).
+TRANSPOSED_MAX_KEYS = 256
 # 16 x 32 on 4 warps, 2 stages: the one spill-free dK/dV tangent tile at d = 128 that was
 # faster, on the H200 at (4, 16, 4096, 128) bf16: 15.9 ms against 17.6 ms for the best tile
 # before it (tools/tile_sweep.py --kernel backward_dkdv_tangent).
@@ -775,6 +819,7 @@ def flash_attention_backward(
                 HAS_RESIDUAL=out_residual is not None)
         if not (fused_dq or ws_dkdv and launched(launch_warp_specialized_dkdv, *ws_args, dk,
                                                  dv, is_causal, scale)):
+            transposed = not has_tangent and n_k <= TRANSPOSED_MAX_KEYS
             if not has_tangent:
                 passes = ((_backward_dkdv, True, True),)
             elif SPLIT_KEY_SIDE:
@@ -786,7 +831,7 @@ def flash_attention_backward(
                 launchable(dkdv, q)[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
                     q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c,
                     factors, dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches,
-                    **meta, KEYS=keys, VALUES=values)
+                    **meta, KEYS=keys, VALUES=values, TRANSPOSED=transposed)
     grads = (dq, dk, dv, dtq, dtk, dtv) if has_tangent else (dq, dk, dv)
     if mask_grad:
         return (*grads, dmask, dmask_tangent) if has_tangent else (*grads, dmask)

@@ -84,6 +84,26 @@ def test_backward_other_paths(spec: Spec, dtype: torch.dtype, path: str) -> None
     check_other_backward_path(check_backward, spec, dtype, path)
 
 
+@pytest.mark.parametrize("max_keys", [0, 1 << 20], ids=["stored", "transposed"])
+@pytest.mark.parametrize("spec", [
+    Spec(hq=4, hkv=2, nq=33, nk=40, d=24, dv=40, mask="keypad", causal=True),
+    Spec(nq=17, nk=33, d=72, mask="additive", layout="bnhd"),
+], ids=lambda s: s.id)
+def test_key_gradients_in_either_layout(spec: Spec, max_keys: int, monkeypatch) -> None:
+    """The first-order dK/dV kernel accumulates a key block's gradients as stored (keys x d)
+    or transposed (d x keys) by the keys per row (`TRANSPOSED_MAX_KEYS`); both are accurate,
+    and the launch takes the layout asked for."""
+    import jvp_attention.backward as backward
+    from jvp_attention.launch import AUTOTUNE_KEYS
+
+    tuner = backward._backward_dkdv
+    monkeypatch.setattr(backward, "TRANSPOSED_MAX_KEYS", max_keys)
+    monkeypatch.setattr(tuner, "tuned", {})
+    monkeypatch.setattr(tuner, "cache", {})
+    check_backward(spec, torch.float16)
+    assert {key[len(AUTOTUNE_KEYS)] for key in tuner.tuned} == {max_keys > 0}
+
+
 def test_gqa_gradients_sum_over_the_group() -> None:
     """dK, dV of a shared key/value head equal the sum over its query heads' gradients taken
     with the heads repeated (the in-kernel GQA sum against an explicit one)."""
