@@ -457,8 +457,8 @@ def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # 0.793 against 0.844 at (32, 16, 512, 72), but 1.201 against 1.135 at (32, 12, 1024, 64);
 # in "fast" 0.182 against 0.199 at (64, 12, 256, 64) and 0.287 against 0.319 at
 # (32, 12, 512, 64), while at $d = 72$ the two layouts are within 2% (0.180 against 0.177
-# at 256 keys, 0.561 against 0.551 at 512). So rows of up to 256 keys accumulate
-# transposed; 512 would gain too, and is not yet switched.
+# at 256 keys, 0.561 against 0.551 at 512). So rows of up to 512 keys accumulate
+# transposed; from 1024 keys on a program's many query blocks favour the stored layout.
 
 # %% tags=["export"]
 @triton.jit
@@ -859,9 +859,10 @@ _backward_dkdv = KeyedAutotuner(_attention_backward_dkdv_kernel, tile_configs([
 # Keys per row up to which the first-order dK/dV kernel accumulates transposed
 # (`_key_gradient`). H200, bf16, the kernel alone, best tile of each layout (64 x 64 on 4
 # warps): 0.150 against 0.171 ms at (64, 12, 256, 64), 0.219 against 0.241 at
-# (32, 16, 256, 72), but 0.704 against 0.610 at (32, 12, 1024, 64). The second-order passes
-# keep the stored layout (transposed, the one-pass form was slower at every tile tried).
-TRANSPOSED_MAX_KEYS = 256
+# (32, 16, 256, 72), but 0.704 against 0.610 at (32, 12, 1024, 64); at 512 keys the whole
+# backward gains 9% (d = 64) or stays within 2% (d = 72). The second-order passes keep the
+# stored layout (transposed, the one-pass form was slower at every tile tried).
+TRANSPOSED_MAX_KEYS = 512
 # 16 x 32 on 4 warps, 2 stages: the one spill-free dK/dV tangent tile at d = 128 that was
 # faster, on the H200 at (4, 16, 4096, 128) bf16: 15.9 ms against 17.6 ms for the best tile
 # before it (tools/tile_sweep.py --kernel backward_dkdv_tangent).
