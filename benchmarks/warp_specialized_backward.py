@@ -87,8 +87,8 @@ def compile_for_hopper(name: str, causal: bool = False, carry: bool = False) -> 
     descriptors = {arg: ws._descriptor(t, r) for arg, (t, r) in rows.items()}
     constexprs = {"STAGES": stages, "CAUSAL": causal, "CARRY": carry}
     if name not in DQ_TILES:  # the dK/dV kernel: its dQ sum's descriptor (unread unfused)
-        descriptors["dq_desc"] = (hb._sum_descriptor(grads.float(), query_rows) if fused
-                                  else descriptors["dk_desc"])
+        descriptors["dq_desc"] = (ws._descriptor(grads.float(), query_rows, hb.DQ_SUM_COLS)
+                                  if fused else descriptors["dk_desc"])
         constexprs["FUSED_DQ"] = fused
     scalars = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "factors_ptr": "*fp32", **heads,
                "group_size": "i32", "qk_scale": "fp32", "scale": "fp32"}

@@ -1186,7 +1186,8 @@ def _attention_forward_kernel(
 # distinct launch and calls its C launcher directly, as `JITFunction.run` does last. What
 # makes two launches "the same" must be at least as strict as Triton's specialisation, or
 # a kernel compiled for aligned pointers would run on unaligned ones: tensors match by
-# dtype and alignment, everything else by type and value. Launches that a profiler hooks,
+# dtype and alignment, the host tensor descriptors of chapter 11's kernels by dtype, block
+# and layout, everything else by type and value. Launches that a profiler hooks,
 # and the interpreter's, go through Triton as before.
 #
 # Which tiles are worth timing was decided before any GPU time was spent: `tools/kernel_resources.py`
@@ -1425,12 +1426,24 @@ PLAIN_TYPES = frozenset({int, float, bool, str, type(None)})
 def launch_match(values: tuple) -> tuple:
     """What of each argument a cached launch must match, flat (it is hashed on every
     launch): the arguments' types, then a tensor's dtype and 16-byte alignment (a pointer's
-    specialisation) and any other argument's value, tuples taken apart."""
+    specialisation), a host tensor descriptor's `descriptor_match` and any other argument's
+    value, tuples taken apart."""
     return (*map(type, values),
             *[v if v.__class__ in PLAIN_TYPES
               else launch_match(v) if v.__class__ is tuple
               else (v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor)
+              else descriptor_match(v) if hasattr(v, "block_shape")
               else v for v in values])
+
+
+def descriptor_match(descriptor) -> tuple:
+    """What of a host tensor descriptor (the copy engine's view of a tensor, which chapter
+    11's kernels take) Triton compiles for: its tensor's dtype, the block, the shared-memory
+    layout, the padding and (Triton 3.9) the rounding to tf32. Its address, shape and
+    strides are read at each launch, and no tensor is kept."""
+    return (descriptor.base.dtype, tuple(descriptor.block_shape),
+            getattr(descriptor, "layout", None), getattr(descriptor, "padding", None),
+            getattr(descriptor, "round_f32_to_tf32", None))
 
 
 def code_options() -> tuple:

@@ -121,7 +121,7 @@ import warnings
 import torch
 import triton
 
-from jvp_attention.launch import carries, interpreting, on_device
+from jvp_attention.launch import cached, carries, interpreting, on_device
 from jvp_attention.reference import AttentionOutputs
 
 try:
@@ -678,11 +678,16 @@ def warp_specialized_jvp_kernel(
 # strides, block and swizzle, encoded by the launcher) and decides eligibility: an sm_90
 # GPU, 16-bit inputs, $D = D_v \in \{64, 128\}$, strides the copy engine accepts, rows
 # long enough for the schedule to pay (see the timings below), and enough work to hide the
-# launch: Triton's launch of a Gluon kernel with five descriptors costs the host about 0.1 ms
-# more than chapter 2's launch, and the forward with its JVP launches ten (twice the work
-# is asked of it). With tangents the tangents must match their inputs' shapes, dtypes and
-# strides' rules, and "accurate" mode needs bf16 (the carry). Any other call runs chapter
-# 2's kernel, as does every call if this Triton cannot compile the Gluon ones (warned once).
+# launch. A launch's host time is kept down as chapter 2's are: each block's shared-memory
+# layout is made once (making one costs about 12 µs, and the forward with its JVP describes
+# ten tensors), and the kernels launch through chapter 2's `CachedLauncher`, which matches a
+# descriptor by what Triton compiles for it (dtype, block, layout) and skips Triton's
+# per-launch Python. On the H200 that took a call of `attention` at (1, 1, 4096, 64), bf16,
+# from 0.28 to 0.15 ms of host time (chapter 2's kernel: 0.27), and of
+# `torch.func.jvp(attention)` from 0.91 to 0.61 ms (chapter 2's: 0.89). With tangents the
+# tangents must match their inputs' shapes, dtypes and strides' rules, and "accurate" mode
+# needs bf16 (the carry). Any other call runs chapter 2's kernel, as does every call if this
+# Triton cannot compile the Gluon ones (warned once).
 
 # %% tags=["export"]
 # Launch: registers a thread may hold at launch, 65,536 per SM over 12 warps (the compute
@@ -695,19 +700,20 @@ RING_STAGES = 3  # key/value tiles in flight: 3 x 64 KB at d = 128, with 32 KB o
 # Below this many keys the Triton forward of chapter 2 is as fast or faster (H200, bf16,
 # benchmarks/results/warp_specialized_h200.json: 0.97x of it at (32, 12, 1024, 64)).
 WARP_SPECIALIZED_MIN_KEYS = 4096
-# Launching this kernel costs the host about 0.1 ms more than chapter 2's (Triton's launch
-# encodes five tensor descriptors; H200: 277 against 161 us per `attention` call), so it
-# takes calls with enough work to hide that: B·Hq·Nq·Nk·D >= 2**35, about 0.2 ms of GPU time.
+# Work, counted as the FLOPs are (B·Hq·Nq·Nk·D, half when causal), from which the kernels
+# are taken, with or without the tangent: below it a call's pace is its host time, which
+# chapter 2's kernels keep as low. H200, bf16, calls back to back, these kernels against
+# chapter 2's: with the tangent 0.97 against 1.16 ms at (4, 16, 4096, 64) causal (2**35),
+# 0.91 against 1.01 at (2, 16, 4096, 64), 0.74 against 1.23 at (1, 16, 4096, 128), but
+# 0.72 against 0.69 at (2, 16, 4096, 64) causal (2**34) and 1.19 against 1.02 at
+# (1, 8, 4096, 128); the forward alone 0.27 against 0.29 ms at (1, 16, 4096, 128), 0.32
+# against 0.35 at (2, 16, 4096, 64), 0.37 against 0.39 at (4, 16, 4096, 64) causal, but
+# 0.33 against 0.21 at (2, 16, 4096, 64) causal and 0.38 against 0.24 at (1, 8, 4096, 128).
 WARP_SPECIALIZED_MIN_WORK = 2**35
 # With the tangent: keys per tile by head dim, what fits the 240 registers (see above), and
 # two ring slots of four tiles each.
 JVP_KEY_BLOCKS = {64: 128, 128: 64}
 JVP_RING_STAGES = 2
-# The forward with its JVP launches ten descriptors (and, carried, two copy kernels first):
-# on the H200 its call cost the host 0.7-1.2 ms against 0.45-1.1 for chapter 2's, more than
-# the kernel's own 0.8 ms at (4, 16, 4096, 64) causal. So it takes calls whose work, counted
-# as the FLOPs are (half when causal), is at least B·Hq·Nq·Nk·D = 2**36.
-WARP_SPECIALIZED_JVP_MIN_WORK = 2**36
 
 
 @functools.cache
@@ -731,14 +737,13 @@ def fits_warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           is_causal: bool = False) -> bool:
     """Whether (B, H, N, D) q, k, v (and their tangents) suit this chapter's kernels,
     wherever they live: fp16 or bf16 alike, D = Dv in (64, 128), at least
-    WARP_SPECIALIZED_MIN_KEYS keys and WARP_SPECIALIZED_MIN_WORK of work (with tangents
-    WARP_SPECIALIZED_JVP_MIN_WORK, halved when causal), tensors the copy engine can address,
+    WARP_SPECIALIZED_MIN_KEYS keys and WARP_SPECIALIZED_MIN_WORK of work (halved when
+    causal), tensors the copy engine can address,
     tangents shaped and typed as their inputs."""
     batch, n_heads, n_q, d = q.shape
     tensors = (q, k, v) if tangents is None else (q, k, v, *tangents)
     work = batch * n_heads * n_q * k.shape[2] * d
-    enough = (work >= WARP_SPECIALIZED_MIN_WORK if tangents is None
-              else work // (2 if is_causal else 1) >= WARP_SPECIALIZED_JVP_MIN_WORK)
+    enough = work // (2 if is_causal else 1) >= WARP_SPECIALIZED_MIN_WORK
     return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
             and d == v.shape[-1] in (64, 128) and k.shape[2] >= WARP_SPECIALIZED_MIN_KEYS
             and enough and (tangents is None or all(t.shape == x.shape and t.dtype == x.dtype
@@ -765,13 +770,21 @@ def takes_warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _hopper(q.device.index)
 
 
-def _descriptor(t: torch.Tensor, rows: int):
-    """A descriptor over (B, H, N, D) `t` whose blocks are (1, 1, rows, D), swizzled as
-    the warpgroup products read them."""
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    block = [1, 1, rows, t.shape[-1]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, dtype))
+def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
+    """A descriptor over (B, H, N, D) `t` whose blocks are (1, 1, rows, cols), D columns
+    unless given, swizzled as the warpgroup products read them."""
+    cols = t.shape[-1] if cols is None else cols
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols],
+                            _shared_layout(rows, cols, t.dtype))
+
+
+@functools.cache
+def _shared_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The shared-memory layout of a (1, 1, rows, cols) block of `dtype`, made once: making
+    one costs the host about 12 µs, and a call with the tangent describes ten tensors."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], gl_dtype)
 
 
 def launch_warp_specialized(q, k, v, out, out_residual, lse, is_causal: bool, scale: float,
@@ -786,7 +799,7 @@ def launch_warp_specialized(q, k, v, out, out_residual, lse, is_causal: bool, sc
                    _descriptor(v, key_block), _descriptor(out, group_rows),
                    _descriptor(out_residual if residual else out, group_rows))
     grid = (triton.cdiv(n_q, 2 * GROUP_ROWS), batch * n_heads)
-    warp_specialized_forward_kernel[grid](
+    cached(warp_specialized_forward_kernel)[grid](
         *descriptors, lse, n_heads, n_q, k.shape[2], n_heads // k.shape[1],
         scale * math.log2(math.e), STAGES=stages, PIPELINE=pipeline, PINGPONG=pingpong,
         CAUSAL=is_causal, STORE_RESIDUAL=residual, num_warps=4 if pingpong else 8,
@@ -814,7 +827,7 @@ def launch_warp_specialized_jvp(q, k, v, tangents, outputs, residuals, lse, mu,
         (tv, key_block), (outputs[0], GROUP_ROWS), (outputs[1], GROUP_ROWS),
         (residuals[0], GROUP_ROWS), (residuals[1], GROUP_ROWS))]
     grid = (triton.cdiv(n_q, 2 * GROUP_ROWS), batch * n_heads)
-    warp_specialized_jvp_kernel[grid](
+    cached(warp_specialized_jvp_kernel)[grid](
         *descriptors, lse, mu, factors, n_heads, n_q, k.shape[2], n_heads // k.shape[1],
         scale * math.log2(math.e), scale, STAGES=stages, CAUSAL=is_causal,
         CARRY=carry is not None, STORE_RESIDUAL=stored, num_warps=4, maxnreg=LAUNCH_REGS)
@@ -995,8 +1008,7 @@ plot_speeds(record["rows"], "Primal forward on the H200, bf16")
 # ## The forward with its JVP
 #
 # The kernel of "The tangent in the same schedule" above runs where the primal one does, for
-# calls with tangents and twice the work (`WARP_SPECIALIZED_JVP_MIN_WORK`, in "Launching
-# it"): chapter 2's launcher hands it fp16 and bf16 in "fast" mode and bf16 in
+# calls with tangents (`WARP_SPECIALIZED_MIN_WORK`, in "Launching it"): chapter 2's launcher hands it fp16 and bf16 in "fast" mode and bf16 in
 # "accurate" mode (carried). Checked here as the primal kernel was, called directly on the
 # same cases, out and tangent_out against float64 next to PyTorch math's `torch.func.jvp` in
 # the same dtype, in each precision it takes.

@@ -112,7 +112,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jvp_attention.launch import carries, interpreting
+from jvp_attention.launch import cached, carries, interpreting
 from jvp_attention.warp_specialized import (
     COMPUTE_REGS,
     GLUON,
@@ -121,7 +121,6 @@ from jvp_attention.warp_specialized import (
     LOADER_REGS,
     WARP_SPECIALIZED_MIN_KEYS,
     WARP_SPECIALIZED_MIN_WORK,
-    TensorDescriptor,
     _as_matrices,
     _barrier,
     _blocks,
@@ -755,14 +754,6 @@ def dkdv_query_rows(head_dim: int, is_causal: bool) -> int:
     return DKDV_WIDE_QUERY_ROWS if head_dim == 64 and not is_causal else DKDV_QUERY_ROWS
 
 
-def _sum_descriptor(t: torch.Tensor, rows: int):
-    """A descriptor over fp32 (B, H, N, D) `t` in (1, 1, rows, DQ_SUM_COLS) blocks: the
-    tiles of dQ's sum."""
-    block = [1, 1, rows, DQ_SUM_COLS]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, gl.float32))
-
-
 @triton.jit
 def _scaled_sum_kernel(total_ptr, out_ptr, factors_ptr, scale, n, CARRY: tl.constexpr,
                        BLOCK: tl.constexpr):
@@ -795,15 +786,15 @@ def launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv,
         (k, GROUP_ROWS), (v, GROUP_ROWS), (q, query_rows), (grad_out, query_rows),
         (dk, GROUP_ROWS), (dv, GROUP_ROWS))]
     total = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32) if fused else None
-    descriptors.append(_sum_descriptor(total, query_rows) if fused else descriptors[4])
+    descriptors.append(_descriptor(total, query_rows, DQ_SUM_COLS) if fused else descriptors[4])
     grid = (triton.cdiv(n_k, 2 * GROUP_ROWS), batch * n_kv_heads)
-    warp_specialized_dkdv_kernel[grid](
+    cached(warp_specialized_dkdv_kernel)[grid](
         *descriptors, lse, delta, lse if factors is None else factors, n_kv_heads, n_q,
         n_heads // n_kv_heads, scale * math.log2(math.e), scale, STAGES=stages,
         CAUSAL=is_causal, CARRY=factors is not None, FUSED_DQ=fused, num_warps=4,
         maxnreg=LAUNCH_REGS)
     if fused:
-        _scaled_sum_kernel[(triton.cdiv(dq.numel(), DQ_SUM_BLOCK),)](
+        cached(_scaled_sum_kernel)[(triton.cdiv(dq.numel(), DQ_SUM_BLOCK),)](
             total, dq, lse if factors is None else factors, scale, dq.numel(),
             CARRY=factors is not None, BLOCK=DQ_SUM_BLOCK)
 
@@ -818,7 +809,7 @@ def launch_warp_specialized_dq(q, k, v, grad_out, lse, delta, factors, dq, is_ca
         (q, GROUP_ROWS), (k, key_block), (v, key_block), (grad_out, GROUP_ROWS),
         (dq, GROUP_ROWS))]
     grid = (triton.cdiv(n_q, 2 * GROUP_ROWS), batch * n_heads)
-    warp_specialized_dq_kernel[grid](
+    cached(warp_specialized_dq_kernel)[grid](
         *descriptors, lse, delta, lse if factors is None else factors, n_heads, n_q,
         k.shape[2], n_heads // k.shape[1], scale * math.log2(math.e), scale, STAGES=stages,
         CAUSAL=is_causal, CARRY=factors is not None, num_warps=4, maxnreg=LAUNCH_REGS)

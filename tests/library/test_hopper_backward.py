@@ -25,6 +25,7 @@ from test_warp_specialized import (
     assert_within_budget,
     compiled_for_hopper,
     heads,
+    launch_directly_stand_ins,
     recorded_launches,
 )
 
@@ -263,6 +264,7 @@ def test_fused_launch_sums_dq_and_scales_it(monkeypatch) -> None:
             return launch
 
     monkeypatch.setattr(hb, "warp_specialized_dkdv_kernel", Kernel())
+    launch_directly_stand_ins(monkeypatch, hb)
     q, k = heads(n=300, heads=4, d=64, layout="bnhd"), heads(n=4100, heads=2, d=64)
     lse, factors = torch.empty(4, 4, 300), torch.tensor([1.0, 1.0, 4.0, 1.0, 1.0, 0.0])
     dq = torch.empty(q.shape, dtype=q.dtype)
