@@ -1085,31 +1085,30 @@ plot_speeds(jvp_record["rows"], "Forward with its JVP on the H200, bf16")
 # What the numbers say (one run, H200, bf16):
 #
 # * **The tangent gains more than the primal did.** As users call it,
-#   `torch.func.jvp(attention)` in "accurate" mode runs at 572 TFLOP/s at (4, 16, 4096, 128)
-#   against chapter 2's 414 (1.38x), and at 609 against 442 at (1, 16, 16384, 128) (1.38x);
-#   causal 500 against 371 and 580 against 425. "fast" reaches 613 and 628. At $d = 64$,
-#   532 against 418. The forward with its JVP now runs at the primal forward's speed per
+#   `torch.func.jvp(attention)` in "accurate" mode runs at 581 TFLOP/s at (4, 16, 4096, 128)
+#   against chapter 2's 412 (1.41x), and at 616 against 441 at (1, 16, 16384, 128) (1.40x);
+#   causal 506 against 374 and 598 against 426. "fast" reaches 624 and 632. At $d = 64$,
+#   531 against 421. The forward with its JVP now runs at the primal forward's speed per
 #   FLOP: three products where the primal has two, each of them waiting on the same
 #   softmax, so the tensor cores see more work per exponential.
-# * **"accurate" costs 3 to 11% over "fast" here** (572 against 613, 609 against 628): the
-#   carry's two copy kernels (about 0.17 ms at (4, 16, 4096, 128)) and nothing in the kernel
-#   itself, whose fp16 operands are as wide as bf16's. Its errors stay at the math path's
-#   (`out_err_ratio` 1.00, `tangent_out_err_ratio` 1.00 to 1.03 in the results file),
-#   where "fast" is at 1.2x and 1.4 to 2.4x, as chapter 3's fast path.
-# * **Tiles.** 64-key tiles at $d = 128$: 624 TFLOP/s launched directly, where 128-key
-#   tiles, spilling 3 KB a thread, run at 248. At $d = 64$, 128-key tiles beat 64-key ones
-#   with three slots (576 against 519).
+# * **"accurate" costs 3 to 8% over "fast" at these shapes without the mask** (581 against
+#   624, 616 against 632, 531 against 575): the carry's two copy kernels (about 0.17 ms at
+#   (4, 16, 4096, 128)) and nothing in the kernel itself, whose fp16 operands are as wide
+#   as bf16's. Its errors stay at the math path's (`out_err_ratio` 1.00 to 1.03,
+#   `tangent_out_err_ratio` 1.00 to 1.01 in the results file), where "fast" is at 1.0 to
+#   1.2x and 1.1 to 1.4x, as chapter 3's fast path.
+# * **The shortest call, (4, 16, 4096, 64) causal,** is taken since the launches go through
+#   `CachedLauncher` ("Launching it"): "fast" 507 TFLOP/s against chapter 2's 401, as fast
+#   as the kernel launched directly (500). "accurate" gains less, 388 against 367: its
+#   call, 1.06 ms against "fast"'s 0.81, adds the carry's range pass and copies to a call
+#   whose GPU time is now close to its host time, so that is what the row measures.
+# * **Tiles.** 64-key tiles at $d = 128$: 609 TFLOP/s launched directly, where 128-key
+#   tiles, spilling 3 KB a thread, run at 252. At $d = 64$, 128-key tiles beat 64-key ones
+#   with three slots (577 against 511).
 # * **Side by side with rcm** (NVlabs' Triton FlashAttention-2 JVP kernel, `bench.py
 #   --rcm-kernel`, chapter 8), in one run on the same H200: ours 577 against rcm's 411
 #   TFLOP/s at (4, 16, 4096, 128) (1.40x) and 607 against 419 at (1, 16, 16384, 128)
 #   (1.45x), at the math path's error where rcm's is 1.7 to 2.8x it.
-# * **Where it is not taken.** At (4, 16, 4096, 64) causal the kernel alone runs at 495
-#   ("fast", launched directly) against chapter 2's 404, but through `attention` the call is
-#   bound by the host: its ten descriptors and the carry's launches cost more host time
-#   than the 0.8 ms the kernel takes. So the launcher leaves calls below 2³⁶ of work (halved
-#   when causal) to chapter 2's kernel, which is why that row matches it. Cutting the
-#   Gluon launch's host cost (a direct launch of the compiled kernel, as chapter 2's
-#   `CachedLauncher` does for the Triton kernels) would move that line down.
 #
 # Chapter 12 puts the first-order backward in the same schedule; the second-order backward
 # still runs chapter 6's kernels.
