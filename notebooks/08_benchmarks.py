@@ -828,12 +828,14 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 
 # %% [markdown]
 # Read together: with chapter 11's kernels the forward with its JVP meets its speed
-# targets at $d = 128$ (causal B4 H16 N4096 right at the line, 500 TFLOP/s) and at
+# targets at $d = 128$ (causal B4 H16 N4096 just over the line, 506 TFLOP/s) and at
 # $d = 64$ without the causal mask, 1.40x and 1.45x rcm, and the forward is level with
 # cuDNN at $d = 128$. Below their line: causal at B4 H16 N4096, 0.87x full at $d = 128$
-# where 16384 tokens give 0.95x (shorter rows, relatively more tiles on the diagonal; not
-# analysed further); the $d = 64$ causal calls, which stay on chapter 2's forward because their launch would
-# cost the host more than chapter 11's kernel saves; and the second-order backward. The
+# where 16384 tokens give 0.97x (shorter rows, relatively more tiles on the diagonal; not
+# analysed further); the $d = 64$ causal call, B4 H16 N4096, which chapter 11's kernel
+# takes since its launches skip Triton's per-launch Python (388 TFLOP/s in "accurate"
+# precision, 367 before; "fast" 507): a 1 ms call whose host time and the carry's passes
+# now weigh as much as its kernel; and the second-order backward. The
 # first-order backward runs chapter 12's warp-specialised kernels from 4096 tokens, its
 # dK/dV kernel summing dQ too, and chapter 12's run times it at every backward shape of the
 # grid from 4096 to 32768 tokens: in "accurate" precision 0.83x to 0.86x cuDNN at
