@@ -684,7 +684,12 @@ def warp_specialized_jvp_kernel(
 # descriptor by what Triton compiles for it (dtype, block, layout) and skips Triton's
 # per-launch Python. On the H200 that took a call of `attention` at (1, 1, 4096, 64), bf16,
 # from 0.28 to 0.15 ms of host time (chapter 2's kernel: 0.27), and of
-# `torch.func.jvp(attention)` from 0.91 to 0.61 ms (chapter 2's: 0.89). With tangents the
+# `torch.func.jvp(attention)` from 0.91 to 0.61 ms (chapter 2's: 0.89). That moved the
+# line from which the kernels pay to 2³⁵ of work counted as the FLOPs are, half when causal,
+# with the tangent or without (`WARP_SPECIALIZED_MIN_WORK`, with the timings that set it);
+# one measured call stays on the wrong side of it: the forward alone at (2, 16, 4096, 128)
+# causal, 0.43 ms against chapter 2's 0.35, where the tangent's call gains (0.99 against
+# 1.22). With tangents the
 # tangents must match their inputs' shapes, dtypes and strides' rules, and "accurate" mode
 # needs bf16 (the carry). Any other call runs chapter 2's kernel, as does every call if this
 # Triton cannot compile the Gluon ones (warned once).
