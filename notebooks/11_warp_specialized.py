@@ -689,10 +689,9 @@ def warp_specialized_jvp_kernel(
 # with the tangent or without (`WARP_SPECIALIZED_MIN_WORK`, with the timings that set it);
 # one measured call stays on the wrong side of it: the forward alone at (2, 16, 4096, 128)
 # causal, 0.43 ms against chapter 2's 0.35, where the tangent's call gains (0.99 against
-# 1.22). With tangents the
-# tangents must match their inputs' shapes, dtypes and strides' rules, and "accurate" mode
-# needs bf16 (the carry). Any other call runs chapter 2's kernel, as does every call if this
-# Triton cannot compile the Gluon ones (warned once).
+# 1.22). With tangents the tangents must match their inputs' shapes, dtypes and strides'
+# rules, and "accurate" mode needs bf16 (the carry). Any other call runs chapter 2's
+# kernel, as does every call if this Triton cannot compile the Gluon ones (warned once).
 
 # %% tags=["export"]
 # Launch: registers a thread may hold at launch, 65,536 per SM over 12 warps (the compute
@@ -1013,10 +1012,11 @@ plot_speeds(record["rows"], "Primal forward on the H200, bf16")
 # ## The forward with its JVP
 #
 # The kernel of "The tangent in the same schedule" above runs where the primal one does, for
-# calls with tangents (`WARP_SPECIALIZED_MIN_WORK`, in "Launching it"): chapter 2's launcher hands it fp16 and bf16 in "fast" mode and bf16 in
-# "accurate" mode (carried). Checked here as the primal kernel was, called directly on the
-# same cases, out and tangent_out against float64 next to PyTorch math's `torch.func.jvp` in
-# the same dtype, in each precision it takes.
+# calls with tangents (`WARP_SPECIALIZED_MIN_WORK`, in "Launching it"): chapter 2's
+# launcher hands it fp16 and bf16 in "fast" mode and bf16 in "accurate" mode (carried).
+# Checked here as the primal kernel was, called directly on the same cases, out and
+# tangent_out against float64 next to PyTorch math's `torch.func.jvp` in the same dtype, in
+# each precision it takes.
 
 # %%
 from jvp_attention.forward import jvp_operands  # noqa: E402

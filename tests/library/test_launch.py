@@ -425,20 +425,16 @@ def test_fake_and_functional_tensors_are_in_a_compiled_graph() -> None:
     assert autograd._in_compiled_graph((fake, 1.0))
 
 
-def _descriptor(t: torch.Tensor, rows: int):
-    """A Gluon host tensor descriptor over 4-D `t` in (1, 1, rows, D) blocks."""
-    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
-    gl = pytest.importorskip("triton.experimental.gluon.language")
-    block = [1, 1, rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16)
-    return hopper.TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
 def test_descriptors_match_by_what_triton_compiles_for_them(launcher) -> None:
     """Chapter 11's kernels take host tensor descriptors: a launch whose descriptors differ
     only in tensor, shape or strides reuses the compiled kernel (they are read at launch,
     and passed through as they are), one with another block or dtype goes through Triton,
     and the memory keeps no tensor of theirs."""
+    from jvp_attention import warp_specialized
+
+    if not warp_specialized.GLUON:
+        pytest.skip("this Triton has no Gluon")
+    _descriptor = warp_specialized._descriptor
     x = torch.zeros(2, 3, 128, 64, dtype=torch.float16)
     launcher[(1,)](_descriptor(x, 64), 64, 0.5, (64, 128), BLOCK=16)
     other = torch.zeros(1, 5, 256, 64, dtype=torch.float16).transpose(1, 2)
