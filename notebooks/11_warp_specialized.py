@@ -1107,6 +1107,17 @@ plot_speeds(jvp_record["rows"], "Forward with its JVP on the H200, bf16")
 #   as the kernel launched directly (500). "accurate" gains less, 388 against 367: its
 #   call, 1.06 ms against "fast"'s 0.81, adds the carry's range pass and copies to a call
 #   whose GPU time is now close to its host time, so that is what the row measures.
+# * **Causal against full, in the kernel alone** (GPU time in a CUDA graph): the causal
+#   forward with its JVP runs at 0.90x the full call's speed per FLOP at (4, 16, 4096, 128)
+#   (1.51 ms against half of 2.73), 0.88x at $d = 64$ (0.83 against half of 1.47) and 0.98x
+#   at 16384 tokens; the wider gaps in the table come from the call around the kernel. The
+#   diagonal tiles' masking and the last wave's short tiles are what is left. Ordering the
+#   programs heads-fastest instead (grid (B·Hq, query tiles), so every head's longest tile
+#   starts in the first wave) was slower at every shape we timed it: causal 1.57 ms against
+#   1.51 at (4, 16, 4096, 128), 0.85 against 0.83 at $d = 64$, 5.59 against 5.42 at 16384
+#   tokens, and full calls 6 to 17% slower. Programs side by side then read different
+#   heads' keys, where in `_program_tile`'s order they read one head's keys and values
+#   together, so each key tile is fetched from memory once and served to the others by L2.
 # * **Tiles.** 64-key tiles at $d = 128$: 609 TFLOP/s launched directly, where 128-key
 #   tiles, spilling 3 KB a thread, run at 252. At $d = 64$, 128-key tiles beat 64-key ones
 #   with three slots (577 against 511).

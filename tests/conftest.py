@@ -26,9 +26,23 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The interpreter without its repeated patching (site/fast_interpreter.py), here and, through
+# site/sitecustomize.py on PYTHONPATH, in every Python process the tests start.
+SITE = str(Path(TESTS) / "site")
+sys.path.insert(0, SITE)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SITE, os.environ.get("PYTHONPATH")]))
+import fast_interpreter  # noqa: E402, F401
+
+# The longest tests on CPU (30 to 150 s each on 2 cores), run first: under xdist the short
+# tests then fill the end of the run, where one of these would leave the other workers idle.
+LONGEST_FIRST = ("test_notebooks.py::test_notebook_runs", "::test_backward_fuzz",
+                 "::test_second_order_fuzz", "::test_forward_fuzz",
+                 "test_first_call_bench.py::", "test_context_parallel.py::test_two_ranks")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked `gpu` when there is no CUDA device."""
+    """Put the longest tests first; skip tests marked `gpu` when there is no CUDA device."""
+    items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST_FIRST))
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="skipped: needs a CUDA GPU")

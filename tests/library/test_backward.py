@@ -17,6 +17,7 @@ from helpers import (
     F32,
     FUZZ_STRATEGIES,
     GPU_BIAS_CASES,
+    HAS_CUDA,
     Spec,
     assert_accurate,
     assert_deterministic,
@@ -195,6 +196,8 @@ CARRY_SCALES = {"unit": (1.0, 1.0, 1.0, 1.0), "tiny-dO-large-v": (1.0, 1.0, 1e3,
     *((Spec(hq=2, hkv=1, nq=40, nk=29, d=32, causal=True), name)
       for name in ("tiny-dO-large-v", "large-scores", "tiny-inputs")),
 ], ids=lambda x: x if isinstance(x, str) else x.id)
+@pytest.mark.skipif(HAS_CUDA, reason="checks the interpreter's bf16 (the GPU's bf16 gradients: "
+                    "test_backward_gpu)")
 def test_bf16_gradients_through_fp16_operands_on_cpu(spec: Spec, scales: str,
                                                      monkeypatch) -> None:
     """In "accurate" mode the bf16 backward of long rows runs on exact fp16 copies of q, k, v
@@ -230,16 +233,17 @@ def test_carried_copies_write_delta(layout: str, with_residual: bool) -> None:
     computes the same fp32 sums."""
     torch.manual_seed(3)
     batch, heads, kv_heads, n, d = (2, 4, 2, 37, 40) if "d40" in layout else (2, 3, 3, 45, 32)
-    q = torch.randn(batch, heads, n, d, dtype=torch.float16)
-    k, v = (torch.randn(batch, kv_heads, n, d, dtype=torch.float16) for _ in range(2))
-    out = torch.randn(batch, heads, n, d, dtype=torch.float16)
+    q = torch.randn(batch, heads, n, d, dtype=torch.float16, device=DEVICE)
+    k, v = (torch.randn(batch, kv_heads, n, d, dtype=torch.float16, device=DEVICE)
+            for _ in range(2))
+    out = torch.randn(batch, heads, n, d, dtype=torch.float16, device=DEVICE)
     residual = (1e-3 * torch.randn_like(out)) if with_residual else None
-    grad_out = torch.randn(batch, heads, n, d, dtype=torch.float16)
+    grad_out = torch.randn(batch, heads, n, d, dtype=torch.float16, device=DEVICE)
     if layout == "strided-dO":  # (B, N, H, D) memory seen as (B, H, N, D)
         grad_out = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
     if layout == "padded-dO-d40":  # rows d + 3 elements apart: no alignment to rely on
         grad_out = torch.cat([grad_out, torch.zeros_like(grad_out[..., :3])], -1)[..., :d]
-    delta = torch.full((batch, heads, n), float("nan"))
+    delta = torch.full((batch, heads, n), float("nan"), device=DEVICE)
     jvp_attention.backward.backward_operands(q, k, v, grad_out, out, residual, delta)
     o = out.double() + (residual.float().double() if with_residual else 0.0)
     terms = grad_out.double() * o.float().double()  # O + residual is summed in fp32 first

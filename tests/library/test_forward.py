@@ -272,6 +272,8 @@ def test_tuned_tiles_are_looked_up_by_key(monkeypatch) -> None:
         return [1.0 if config is configs[1] else 2.0]
 
     monkeypatch.setattr(tuner, "_bench", bench)
+    monkeypatch.setattr(tuner, "cache_results", False)  # on a GPU: not the disk's timings
+    monkeypatch.delenv("JVP_ATTENTION_AUTOTUNE", raising=False)  # every candidate
     monkeypatch.setattr(jvp_attention.forward, "_attention_forward", tuner)
     p = make_problem(Spec(nq=40, nk=24), torch.float32)
     first = kernel_forward(p, with_tangents=False)
@@ -379,12 +381,12 @@ def check_carried_tangents(scales, dtype: torch.dtype, device: str, n: int, d: i
 
 
 @pytest.mark.parametrize("scales", TANGENT_SCALES.values(), ids=TANGENT_SCALES)
-def test_carried_tangents_on_cpu(scales, monkeypatch) -> None:
+def test_carried_tangents_forced_in_fp16(scales, monkeypatch) -> None:
     """The shifts and the factors that undo them. The interpreter multiplies bf16 bits
-    wrongly (it multiplies raw bf16 bits), so here fp16 inputs are forced down the carrying path; carried fp16
-    is as accurate as "fast", within the rule."""
+    wrongly (it multiplies raw bf16 bits), so here fp16 inputs are forced down the carrying
+    path; carried fp16 is as accurate as "fast", within the rule."""
     monkeypatch.setattr(jvp_attention.forward, "carries", lambda q, n_keys: True)
-    check_carried_tangents(scales, torch.float16, "cpu", 40, 32)
+    check_carried_tangents(scales, torch.float16, DEVICE, 40, 32)
 
 
 @pytest.mark.gpu

@@ -265,9 +265,11 @@ def test_fused_launch_sums_dq_and_scales_it(monkeypatch) -> None:
 
     monkeypatch.setattr(hb, "warp_specialized_dkdv_kernel", Kernel())
     launch_directly_stand_ins(monkeypatch, hb)
-    q, k = heads(n=300, heads=4, d=64, layout="bnhd"), heads(n=4100, heads=2, d=64)
-    lse, factors = torch.empty(4, 4, 300), torch.tensor([1.0, 1.0, 4.0, 1.0, 1.0, 0.0])
-    dq = torch.empty(q.shape, dtype=q.dtype)
+    q = heads(n=300, heads=4, d=64, layout="bnhd").to(DEVICE)  # .to keeps the strides
+    k = heads(n=4100, heads=2, d=64).to(DEVICE)
+    lse = torch.empty(4, 4, 300, device=DEVICE)
+    factors = torch.tensor([1.0, 1.0, 4.0, 1.0, 1.0, 0.0], device=DEVICE)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=DEVICE)
     hb.launch_warp_specialized_dkdv(q, k, k, q, lse, lse, factors, torch.empty_like(k),
                                     torch.empty_like(k), False, 0.5, dq)
     total = launched["args"][6]

@@ -263,6 +263,7 @@ def test_forward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> N
         return torch.zeros(1, 2, n, d, dtype=dtype), torch.zeros(1, 2, n, d, dtype=dtype)
 
     q, k = q_k(torch.float16, 256)
+    monkeypatch.setattr(launch, "interpreting", lambda: True)
     assert not forward.traceable_forward(q, k, k, "accurate", True)  # the interpreter runs this
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     for dtype, n, precision, tangent, expected in [
@@ -287,6 +288,7 @@ def test_backward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> 
         return (torch.zeros(1, 2, min(n, 256), d, dtype=dtype),
                 *(torch.zeros(1, 2, n, d, dtype=dtype) for _ in range(2)))
 
+    monkeypatch.setattr(launch, "interpreting", lambda: True)
     assert not backward.traceable_backward(*qkv(torch.float16, 256), "accurate", False, False)
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     long = backward.BACKWARD_TMA_MIN_TOKENS
