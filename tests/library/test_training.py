@@ -102,6 +102,8 @@ def test_two_ranks_match_one(tmp_path: Path, wrapper: str):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # two CPU ranks over gloo on any machine (a one-GPU
+    # machine has no second device for rank 1)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", str(SCRIPT), f"--{wrapper}", *TINY, "--steps", "4",
                "--batch-size", "8", "--dtype", "float32", "--warmup", "1", "--out", str(out)]
