@@ -100,10 +100,10 @@ CARRY_MIN_KEYS = 1024
 
 
 def carry_min_keys(head_dim: int) -> int:
-    """Keys per row from which bf16 "accurate" carries at this head dim: CARRY_MIN_KEYS, and
-    twice that for a head dim cut into two column tiles (72 = 64 + 16, `column_tiles` below),
-    where the carried kernels were slower than the split at 1024 keys."""
-    return CARRY_MIN_KEYS if _two_tiles(head_dim)[1] == 0 else 2 * CARRY_MIN_KEYS
+    """Keys per row from which bf16 "accurate" carries at this head dim: CARRY_MIN_KEYS at
+    every head dim, those cut into two column tiles (72 = 64 + 16) included since their
+    loads are aligned (see above)."""
+    return CARRY_MIN_KEYS
 
 
 def carries(q: torch.Tensor, n_keys: int) -> bool:

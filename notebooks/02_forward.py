@@ -709,14 +709,25 @@ def _forward_key_block(
 # 1.34x (d = 64) and 1.24x (d = 128) the time of "fast" down to 1.21x and 1.17x, and the
 # primal backward (chapter 5) from 1.67x and 1.37x down to 1.19x and 1.22x. So "accurate"
 # carries from 1024 keys per row and splits below (`CARRY_MIN_KEYS`), forward and backward
-# alike, except at head dims cut into two column tiles (72 = 64 + 16, `column_tiles` in
-# "Tiles, autotuning and the launch" below): at DiT-XL/2's (16, 16, 1024, 72) the carried
-# forward+JVP took 1.62 ms against the split's 1.25 ms, and the MeanFlow step 3.75 against
-# 2.71 ms, so those carry from 2048 keys, the earlier threshold. Measured again with the
+# alike. Head dims cut into two column tiles (72 = 64 + 16, `column_tiles` in
+# "Tiles, autotuning and the launch" below) first carried from 2048 keys, the earlier
+# threshold: at DiT-XL/2's (16, 16, 1024, 72) the carried forward+JVP took 1.62 ms
+# against the split's 1.25 ms, and the MeanFlow step 3.75 against 2.71 ms. Measured again with the
 # two-launch carry and paired tails (H200, bf16, (16, 16, 1024, 72), `triton.testing.do_bench`
 # of the call, one process), the carry took 0.900 ms for the forward+JVP against the
 # split's 0.942 ("fast": 0.756), and 2.361 against 2.353 ms for the MeanFlow call (forward
-# with the tangent, then the backward; "fast": 2.002): level, so the threshold stays. Below 1024 keys the two O(N) passes of the carry cost more than the split's extra
+# with the tangent, then the backward; "fast": 2.002): level, so the threshold stayed.
+# Since the launches tell the kernels that rows of 72 elements are 16-byte aligned
+# (`row_alignment`, "Tiles, autotuning and the launch" below), the carried kernels at
+# $d = 72$ load as fast as the others, and head dims cut in two now carry from 1024 keys
+# too: at (16, 16, 1024, 72), GPU time per call from the profiler
+# (`benchmarks/training_shapes.py --shape dit-xl2-512 --impl ours`, H200, bf16, both
+# thresholds in one session), the forward+JVP took 0.900 ms carried against 0.913 split,
+# and the MeanFlow call 2.130 against 2.321 ms (8% less; wall time per eager call 2.157
+# against 2.356 ms). The carry costs the host more (2.07 against 1.49 ms per MeanFlow
+# call, its four extra launches) and memory (peak 331 against 187 MB: the fp16 copies),
+# and a compiled graph that runs its launches from Python does not carry at all
+# (`host_bound_graph`, chapter 7). Below 1024 keys the two O(N) passes of the carry cost more than the split's extra
 # products saves (0.33 against 0.18 ms at 256 keys with the first version; not measured
 # again), and accurate mode costs the split: 15 to 30% more GPU time than "fast" for the
 # forward+JVP, where the call is bound by host work anyway.
@@ -738,9 +749,15 @@ def _forward_key_block(
 # Counting bytes shows where a 10% target lies at this length: the forward's two passes
 # move 671 MB (six tensors read, two read again and written as fp16), which take 0.14 ms
 # even at the H200's nominal 4.8 TB/s, 14% of the fast kernel's time. Faster passes alone
-# cannot get there; what can is doing the conversion to float16 inside the attention
-# kernels after each load (the copies' 268 MB gone, the range pass's reads left) and
-# giving the backward the forward's ranges of $Q$, $K$, $V$, so that it ranges only $dO$.
+# cannot get there. Converting to float16 inside the attention kernel after each load,
+# instead of the copies (their 268 MB gone, the range pass's reads left), was tried and
+# does not get there either: on the H200 (bf16, GPU time of the whole call under CUDA
+# graphs, one session) the forward+JVP took 0.986 ms at (32, 12, 1024, 64) against 0.983
+# carried and 0.815 fast, and 1.257 against 1.128 carried at (8, 16, 2048, 64). Each key
+# block's $V$ and $t_V$ tiles then go from shared memory to registers and back before the
+# tensor cores read them, which costs what the copies did. (At 256 keys it took 0.160 ms
+# against the split's 0.179 and fast's 0.137 at (64, 12, 256, 64), before the range pass
+# that its shifts would still need.)
 
 # %% tags=["export:tiles"]
 # |exponent| of any carrying shift: sums of three exponents stay inside fp32's range.
@@ -967,10 +984,10 @@ CARRY_MIN_KEYS = 1024
 
 
 def carry_min_keys(head_dim: int) -> int:
-    """Keys per row from which bf16 "accurate" carries at this head dim: CARRY_MIN_KEYS, and
-    twice that for a head dim cut into two column tiles (72 = 64 + 16, `column_tiles` below),
-    where the carried kernels were slower than the split at 1024 keys."""
-    return CARRY_MIN_KEYS if _two_tiles(head_dim)[1] == 0 else 2 * CARRY_MIN_KEYS
+    """Keys per row from which bf16 "accurate" carries at this head dim: CARRY_MIN_KEYS at
+    every head dim, those cut into two column tiles (72 = 64 + 16) included since their
+    loads are aligned (see above)."""
+    return CARRY_MIN_KEYS
 
 
 def carries(q: torch.Tensor, n_keys: int) -> bool:

@@ -354,8 +354,7 @@ def _backward_tile(
 # the carried units with the factor of $\Delta$.
 #
 # As in the forward, the range pass pays back only on long enough rows, and the launcher
-# carries from chapter 2's `carry_min_keys` (1024 keys per row; 2048 at a head dim cut
-# into two column tiles). Measured on the H200 with
+# carries from chapter 2's `carry_min_keys` (1024 keys per row). Measured on the H200 with
 # the first, PyTorch-operation version of the carry (bf16, GPU time in ms of the primal
 # backward after a forward+JVP, B·H = 196608 / N; carry / split / fast):
 # at d = 64, N = 256: 0.45 / 0.32 / 0.22, N = 1024: 0.72 / 0.83 / 0.48, N = 2048:

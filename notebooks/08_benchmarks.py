@@ -1710,15 +1710,22 @@ else:
 # ### What accurate precision costs at these shapes
 #
 # "Accurate against fast" above starts at 1024 keys. DiT trains at 256 to 1024 tokens per
-# image, where accurate mode splits its products (below `carry_min_keys`: 1024 keys at
-# d = 64 and 128, 2048 at d = 72). `training_shapes.py --impl ours ours_fast` times the
+# image, where accurate mode splits its products below `carry_min_keys` (1024 keys; the
+# d = 72 shapes carried from 2048 keys until chapter 2 measured them again, and the rows
+# below say which path each run took). `training_shapes.py --impl ours ours_fast` times the
 # calls of a training step both ways in one run
 # (`benchmarks/results/training_shapes_fast_h200.json`, GPU time per call from the
 # profiler; the d = 72 shapes and `n1k-d128`'s fast rows were measured again after chapter
 # 2's paired tails, the other rows copied from the run before: its `git.note` says which).
 
 # %% tags=["hide_input"]
-from jvp_attention.launch import carry_min_keys
+def forward_path(shape, by_key):
+    """"carry" or "split": what accurate mode's forward+JVP ran at `shape` in a saved run,
+    read from the kernels its profile counted (the carry's copy kernel, or none)."""
+    case = by_key.get((shape, "fwd_jvp", "ours")) or {}
+    kernels = case.get("kernel_names") or {}
+    return "carry" if "carried_copies_kernel" in kernels else "split" if kernels else "-"
+
 
 FAST_SHAPES = RESULTS / "training_shapes_fast_h200.json"
 FAST_RUN = saved_run(FAST_SHAPES)
@@ -1729,7 +1736,7 @@ if announce_run(FAST_RUN, FAST_SHAPES, "ours ours_fast", "GPU ms per call"):
     for shape in dict.fromkeys(c["shape"] for c in FAST_RUN["cases"]):
         first = next(c for c in FAST_RUN["cases"] if c["shape"] == shape)
         dims = (first["B"], first["H"], first["N"], first["d"])
-        path = "carry" if first["N"] >= carry_min_keys(first["d"]) else "split"
+        path = forward_path(shape, fast_by_key)
         for mode in ("fwd_jvp", "meanflow", "second_order"):
             accurate_ms = ts_value(shape, mode, "ours", "gpu_ms", fast_by_key)
             fast_ms = ts_value(shape, mode, "ours_fast", "gpu_ms", fast_by_key)

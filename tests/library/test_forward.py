@@ -390,23 +390,25 @@ def test_carried_tangents_forced_in_fp16(scales, monkeypatch) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 72], ids=["d128", "d72"])
 @pytest.mark.parametrize("carried", [False, True], ids=["split", "carried"])
 @pytest.mark.parametrize("scales", TANGENT_SCALES.values(), ids=TANGENT_SCALES)
-def test_carried_tangents_gpu(scales, carried: bool) -> None:
-    """bf16 tangents in accurate mode: split below CARRY_MIN_KEYS keys, carried above."""
-    limit = jvp_attention.launch.carry_min_keys(128)
+def test_carried_tangents_gpu(scales, carried: bool, head_dim: int) -> None:
+    """bf16 tangents in accurate mode: split below CARRY_MIN_KEYS keys, carried above, with
+    one column tile (d = 128) or two (72 = 64 + 16)."""
+    limit = jvp_attention.launch.carry_min_keys(head_dim)
     n = limit + 50 if carried else limit - 100  # the problem has n + 3 keys
-    q = torch.empty(0, 128, dtype=torch.bfloat16)
+    q = torch.empty(0, head_dim, dtype=torch.bfloat16)
     assert jvp_attention.launch.carries(q, n + 3) == carried
-    check_carried_tangents(scales, torch.bfloat16, "cuda", n, 128)
+    check_carried_tangents(scales, torch.bfloat16, "cuda", n, head_dim)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 72])
 def test_carrying_starts_at_long_rows(head_dim: int) -> None:
-    """From CARRY_MIN_KEYS keys at one column tile, from twice that at two (72 = 64 + 16)."""
+    """From CARRY_MIN_KEYS keys, at one column tile and at two (72 = 64 + 16) alike."""
     bf16 = torch.empty(0, head_dim, dtype=torch.bfloat16)
     fp16 = torch.empty(0, head_dim, dtype=torch.float16)
-    limit = jvp_attention.launch.CARRY_MIN_KEYS * (2 if head_dim == 72 else 1)
+    limit = jvp_attention.launch.CARRY_MIN_KEYS
     assert jvp_attention.launch.carry_min_keys(head_dim) == limit
     assert jvp_attention.launch.carries(bf16, limit)
     assert not jvp_attention.launch.carries(bf16, limit - 1)
