@@ -723,11 +723,14 @@ def _forward_key_block(
 # too: at (16, 16, 1024, 72), GPU time per call from the profiler
 # (`benchmarks/training_shapes.py --shape dit-xl2-512 --impl ours`, H200, bf16, both
 # thresholds in one session), the forward+JVP took 0.900 ms carried against 0.913 split,
-# and the MeanFlow call 2.130 against 2.321 ms (8% less; wall time per eager call 2.157
-# against 2.356 ms). The carry costs the host more (2.07 against 1.49 ms per MeanFlow
-# call, its four extra launches) and memory (peak 331 against 187 MB: the fp16 copies),
-# and a compiled graph that runs its launches from Python does not carry at all
-# (`host_bound_graph`, chapter 7). Below 1024 keys the two O(N) passes of the carry cost more than the split's extra
+# and the MeanFlow call 2.130 against 2.321 ms (8% less). The carry costs the host more
+# (2.07 against 1.49 ms per MeanFlow call: four more launches) and memory (peak 331
+# against 187 MB: the fp16 copies). So an eager MeanFlow call, which the host then nearly
+# binds, gains little in wall time (2.157 against 2.356 ms in that session, 2.418 in a
+# later run of `training_shapes.py` whose host took 2.31 ms), while under CUDA graphs
+# (`ours_cudagraphs`, `benchmarks/results/training_shapes_h200.json`) the call took 2.156
+# ms against 2.409 before and the forward+JVP 0.894 against 0.944. A compiled graph that
+# runs its launches from Python does not carry at all (`host_bound_graph`, chapter 7). Below 1024 keys the two O(N) passes of the carry cost more than the split's extra
 # products saves (0.33 against 0.18 ms at 256 keys with the first version; not measured
 # again), and accurate mode costs the split: 15 to 30% more GPU time than "fast" for the
 # forward+JVP, where the call is bound by host work anyway.

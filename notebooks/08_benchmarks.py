@@ -1755,16 +1755,19 @@ if announce_run(FAST_RUN, FAST_SHAPES, "ours ours_fast", "GPU ms per call"):
 # chapter 2 paired the tails of split products; it takes 1.07x in this run, whose fast call
 # was slower than in chapter 2's tile-by-tile comparison (0.136 against 0.127 ms: the
 # benchmark's quick autotuning timer varies from run to run). On the same 64 × 64 tile the
-# two take 0.149 and 0.127 ms, 1.17x. Carrying (`dit-b2-512` and `n1k-d128`, 1024 keys at d = 64 and 128) costs
-# 1.17 to 1.21x: the carry's two memory-bound launches. The backward through the tangent
+# two take 0.149 and 0.127 ms, 1.17x. Carrying (`dit-b2-512`, `n1k-d128` and, since
+# chapter 2 let head dims cut in two carry from 1024 keys too, `dit-xl2-512`) costs 1.17 to
+# 1.21x: the carry's two memory-bound launches (`dit-xl2-512` split took 1.23x for the
+# forward+JVP and 1.29x for the MeanFlow call, 0.914 and 2.325 ms). The backward through the tangent
 # never carries (chapter 5), so the second-order step costs 1.19 to 1.23x at every shape. Where the call is bound by
 # the host rather than the GPU (eager, or `torch.compile` without CUDA graphs, at 256
 # tokens: "Wall time per call" above) the difference does not reach the step; under CUDA
 # graphs it does, if little of it: 0.43 against 0.34 ms per MeanFlow call at `dit-b2-256`,
 # which is about 0.6 ms of chapter 9's DiT-B/2 step (12 layers, batch 32, 26 ms). Meeting
 # the goal at short sequences needs an accurate product that neither doubles the tensor-core
-# work nor reads the inputs again, such as the in-kernel conversion described under
-# "Accurate against fast"; a user who accepts FlashAttention's rounding can run
+# work nor reads the inputs again; converting $V$ and $t_V$ to float16 inside the kernel
+# after each load, without the copies, was measured in chapter 2 and costs as much as
+# they do. A user who accepts FlashAttention's rounding can run
 # `jvp_attention.precision("fast")` (chapter 3 compares the errors).
 
 # %% [markdown]

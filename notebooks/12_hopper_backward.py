@@ -1054,6 +1054,7 @@ else:
 # 4096 to 32768 tokens at $d = 64$ and $128$, causal or not: 0.81x to 0.93x in "accurate"
 # (closest to the line at 4096 tokens), 0.84x to 0.94x in "fast".
 # What remains: the carried copies' pass (a conversion from bf16 tiles to fp16 in shared
-# memory, inside the kernel, would remove the copies), and the end of each visit, whose
+# memory, inside the kernel, would remove the copies; in chapter 2's Triton forward, where
+# the compute warps convert each tile themselves, it cost as much as the copies), and the end of each visit, whose
 # product, store and addition a third partition could take over if the registers allowed
 # one. The second-order backward still runs chapter 6's kernels.
