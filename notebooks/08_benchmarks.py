@@ -1746,6 +1746,42 @@ if announce_run(FAST_RUN, FAST_SHAPES, "ours ours_fast", "GPU ms per call"):
                   f"{'-' if fast_ms is None else format(fast_ms, '.3f'):>7} {ratio:>14}")
 
 # %% [markdown]
+# Where accurate mode carries, the profile of each call says where its extra time goes:
+# the kernels are split below into the attention kernels, which both modes run, and the
+# carry's two passes (the range pass and the copies), which only accurate mode runs.
+
+# %% tags=["hide_input"]
+CARRY_KERNELS = ("range_partials_kernel", "carried_copies_kernel")
+
+
+def kernel_split(case):
+    """(attention kernels' ms, carry passes' ms) of a profiled call, from its kernel_ms."""
+    kernel_ms = case.get("kernel_ms") or {}
+    carry = sum(ms for name, ms in kernel_ms.items() if name in CARRY_KERNELS)
+    return sum(kernel_ms.values()) - carry, carry
+
+
+if FAST_RUN is not None:
+    print(f"{'shape':12} {'mode':9} {'attention kernels: accurate':>28} {'fast':>7} "
+          f"{'carry passes':>13} {'share of accurate':>18}")
+    for (shape, mode, impl), case in fast_by_key.items():
+        fast_case = fast_by_key.get((shape, mode, "ours_fast"))
+        if (impl != "ours" or mode == "second_order" or fast_case is None
+                or forward_path(shape, fast_by_key) != "carry"):
+            continue
+        attention_ms, carry_ms = kernel_split(case)
+        fast_ms = kernel_split(fast_case)[0]
+        print(f"{shape:12} {mode:9} {attention_ms:28.3f} {fast_ms:7.3f} {carry_ms:13.3f} "
+              f"{carry_ms / (attention_ms + carry_ms):18.0%}")
+
+# %% [markdown]
+# The attention kernels run at fast's pace in accurate mode (within 3%: fp16 products cost
+# what bf16 ones do), so at 1024 keys the whole of accurate mode's extra time is the carry's
+# passes: 14 to 17% of the call. They stream six tensors once for the ranges and two (four
+# in the backward) again for the copies, near the H200's memory bandwidth already (chapter
+# 2), so no faster pass gets them under the 10% goal; only reading fewer tensors can (the
+# backward could reuse the forward's ranges of $Q$, $K$, $V$ and range only $dO$).
+#
 # At these shapes accurate mode costs 7 to 29% more GPU time than fast, short of the 10%
 # goal everywhere but one row. Splitting rounds the fp32 factor of three of the forward's
 # six products as hi + lo ($\tilde P V$, $\tilde P\, t_V$ and
