@@ -1000,7 +1000,13 @@ plot_speeds(record["rows"], "Primal forward on the H200, bf16")
 # * **$d = 64$ gains less**: 432 against 416 TFLOP/s at (4, 16, 4096, 64) (cuDNN 463), 375
 #   against 363 causal (cuDNN 411). A 64-wide tile halves the products per exponential, so
 #   the softmax weighs more and one extra group cannot hide all of it; FlashAttention-3 runs
-#   $d = 64$ with 192-row tiles, three groups, for that reason.
+#   $d = 64$ with 192-row tiles, three groups, for that reason. Swept later at
+#   (4, 16, 4096, 64) (H200, bf16, the kernel alone under CUDA graphs, one session), the
+#   schedule in use stays the best: 0.655 ms full and 0.374 causal with 128-key tiles,
+#   ping-pong and three slots, against 0.653 and 0.372 with four, 0.720 and 0.428 with
+#   256-key tiles (which fit two or three slots), 0.733 and 0.414 at best with 64-key tiles,
+#   and about 20% more without ping-pong; cuDNN took 0.618 and 0.350 ms in that session
+#   (0.94x and 0.93x).
 # * **Short rows lose.** At (32, 12, 1024, 64) every variant trails chapter 2's kernel
 #   without the mask (354 against 366 TFLOP/s), whose autotuned tiles suit eight key tiles
 #   better than a fixed 128 × 128 tile and a three-deep ring; hence
