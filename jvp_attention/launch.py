@@ -243,7 +243,9 @@ class CachedLauncher:
     the device and Triton's settings that change the code (`code_options`). Everything
     else goes through Triton: the first launch of each match, a warm-up, the interpreter,
     and launches while a launch hook (a profiler's) or a pre-run hook is installed; on the
-    GPU those compile with `sound_compiler`.
+    GPU those compile with `sound_compiler`. A callable grid is called with the launch's
+    keyword arguments (the meta-parameters, all that this library's grids read), and with
+    every argument by name only if it asks for another.
     """
 
     def __init__(self, kernel: triton.runtime.JITFunction):
@@ -258,37 +260,66 @@ class CachedLauncher:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
 
-    def run(self, *args, grid, warmup: bool = False, **kwargs):
-        """Launch as `kernel[grid](*args, **kwargs)` would; returns the compiled kernel."""
-        if not self.direct:
-            return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
-        if warmup or launch_hooks() or self.kernel.pre_run_hooks:
-            with sound_compiler():
-                return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
-        device = driver.active.get_current_device()
-        key = (device, *code_options(), len(args), *kwargs,
+    def match(self, args: tuple, kwargs: dict) -> tuple | None:
+        """The key of this launch among the remembered ones, or None for a launch that must
+        go through Triton (the interpreter, hooks, an argument that cannot be hashed)."""
+        if not self.direct or launch_hooks() or self.kernel.pre_run_hooks:
+            return None
+        key = (driver.active.get_current_device(), *code_options(), len(args), *kwargs,
                *launch_match(tuple(kwargs.values())), *launch_match(args))
         try:
-            known = self.launches.get(key)
-        except TypeError:  # an argument that cannot be hashed: Triton's path, every time
-            with sound_compiler():
-                return self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
-        if known is None:  # Triton's own launch, remembered unless it compiles asynchronously
-            with sound_compiler():
-                compiled = self.kernel.run(*args, grid=grid, warmup=False, **kwargs)
-            if not hasattr(compiled, "result"):
-                if len(self.launches) >= CACHED_LAUNCHES:
-                    self.launches.clear()
-                self.launches[key] = compiled, self.names[len(args):]
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def through_triton(self, args: tuple, kwargs: dict, grid, warmup: bool = False):
+        """Triton's own launch (compiling, on the GPU, with `sound_compiler`)."""
+        if not self.direct:
+            return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+        with sound_compiler():
+            return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    def remember(self, key: tuple | None, compiled, n_args: int) -> None:
+        """Keep Triton's `compiled` kernel for launches matching `key` (unless it compiles
+        asynchronously), as what `launch` takes."""
+        if key is not None and not hasattr(compiled, "result"):
+            remember(self.launches, key, (compiled, self.names[n_args:]))
+
+    def run(self, *args, grid, warmup: bool = False, **kwargs):
+        """Launch as `kernel[grid](*args, **kwargs)` would; returns the compiled kernel."""
+        if not self.direct:  # the interpreter runs the kernel: nothing to save here
+            return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+        key = None if warmup else self.match(args, kwargs)
+        known = None if key is None else self.launches.get(key)
+        if known is None:
+            compiled = self.through_triton(args, kwargs, grid, warmup)
+            if not warmup:
+                self.remember(key, compiled, len(args))
             return compiled
+        return self.launch(known, args, kwargs, grid, key[0])
+
+    def launch(self, known: tuple, args: tuple, kwargs: dict, grid, device: int):
+        """Call a remembered compiled kernel's C launcher on `device` (the current one), as
+        `JITFunction.run` does."""
         compiled, rest = known
         values = (*args, *[kwargs[n] if n in kwargs else self.defaults[n] for n in rest])
         if callable(grid):
-            grid = grid(dict(zip(self.names, values, strict=True)))
+            try:
+                grid = grid(kwargs)
+            except KeyError:
+                grid = grid(dict(zip(self.names, values, strict=True)))
         compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                      driver.active.get_current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *values)
         return compiled
+
+
+def remember(launches: dict, key: tuple, value: tuple) -> None:
+    """launches[key] = value, in a memory of at most CACHED_LAUNCHES entries."""
+    if len(launches) >= CACHED_LAUNCHES:
+        launches.clear()
+    launches[key] = value
 
 
 @functools.cache
@@ -361,6 +392,8 @@ class KeyedAutotuner(Autotuner):
                          restore_value=None, cache_results=True, do_bench=time_candidate,
                          prune_configs_by={"early_config_prune": prune_wide_tiles})
         self.tuned: dict[tuple, triton.Config] = {}
+        # Launches seen at a tuned key: their tile and the launcher's compiled kernel.
+        self.launches: dict[tuple, tuple] = {}
         self.key_positions = [kernel.arg_names.index(name) for name in key]
         self.launcher = cached(kernel)
 
@@ -372,16 +405,29 @@ class KeyedAutotuner(Autotuner):
         return (*values, *[a.dtype for a in args
                            if a.__class__ not in PLAIN_TYPES and isinstance(a, torch.Tensor)])
 
-    def run(self, *args, **kwargs):
+    def run(self, *args, grid, warmup: bool = False, **kwargs):
+        launcher = self.launcher
+        match = launcher.match(args, kwargs) if launcher.direct and not warmup else None
+        known = None if match is None else self.launches.get(match)
+        if known is not None:  # a launch seen before: its tile and compiled kernel
+            config, tile, launched = known
+            self.best_config = config
+            return launcher.launch(launched, args, {**kwargs, **tile}, grid, match[0])
         key = self.launch_key(args, kwargs)
         config = self.tuned.get(key)
-        if config is None:  # first launch at this key: tune (or read the disk cache)
-            with sound_compiler() if self.launcher.direct else nullcontext():
-                result = super().run(*args, **kwargs)
-            self.tuned[key] = self.best_config
+        if config is None or warmup:  # first launch at this key: tune (or read the disk cache)
+            with sound_compiler() if launcher.direct else nullcontext():
+                result = super().run(*args, grid=grid, warmup=warmup, **kwargs)
+            self.tuned.setdefault(key, self.best_config)
             return result
         self.best_config = config
-        return self.launcher.run(*args, **kwargs, **config.all_kwargs())
+        tile = config.all_kwargs()
+        compiled = launcher.run(*args, grid=grid, **kwargs, **tile)
+        if match is not None:  # from the next launch on, one lookup
+            launched = launcher.launches.get(launcher.match(args, {**kwargs, **tile}) or ())
+            if launched is not None:
+                remember(self.launches, match, (config, tile, launched))
+        return compiled
 
 
 def launchable(kernel, like: torch.Tensor):

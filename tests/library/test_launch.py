@@ -89,11 +89,14 @@ def test_launches_through_triton_compile_with_the_sound_ptxas(launcher, monkeypa
 
 
 def test_a_callable_grid_sees_every_argument(launcher) -> None:
+    """A grid that asks for a positional argument by name gets every argument, as from
+    Triton; one that reads only meta-parameters (every grid of this library) gets the
+    keywords, without a dictionary of all ~60 arguments built per launch."""
     x = torch.zeros(64, dtype=torch.float16)
     seen = []
 
     def grid(meta):
-        seen.append(meta)
+        seen.append(dict(meta))
         return (triton.cdiv(meta["n"], meta["BLOCK"]),)
 
     _launch(launcher, x, grid=grid)
@@ -101,6 +104,47 @@ def test_a_callable_grid_sees_every_argument(launcher) -> None:
     assert seen[-1] == {"x_ptr": x, "n": 64, "scale": 0.5, "shape": (64, 128), "BLOCK": 16,
                         "FLAG": False}
     assert launcher.kernel.compiled.launches[-1][:3] == (4, 1, 1)
+    seen.clear()
+
+    def meta_grid(meta):
+        seen.append(dict(meta))
+        return (triton.cdiv(64, meta["BLOCK"]), 2)
+
+    _launch(launcher, x, grid=meta_grid)
+    assert seen == [{"BLOCK": 16}]
+    assert launcher.kernel.compiled.launches[-1][:3] == (4, 2, 1)
+
+
+def test_a_tuned_launch_seen_before_goes_straight_to_its_kernel(launcher) -> None:
+    """`KeyedAutotuner` remembers, per launch the `CachedLauncher` would match, the tile and
+    the compiled kernel: from the third launch on (the first tunes, the second compiles the
+    tile) no tuning key is built and the kernel gets the tile's meta-parameters, as through
+    Triton's autotuner."""
+    kernel = launcher.kernel
+    kernel.fn = lambda x_ptr, n, scale, shape, BLOCK, FLAG=False: None  # Autotuner's base_fn
+    config = triton.Config({"BLOCK": 32}, num_warps=4, num_stages=1)
+    tuner = launch.KeyedAutotuner(kernel, [config], ["n"])
+    tuner.launcher = launcher
+    keys = []
+    launch_key = tuner.launch_key
+    tuner.launch_key = lambda *a: keys.append(a) or launch_key(*a)
+    seen = []
+
+    def grid(meta):
+        seen.append(meta["BLOCK"])
+        return (triton.cdiv(64, meta["BLOCK"]),)
+
+    x = torch.zeros(64, dtype=torch.float16)
+    tuner[grid](x, 64, 0.5, (64, 128))
+    tuner[grid](x, 64, 0.5, (64, 128))
+    assert kernel.triton_launches == 2 and len(tuner.launches) == 1 and len(keys) == 2
+    tuner[grid](torch.ones(64, dtype=torch.float16), 64, 0.5, (64, 128))
+    assert kernel.triton_launches == 2 and len(keys) == 2 and tuner.best_config is config
+    last = kernel.compiled.launches[-1]
+    assert last[:3] == (2, 1, 1) and seen[-1] == 32
+    assert last[10:] == (64, 0.5, (64, 128), 32, False)
+    tuner[grid](x, 48, 0.5, (64, 128))  # another value: through the autotuner and Triton
+    assert kernel.triton_launches == 3 and len(keys) == 3
 
 
 @pytest.mark.parametrize("change", ["alignment", "dtype", "value", "type", "keyword",
