@@ -18,6 +18,9 @@ autograd engine runs the backward on a thread of its own on CUDA):
 - `KeyedAutotuner.run`: our autotuner's dispatch of a tuned launch;
 - `CachedLauncher.run`: our launch of a compiled kernel, which skips `JITFunction.run` for
   a launch that matches an earlier one (chapter 2);
+- `CachedLauncher.launch`: the direct launch of a remembered kernel (the arguments in
+  signature order, the grid, Triton's C launcher), which the autotuner calls itself for a
+  tuned launch seen before, so `CachedLauncher.run` no longer counts those;
 - `JITFunction.run`: Triton's launch (argument binding and specialisation, the cache lookup,
   launch metadata), and inside it the C launcher (`CudaLauncher.__call__`: scratch
   allocation, tensor-descriptor encoding, `cuLaunchKernelEx`);
@@ -125,6 +128,8 @@ def call_layers() -> list[tuple[str, object, str]]:
               ("backward launcher", backward, "flash_attention_backward"),
               ("KeyedAutotuner.run", launch.KeyedAutotuner, "run"),
               ("CachedLauncher.run", launch.CachedLauncher, "run")]
+    if hasattr(launch.CachedLauncher, "launch"):
+        layers.append(("CachedLauncher.launch", launch.CachedLauncher, "launch"))
     if ts.HAS_CUDA:
         from triton.runtime.jit import JITFunction
         layers.append(("Triton JITFunction.run", JITFunction, "run"))

@@ -1148,7 +1148,8 @@ if TS_CASES:
 # %% tags=["hide_input"]
 HOST_BREAKDOWN = RESULTS / "host_breakdown_h200.json"
 HB_LAYERS = ("attention", "forward launcher", "backward launcher", "KeyedAutotuner.run",
-             "CachedLauncher.run", "Triton JITFunction.run", "Triton C launcher",
+             "CachedLauncher.run", "CachedLauncher.launch", "Triton JITFunction.run",
+             "Triton C launcher",
              "Triton interpreter (runs the kernel)")
 
 
@@ -1200,28 +1201,35 @@ else:
 
 # %% [markdown]
 # What the saved run says, per call at DiT-B/2 256 px on the H200's host. Host speed varies
-# between runs (the floor's MeanFlow call took 787 µs in an earlier run and 1344 µs in this
-# one), so compare columns within a run, against its floor:
+# between runs (the floor's MeanFlow call took 787 µs in one earlier run, 1344 µs in the
+# next and 1447 µs in this one; its forward with the tangent 648 µs then and 1052 µs now),
+# so compare columns within a run, against its floor:
 #
-# - **Forward with the tangent: at PyTorch's floor.** The step takes 629 µs against the
-#   floor's 648 µs. Our whole call (`attention`) is 448 µs: the forward launcher 261 µs, of
-#   which the launch itself 126 µs: our autotuner's dispatch 22 µs, the cached launcher's
-#   match 62 µs and Triton's C launcher 43 µs. Triton's `JITFunction.run` (binding and
-#   specialising some 60 arguments, the kernel-cache lookup) no longer runs once a launch
-#   has been seen: the cached launcher calls the compiled kernel directly.
-# - **MeanFlow call: 1.25x the floor.** 1675 µs against 1344 µs, 331 µs over it (the
-#   earlier run, with four launches through `JITFunction.run`: 1569 against 787 µs, twice
-#   the floor). The two launchers make 815 µs; their three launches 475 µs of that, about
-#   100 µs each in our dispatch and match and 58 µs in the C launcher.
+# - **Forward with the tangent: below PyTorch's floor in this run.** The step takes 445 µs
+#   against the floor's 1052 µs. Our whole call (`attention`) is 306 µs: the forward
+#   launcher 165 µs, of which the launch itself, through our autotuner, 65 µs (Triton's C
+#   launcher 20 µs of that). Neither Triton's `JITFunction.run` (binding and specialising
+#   some 60 arguments, the kernel-cache lookup) nor a tuning key runs once a launch has been
+#   seen: the autotuner finds the tile and the compiled kernel by the cached launcher's
+#   match (chapter 2) and launches it (a layer this run did not time separately).
+# - **MeanFlow call: 1.04x the floor.** 1511 µs against 1447 µs, 64 µs over it (in the run
+#   before, with the autotuner's key and a second match per launch: 1675 against 1344 µs,
+#   331 µs over). The two launchers make 593 µs; their three launches 278 µs of that,
+#   about 61 µs each in our dispatch and match and 31 µs in the C launcher (there: 100 and
+#   58 µs; this host ran the unchanged C launcher faster too, so the one-process A/B of
+#   chapter 2 is the fair measure of the change: 1.21 against 1.01 ms per MeanFlow step).
 # - **torch.compile** (default mode) drops the `attention` layer and the transform around
-#   it (541 µs per forward with the tangent) but calls the same launchers: the MeanFlow call
-#   takes 1615 µs. **CUDA graphs** replay none of these layers: 188 µs and 554 µs.
+#   it (113 µs per forward with the tangent, which Inductor launches itself here) and calls
+#   the launchers for the backward: the MeanFlow call takes 876 µs. **CUDA graphs** replay
+#   none of these layers: 136 µs and 881 µs (the backward's graph and the autograd engine
+#   around it).
 #
 # So a MeanFlow call at these shapes stays bound by the host: three kernels issued from
 # Python, on a host where the floor alone, `v * 1` under the same transform and backward,
-# costs 1.3 ms in this run. What is left of ours is the launchers' Python (output
-# allocation, layout and mask checks) and one C launch per kernel. The call stays
-# host-bound (0.43 ms of GPU work in the training-shapes run) unless CUDA graphs replay it.
+# costs 1.4 ms in this run. What is left of ours is the launchers' Python (output
+# allocation, layout and mask checks), the launch match (a dtype and an address per tensor)
+# and one C launch per kernel. The call stays host-bound (0.43 ms of GPU work in the
+# training-shapes run) unless CUDA graphs replay it.
 
 # %% [markdown]
 # ### Speed-ups and kernels per call
