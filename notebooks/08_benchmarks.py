@@ -1232,6 +1232,44 @@ else:
 # training-shapes run) unless CUDA graphs replay it.
 
 # %% [markdown]
+# ### The autograd engine's thread
+#
+# On CUDA, PyTorch's autograd engine runs every backward on a thread of its own per device
+# and makes the caller wait for it; `torch.autograd.set_multithreading_enabled(False)` runs
+# it on the calling thread instead. `benchmarks/autograd_threads.py` times the MeanFlow call
+# both ways, alternating group by group in one process (host speed drifts between runs),
+# for ours and for two floors in its place: `v * 1`, whose backward is PyTorch's C++, and
+# the same multiply as an `autograd.Function` with a Python backward, as any custom
+# attention has.
+
+# %% tags=["hide_input"]
+AUTOGRAD_THREADS = RESULTS / "autograd_threads_h200.json"
+if not AUTOGRAD_THREADS.is_file():
+    print("not measured yet: run `python benchmarks/autograd_threads.py --out "
+          "benchmarks/results/autograd_threads_h200.json` on a GPU")
+else:
+    AT = json.loads(AUTOGRAD_THREADS.read_text())
+    print(f"{AT['gpu']}, {AT['settings']['dtype']}, MeanFlow call, host ms per call: best "
+          f"(median) of {AT['settings']['groups']} groups of {AT['settings']['steps_per_group']}")
+    print(f"{'shape':12} {'':14} {'device thread':>16} {'calling thread':>16} {'saved':>7}")
+    for row in AT["rows"]:
+        on, off = row["device_thread"], row["calling_thread"]
+        print(f"{row['shape']:12} {row['impl']:14} {on['min_ms']:6.3f} ({on['median_ms']:6.3f})"
+              f"  {off['min_ms']:6.3f} ({off['median_ms']:6.3f}) "
+              f"{on['min_ms'] - off['min_ms']:7.3f}")
+
+# %% [markdown]
+# In the saved run the calling thread took 0.21 ms off our MeanFlow call at DiT-B/2 256 px
+# (1.60 to 1.39 ms, best groups) and 0.28 ms at 512 px (2.09 to 1.81 ms), and 0.08 to
+# 0.46 ms off the floors': the hand-off is PyTorch's, paid by any backward, C++ or Python
+# (an earlier run of the same comparison, not saved, gave 0.42 and 0.47 ms for ours and
+# 0.12 and 0.08 ms for `v * 1`). A single-GPU training loop that runs eagerly can take it back by wrapping its
+# backward in `with torch.autograd.set_multithreading_enabled(False):`; with several GPUs
+# driven from one process the engine's threads are what lets their backwards overlap, so
+# leave it on there. CUDA graphs (above) remove this cost along with the rest of the host
+# time.
+
+# %% [markdown]
 # ### Speed-ups and kernels per call
 #
 # The first table gives each column's wall time per call and, in brackets, its speed-up
