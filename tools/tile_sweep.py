@@ -162,8 +162,7 @@ def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
     try:
         for config in [None] if auto_only else [*candidates, None]:
             tuner.configs = candidates if config is None else [config]
-            tuner.tuned.clear()
-            tuner.cache.clear()
+            forget_tiles(tuner)
             row = {"kernel": kernel, "B": b, "H": h, "N": n, "d": d,
                    "tile": "auto" if config is None else tile_name(config)}
             try:
@@ -183,9 +182,16 @@ def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
     finally:
         backward.SPLIT_KEY_SIDE = split_key_side
         tuner.configs = every
-        tuner.tuned.clear()
-        tuner.cache.clear()
+        forget_tiles(tuner)
     return rows
+
+
+def forget_tiles(tuner) -> None:
+    """Make `tuner` choose its tile again at its next launch: the tuned keys, Triton's
+    timings and the launches it remembers with their tiles (`KeyedAutotuner.launches`)."""
+    tuner.tuned.clear()
+    tuner.cache.clear()
+    tuner.launches.clear()
 
 
 def main() -> None:

@@ -37,7 +37,8 @@ for config in list(tuner.configs):
     if {stages}:
         config = triton.Config(dict(config.kwargs), num_warps=config.num_warps,
                                num_stages={stages})
-    tuner.configs, tuner.tuned, tuner.cache = [config], {{}}, {{}}
+    # a new tile list: forget the tuned tiles and the launches remembered with them
+    tuner.configs, tuner.tuned, tuner.cache, tuner.launches = [config], {{}}, {{}}, {{}}
     check_forward(Spec(batch=1, hq=2, hkv=2, nq=33, nk=33, d={d}), getattr(torch, {dtype!r}),
                   device="cuda", with_plain=False)
     torch.cuda.synchronize()

@@ -4,11 +4,14 @@ sweeps, and the autotuner left as it was (the sweep narrows its list while it ru
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
+import triton
 
-from jvp_attention import backward, forward
+from jvp_attention import backward, forward, launch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "tile_sweep.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -24,7 +27,7 @@ def test_sweep_restores_the_autotuner(kernel: str) -> None:
     assert [row["tile"] for row in rows] == [*map(tile_sweep.tile_name, configs), "auto"]
     assert all(row["ms"] > 0 and "error" not in row for row in rows), rows
     assert rows[-1]["chosen"] in {tile_sweep.tile_name(c) for c in configs}
-    assert tuner.configs == configs and not tuner.tuned
+    assert tuner.configs == configs and not tuner.tuned and not tuner.launches
 
 
 def test_auto_only_times_the_autotuners_choice_alone() -> None:
@@ -35,7 +38,7 @@ def test_auto_only_times_the_autotuners_choice_alone() -> None:
                             auto_only=True)
     assert [row["tile"] for row in rows] == ["auto"] and rows[0]["ms"] > 0, rows
     assert rows[0]["chosen"] in {tile_sweep.tile_name(c) for c in configs}
-    assert tuner.configs == configs and not tuner.tuned
+    assert tuner.configs == configs and not tuner.tuned and not tuner.launches
 
 
 def test_the_kernels_are_the_library_autotuners() -> None:
@@ -76,3 +79,52 @@ def test_check_flags_a_wrong_output() -> None:
     assert error_vs_math((out, t_out)) <= 2
     assert error_vs_math((out * 1.01, t_out)) > 5
     assert error_vs_math((out, t_out * 1.01)) > 5
+
+
+class _Compiled:
+    function = packed_metadata = None
+
+    def __init__(self):
+        self.blocks = []
+
+    def run(self, *args):
+        self.blocks.append(args[-2])  # BLOCK, before FLAG
+
+
+class _Kernel:
+    """A `@triton.jit` kernel's stand-in, `kernel(x_ptr, n, BLOCK, FLAG=False)`."""
+
+    arg_names = ["x_ptr", "n", "BLOCK", "FLAG"]
+    params = [types.SimpleNamespace(name=name, default=False) for name in arg_names]
+    pre_run_hooks = []
+
+    def __init__(self):
+        self.compiled = _Compiled()
+        self.fn = lambda x_ptr, n, BLOCK, FLAG=False: None  # Autotuner's base_fn
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.compiled.blocks.append(kwargs["BLOCK"])
+        return self.compiled
+
+
+def test_forgetting_the_tiles_forgets_the_launches_remembered_with_them(monkeypatch):
+    """The sweep forces each tile by replacing the tile list and forgetting what was tuned
+    (`forget_tiles`): on a GPU the autotuner also remembers launches with their tiles
+    (`KeyedAutotuner.launches`), which must go too, or the old tile would run again."""
+    active = types.SimpleNamespace(get_current_device=lambda: 0,
+                                   get_current_stream=lambda device: 7,
+                                   get_current_target=lambda: types.SimpleNamespace(arch=80))
+    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
+    kernel = _Kernel()
+    tuner = launch.KeyedAutotuner(kernel, [triton.Config({"BLOCK": 32}, num_warps=4)], ["n"])
+    tuner.launcher = launch.CachedLauncher(kernel)
+    tuner.launcher.direct = True  # as on a GPU
+    x = torch.zeros(64, dtype=torch.float16)
+    for _ in range(3):  # tune, compile the tile, then the remembered launch
+        tuner[(1,)](x, 64)
+    assert kernel.compiled.blocks[-1] == 32 and tuner.launches
+    tuner.configs = [triton.Config({"BLOCK": 16}, num_warps=4)]
+    tile_sweep.forget_tiles(tuner)
+    for _ in range(3):
+        tuner[(1,)](x, 64)
+    assert kernel.compiled.blocks[-3:] == [16, 16, 16]
