@@ -101,6 +101,7 @@ def test_key_gradients_in_either_layout(spec: Spec, max_keys: int, monkeypatch) 
     monkeypatch.setattr(backward, "TRANSPOSED_MAX_KEYS", max_keys)
     monkeypatch.setattr(tuner, "tuned", {})
     monkeypatch.setattr(tuner, "cache", {})
+    monkeypatch.setattr(tuner, "launches", {})  # launches remembered with their tiles
     check_backward(spec, torch.float16)
     assert {key[len(AUTOTUNE_KEYS)] for key in tuner.tuned} == {max_keys > 0}
 

@@ -82,6 +82,7 @@ def test_second_order_with_query_blocks_narrower_than_key_blocks(spec: Spec,
                                                              num_warps=4, num_stages=2)])
         monkeypatch.setattr(tuner, "tuned", {})
         monkeypatch.setattr(tuner, "cache", {})
+        monkeypatch.setattr(tuner, "launches", {})  # launches remembered with their tiles
     check_second_order(spec, torch.float32)
     for tuner in tuners:
         assert (tuner.best_config.kwargs["BLOCK_M"], tuner.best_config.kwargs["BLOCK_N"]) == (16, 32)
@@ -99,6 +100,7 @@ def test_second_order_in_one_key_side_pass(spec: Spec, monkeypatch) -> None:
     monkeypatch.setattr(backward, "SPLIT_KEY_SIDE", False)
     monkeypatch.setattr(tuner, "tuned", {})
     monkeypatch.setattr(tuner, "cache", {})
+    monkeypatch.setattr(tuner, "launches", {})
     check_second_order(spec, torch.float16)
     assert tuner.tuned, "the one-pass kernel did not run"
 
