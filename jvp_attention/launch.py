@@ -392,7 +392,7 @@ class KeyedAutotuner(Autotuner):
                          restore_value=None, cache_results=True, do_bench=time_candidate,
                          prune_configs_by={"early_config_prune": prune_wide_tiles})
         self.tuned: dict[tuple, triton.Config] = {}
-        # Launches seen at a tuned key: their tile and the launcher's compiled kernel.
+        # Launches seen at a tuned key: that key, its tile and the launcher's compiled kernel.
         self.launches: dict[tuple, tuple] = {}
         self.key_positions = [kernel.arg_names.index(name) for name in key]
         self.launcher = cached(kernel)
@@ -409,8 +409,10 @@ class KeyedAutotuner(Autotuner):
         launcher = self.launcher
         match = launcher.match(args, kwargs) if launcher.direct and not warmup else None
         known = None if match is None else self.launches.get(match)
-        if known is not None:  # a launch seen before: its tile and compiled kernel
-            config, tile, launched = known
+        # A launch seen before, whose tile is still the tuned one (a tile sweep or a test
+        # may have reset `tuned`): its tile and compiled kernel.
+        if known is not None and self.tuned.get(known[0]) is known[1]:
+            _, config, tile, launched = known
             self.best_config = config
             return launcher.launch(launched, args, {**kwargs, **tile}, grid, match[0])
         key = self.launch_key(args, kwargs)
@@ -426,7 +428,7 @@ class KeyedAutotuner(Autotuner):
         if match is not None:  # from the next launch on, one lookup
             launched = launcher.launches.get(launcher.match(args, {**kwargs, **tile}) or ())
             if launched is not None:
-                remember(self.launches, match, (config, tile, launched))
+                remember(self.launches, match, (key, config, tile, launched))
         return compiled
 
 

@@ -147,6 +147,26 @@ def test_a_tuned_launch_seen_before_goes_straight_to_its_kernel(launcher) -> Non
     assert kernel.triton_launches == 3 and len(keys) == 3
 
 
+def test_a_remembered_launch_follows_a_retuned_tile(launcher) -> None:
+    """Code that forces a tile resets what the autotuner tuned (a tile sweep, a test): the
+    remembered launch then no longer holds the tuned tile and the launch tunes again, even
+    when `KeyedAutotuner.launches` is left as it was."""
+    kernel = launcher.kernel
+    kernel.fn = lambda x_ptr, n, scale, shape, BLOCK, FLAG=False: None  # Autotuner's base_fn
+    tuner = launch.KeyedAutotuner(kernel, [triton.Config({"BLOCK": 32}, num_warps=4)], ["n"])
+    tuner.launcher = launcher
+    x = torch.zeros(64, dtype=torch.float16)
+    for _ in range(3):  # tune, compile the tile, then the remembered launch
+        tuner[(1,)](x, 64, 0.5, (64, 128))
+    assert tuner.launches and kernel.compiled.launches[-1][13] == 32
+    tuner.configs = [triton.Config({"BLOCK": 16}, num_warps=4)]
+    tuner.tuned, tuner.cache = {}, {}
+    for _ in range(3):
+        tuner[(1,)](x, 64, 0.5, (64, 128))
+        assert tuner.best_config.kwargs == {"BLOCK": 16}
+    assert kernel.compiled.launches[-1][13] == 16
+
+
 @pytest.mark.parametrize("change", ["alignment", "dtype", "value", "type", "keyword",
                                     "tuple"])
 def test_what_triton_specialises_on_goes_through_triton(launcher, change: str) -> None:
