@@ -342,7 +342,8 @@ def _backward_tile(
 # once) and writes its tile of a copy straight to float16; nothing waits for the host. The
 # copies are O(N) memory, like the inputs. fp16
 # inputs have no wider 16-bit type to go to and keep the split; so does the backward through
-# the tangent (chapter 6), whose extra operands would need ranges of their own.
+# the tangent, for a reason chapter 6 derives ("Why the backward through the tangent
+# splits").
 #
 # The copy kernel holds every row of dO in registers for a moment, so it also computes
 # $\Delta = \mathrm{rowsum}(dO \circ O)$ there, from the original dO and O with its

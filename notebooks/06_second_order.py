@@ -186,8 +186,8 @@ for name, shape, options in [
 #
 # The floor is the math path differentiated through its own JVP in the same dtype. In the
 # default "accurate" precision mode the kernels split every fp32 operand of a 16-bit product
-# into two 16-bit parts (chapter 3), bf16 included (chapter 5 says why these kernels do not
-# take exact fp16 copies); "fast" rounds once. Both use the rounding residuals of
+# into two 16-bit parts (chapter 3), bf16 included (the next section says why these kernels
+# do not take exact fp16 copies); "fast" rounds once. Both use the rounding residuals of
 # $O$ and $t_O$ here: $c$ and $\Delta_2$ cancel like chapter 5's $\Delta$. Ratios (our error /
 # floor):
 
@@ -210,6 +210,39 @@ for dtype in DTYPES:
                 ours, floor, truth)
 set_precision("accurate")
 print(format_table(rows))
+
+# %% [markdown]
+# ## Why the backward through the tangent splits
+#
+# The split costs the most here: per key tile the two key-side passes and the dQ kernel do
+# 21 product-sized units of work in "accurate" precision against 15 in "fast", and on the
+# H200 "accurate" runs at 159 to 195 TFLOP/s where "fast" reaches 217 to 254 (chapter 8).
+# Chapter 5's cure for bf16, exact fp16 copies scaled by powers of two, does not carry over
+# as it is, and the reason is in the units. Give every copy its own shift, $\hat Q = 2^a Q$,
+# $\hat K = 2^b K$, $\hat V = 2^{e} V$, $\widehat{dO} = 2^g\,dO$, $\widehat{dt_O} = 2^h\,dt_O$,
+# and shifts $\alpha, \beta, \nu$ for $t_Q, t_K, t_V$. Every pair of products that adds into
+# one fp32 accumulator must come out in one unit:
+#
+# * $dP = dO\,V^\top + dt_O\,t_V^\top + G \circ (t_S - \mu) - c \circ t_S$ forces
+#   $\nu = e + g - h$, and the tangent scores into units $2^{g-h}$;
+# * $dV = P^\top dO + t_P^\top dt_O$ then holds $t_P$ in units $2^{8+g-h}$;
+# * $dK = s\,(dS^\top Q + dt_S^\top t_Q)$ and $dQ = s\,(dS\,K + dt_S\,t_K)$, with $dS$ in units
+#   $2^{8+g+e}$ and $dt_S$ in $2^{8+h+e}$, force $\alpha = a + g - h$ and $\beta = b + g - h$.
+#
+# So the whole tangent side shares one shift, $g - h$, fixed by the two cotangents; the
+# scalar factors the kernels already apply (the scores' scale, $\mu$, $c$, $\Delta$, the
+# outputs') absorb everything else, with no extra work per tile. The ranges then decide.
+# $\widehat{dS}$ must stay below float16's largest value, and $dP$'s tangent terms can be as
+# large as $|t_S|$ allows: with the only bound the range pass gives,
+# $|t_S| \le s\,d\,(\max|t_Q|\max|K| + \max|Q|\max|t_K|)$, tens of times above the
+# scores that occur at $d = 64$, $g$ must come down, and with it $\widehat{dO}$ goes into
+# float16's subnormals. Built that way and run in the interpreter (bf16 inputs, whose
+# copies are exact there; $d = 64$, 384 causal tokens, queries and keys times 4, tangents
+# times 30), the gradients through the tangent stayed at the floor while $dV$ came out at
+# 3.94x it (1.64x at 128 tokens), where unit-scaled inputs gave 1.00x. What would remove the
+# coupling is one multiply per tile element on $dS$ and on $dt_S$ before their rounding
+# (so that $g$ keeps $dO$'s own range and the tangent copies their own shift), and a choice
+# of $h$ that keeps $t_P$ in range; until that is built and measured, these kernels split.
 
 # %% [markdown]
 # ## A Hessian-vector product through an attention model

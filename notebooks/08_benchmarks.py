@@ -855,7 +855,11 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # B1 H16 N16384 $d = 128$, 248.8 at B1 H32 N16384 $d = 64$); what
 # bounds "accurate" is its hi + lo products (per key tile the two passes do 21
 # product-sized units of work in "accurate", 15 in "fast") and the registers of the dK
-# pass at $d = 128$, which still spills on its larger tiles (chapter 4).
+# pass at $d = 128$, which still spills on its larger tiles (chapter 4). The exact fp16
+# copies that spare the first-order kernels the split do not carry over as they are:
+# chapter 6 ("Why the backward through the tangent splits") derives why one shared shift
+# fails the floor when tangent scores are large (3.94x on $dV$ in a test) and what two more
+# multiplies per tile would fix.
 
 # %% [markdown]
 # ## What the numbers mean
