@@ -144,10 +144,12 @@ def _delta_of_block(o_ptr, o_residual_ptr, do_base, stride_dom, head_rows, rows,
 
 @triton.jit
 def _load_row_statistics(lse_ptr, delta, mu_ptr, c_ptr, rows, n_q, delta_factor,
-                         p_exponent, HAS_TANGENT: tl.constexpr):
+                         p_exponent, factors_ptr, HAS_TANGENT: tl.constexpr,
+                         CARRY: tl.constexpr):
     """LSE (in log2 units, less `p_exponent`, so that P comes out times 2**p_exponent),
-    the tile's `delta` times `delta_factor` (and mu, c) of a query tile. Rows past the end
-    and rows that saw no key read LSE = +inf, so that their P is exactly 0."""
+    the tile's `delta` times `delta_factor` (and mu, c, in the carried units with CARRY) of
+    a query tile. Rows past the end and rows that saw no key read LSE = +inf, so that their
+    P is exactly 0."""
     in_range = rows < n_q
     lse = tl.load(lse_ptr + rows, mask=in_range, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E - p_exponent
@@ -155,6 +157,9 @@ def _load_row_statistics(lse_ptr, delta, mu_ptr, c_ptr, rows, n_q, delta_factor,
     if HAS_TANGENT:
         mu = tl.load(mu_ptr + rows, mask=in_range, other=0.0)
         c = tl.load(c_ptr + rows, mask=in_range, other=0.0)
+        if CARRY:  # mu in the tangent copies' units, c in dtS's (`second_order_shifts`)
+            mu = mu * tl.load(factors_ptr + 10)
+            c = c * tl.load(factors_ptr + 11)
     else:
         mu = delta
         c = delta
@@ -164,14 +169,15 @@ def _load_row_statistics(lse_ptr, delta, mu_ptr, c_ptr, rows, n_q, delta_factor,
 @triton.jit
 def _backward_tile(
     q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
-    mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
+    mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, t_scale, ds_factor, dts_factor,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     CHECK_BOUNDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     q2, k2, v2, do2, D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr,
 ):
     """P and dS of one (query block x key block) tile, recomputed from LSE; with the tangent
-    also tP and dtS (chapter 6). q2, k2 (v2, do2) are the second column tiles of a head dim
-    cut in two (chapter 2's `column_tiles`), which only the first-order backward uses."""
+    also tP and dtS (chapter 6), tS scaled by `t_scale` and dS, dtS by `ds_factor`,
+    `dts_factor` (`_carried_units`). q2, k2 (v2, do2) are the second column tiles of a head
+    dim cut in two (chapter 2's `column_tiles`), which only the first-order backward uses."""
     tl.static_assert(not (HAS_TANGENT and (D_TAIL > 0 or DV_TAIL > 0)))
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if D_TAIL > 0:
@@ -184,7 +190,7 @@ def _backward_tile(
         dp = tl.dot(do2, tl.trans(v2), acc=dp, input_precision=DOT_PRECISION)
     if HAS_TANGENT:
         ts = tl.dot(tq, tl.trans(k), input_precision=DOT_PRECISION)
-        ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * scale
+        ts = tl.dot(q, tl.trans(tk), acc=ts, input_precision=DOT_PRECISION) * t_scale
         ts = add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
                                n_k, MASK_KIND)
         g = tl.dot(dto, tl.trans(v), input_precision=DOT_PRECISION)
@@ -192,11 +198,12 @@ def _backward_tile(
         centred = ts - mu[:, None]
         dp += g * centred - c[:, None] * ts
         tp = p * centred
-        dts = p * (g - c[:, None])
+        dts = p * (g - c[:, None]) * dts_factor
+        ds = p * (dp - delta[:, None]) * ds_factor
     else:
         tp = p
         dts = p
-    ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None])
     return p, ds, tp, dts
 
 
@@ -273,6 +280,90 @@ def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @triton.jit
+def _power(exponent):
+    """2**exponent for a carry factor, the exponent kept inside fp32's normal range."""
+    return power_of_two(tl.minimum(tl.maximum(exponent, -126), 127))
+
+
+@triton.jit
+def second_order_shifts(maxima, bounds):
+    """From max |q|, |k|, |v|, |tq|, |tk|, |tv|, |dO|, |dtO| and `bounds` = (|s| d, d_v):
+    the eight copies' shifts 2**a, 2**b, 2**e, 2**(a + l), 2**(b + l), 2**(e + g - h),
+    2**g, 2**h, then the kernels' factors (see the derivation above): scores, Delta, dQ,
+    dK, dV, P's exponent, dtQ, dtK, dtV, tS, mu, c, dS, dtS, and the steps of dK's and dQ's
+    accumulators into the units of dtS^ tq^ and back."""
+    m_q, m_k, m_v = vector_entry(maxima, 0), vector_entry(maxima, 1), vector_entry(maxima, 2)
+    m_tq, m_tk, m_tv = (vector_entry(maxima, 3), vector_entry(maxima, 4),
+                        vector_entry(maxima, 5))
+    m_do, m_dto = vector_entry(maxima, 6), vector_entry(maxima, 7)
+    value_dim = bounds[1]
+    e_q, e_k, e_v, e_o = (shift_exponent(m_q, 0), shift_exponent(m_k, 0),
+                          shift_exponent(m_v, 0), shift_exponent(m_do, 0))
+    t_bound = in_fp32(bounds[0]) * (m_tq * m_k + m_q * m_tk)  # above |tS| and |mu|
+    # h: dtO's own range, raised (up to float16's) until tP^ = 2**(8 + g - h) tP and
+    # tV^ = 2**(e + g - h) tV fit in float16; past that, g comes down (dO only ever enters
+    # sums with the tangent's terms, which then outweigh it)
+    tp_room = shift_exponent(2 * t_bound, 7)
+    tv_room = shift_exponent(power_of_two(e_v) * m_tv, 15)
+    e_to = tl.maximum(shift_exponent(m_dto, 0), e_o - tl.minimum(tp_room, tv_room))
+    e_to = tl.minimum(e_to, shift_exponent(m_dto, 15))
+    e_o = tl.minimum(e_o, e_to + tl.minimum(tp_room, tv_room))
+    # dS^ = 2**e_ds dS below 2**14: 2 max|dP|, dP's four terms bounded in units 2**(g + e)
+    dp_bound = power_of_two(e_o + e_v) * value_dim * (
+        m_do * m_v + m_dto * (m_tv + 3 * t_bound * m_v))
+    e_ds = e_o + e_v + shift_exponent(dp_bound, 5) + P_EXPONENT
+    # dtS^ = 2**e_dts dtS below 2**14 (|dtS| <= 2 d_v max|dtO| max|V|)
+    e_dts = shift_exponent(2 * value_dim * m_dto * m_v, 14)
+    # l: the larger of the tangent copies tq^, tk^ in [1/2, 1)
+    tangent_shift = tl.minimum(shift_exponent(power_of_two(e_q) * m_tq, 0),
+                               shift_exponent(power_of_two(e_k) * m_tk, 0))
+    # dK's and dQ's accumulators add dS^ q^ (units 2**(e_ds + a)) and dtS^ tq^ (units
+    # 2**(e_dts + l + a)): they step between the two units by this power of two
+    e_sum = e_dts + tangent_shift - e_ds
+    values = tl.zeros([32], tl.float32)
+    values = with_entry(values, 0, _power(e_q))
+    values = with_entry(values, 1, _power(e_k))
+    values = with_entry(values, 2, _power(e_v))
+    values = with_entry(values, 3, _power(e_q + tangent_shift))
+    values = with_entry(values, 4, _power(e_k + tangent_shift))
+    values = with_entry(values, 5, _power(e_v + e_o - e_to))
+    values = with_entry(values, 6, _power(e_o))
+    values = with_entry(values, 7, _power(e_to))
+    values = with_entry(values, 8, _power(-e_q - e_k))
+    values = with_entry(values, 9, _power(e_o + e_v))
+    values = with_entry(values, 10, _power(-e_ds - e_k))
+    values = with_entry(values, 11, _power(-e_ds - e_q))
+    values = with_entry(values, 12, _power(-e_o - P_EXPONENT))
+    values = with_entry(values, 13, P_EXPONENT)
+    values = with_entry(values, 14, _power(-e_dts - e_k))
+    values = with_entry(values, 15, _power(-e_dts - e_q))
+    values = with_entry(values, 16, _power(-e_to - P_EXPONENT))
+    values = with_entry(values, 17, _power(e_o - e_to - e_q - e_k - tangent_shift))
+    values = with_entry(values, 18, _power(e_o - e_to))
+    values = with_entry(values, 19, _power(e_to + e_v))
+    values = with_entry(values, 20, _power(e_ds - e_o - e_v - P_EXPONENT))
+    values = with_entry(values, 21, _power(e_dts - e_to - e_v - P_EXPONENT))
+    values = with_entry(values, 22, _power(e_sum))
+    return with_entry(values, 23, _power(-e_sum))
+
+
+SECOND_ORDER_FACTORS = 16  # how many factors `second_order_shifts` gives after the shifts
+
+
+def second_order_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          tq: torch.Tensor, tk: torch.Tensor, tv: torch.Tensor,
+                          grad_out: torch.Tensor, grad_tangent_out: torch.Tensor,
+                          scale: float) -> tuple[torch.Tensor, ...]:
+    """Exact fp16 copies of q, k, v, tq, tk, tv, dO, dtO for the backward through the tangent
+    of bf16 inputs, and the factors that undo their shifts (fp32, on the device): those of
+    `backward_operands`, then those of `second_order_shifts`."""
+    copies, factors = carried_operands(
+        (q, k, v, tq, tk, tv, grad_out, grad_tangent_out), (), second_order_shifts,
+        (abs(scale) * q.shape[-1], v.shape[-1]), SECOND_ORDER_FACTORS)
+    return (*copies, factors)
+
+
+@triton.jit
 def _key_gradient(a, b, acc, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
                   TRANSPOSED: tl.constexpr):
     """acc + aᵀ b for an fp32 (query × key) tile `a` and a (query × d) input tile `b`
@@ -307,14 +398,29 @@ def _store_key_rows(ptr, acc, key_rows, cols, dims, n_k, n_dims, TRANSPOSED: tl.
 
 
 @triton.jit
-def _carried_units(factors_ptr, qk_scale, CARRY: tl.constexpr):
-    """Both backward kernels' prologue: the score scale (in fp32, `in_fp32`), the factor of
-    delta and the exponent shift of P in the units of the carried fp16 copies (identities
-    without CARRY)."""
+def _carried_units(factors_ptr, qk_scale, scale, CARRY: tl.constexpr,
+                   HAS_TANGENT: tl.constexpr):
+    """Both backward kernels' prologue: the scales of the scores and of the tangent scores
+    (in fp32, `in_fp32`), the factor of delta, the exponent shift of P and the factors of dS
+    and dtS, in the units of the carried fp16 copies, and the steps of dK's and dQ's
+    accumulators between the units of their two products (identities without CARRY; see
+    `second_order_shifts`)."""
     qk_scale = in_fp32(qk_scale) * carry_factor(factors_ptr, 0, CARRY, 1.0)
     delta_factor = carry_factor(factors_ptr, 1, CARRY, 1.0)
     p_exponent = carry_factor(factors_ptr, 5, CARRY, 0.0)
-    return qk_scale, delta_factor, p_exponent
+    t_scale = in_fp32(scale)
+    ds_factor = 1.0
+    dts_factor = 1.0
+    to_tangent = 1.0
+    from_tangent = 1.0
+    if HAS_TANGENT:
+        t_scale *= carry_factor(factors_ptr, 9, CARRY, 1.0)
+        ds_factor = carry_factor(factors_ptr, 12, CARRY, 1.0)
+        dts_factor = carry_factor(factors_ptr, 13, CARRY, 1.0)
+        to_tangent = carry_factor(factors_ptr, 14, CARRY, 1.0)
+        from_tangent = carry_factor(factors_ptr, 15, CARRY, 1.0)
+    return (qk_scale, t_scale, delta_factor, p_exponent, ds_factor, dts_factor, to_tangent,
+            from_tangent)
 
 
 @triton.jit
@@ -353,7 +459,8 @@ def _attention_backward_dkdv_kernel(
      stride_dtom, head_dim, value_dim) = _aligned_backward_operands(
         stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
         stride_dtom, head_dim, value_dim, ALIGN)
-    qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
+    (qk_scale, t_scale, delta_factor, p_exponent, ds_factor, dts_factor, to_tangent,
+     from_tangent) = _carried_units(factors_ptr, qk_scale, scale, CARRY, HAS_TANGENT)
     scale = in_fp32(scale)
     start_n = tl.program_id(0) * BLOCK_N
     batch = (tl.program_id(1) // n_kv_heads).to(tl.int64)
@@ -408,10 +515,12 @@ def _attention_backward_dkdv_kernel(
                 tq, dto = q, do
             lse2, delta, mu, c = _load_row_statistics(
                 lse_ptr + stats, _load_delta(delta_ptr + stats, rows, n_q), mu_ptr + stats,
-                c_ptr + stats, rows, n_q, delta_factor, p_exponent, HAS_TANGENT)
+                c_ptr + stats, rows, n_q, delta_factor, p_exponent, factors_ptr, HAS_TANGENT,
+                CARRY)
             p, ds, tp, dts = _backward_tile(
                 q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
-                head_mask, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
+                head_mask, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, t_scale,
+                ds_factor, dts_factor,
                 IS_CAUSAL, MASK_KIND, HAS_TANGENT, True, DOT_PRECISION, q, k, v, do, 0, 0)
             if VALUES:
                 acc_dv = _key_gradient(p, do, acc_dv, DOT_PRECISION, SPLIT, TRANSPOSED)
@@ -421,7 +530,8 @@ def _attention_backward_dkdv_kernel(
                 acc_dv = _key_gradient(tp, dto, acc_dv, DOT_PRECISION, SPLIT, TRANSPOSED)
                 acc_dtv = _key_gradient(p, dto, acc_dtv, DOT_PRECISION, SPLIT, TRANSPOSED)
             if HAS_TANGENT and KEYS:
-                acc_dk = _key_gradient(dts, tq, acc_dk, DOT_PRECISION, SPLIT, TRANSPOSED)
+                acc_dk = _key_gradient(dts, tq, acc_dk * to_tangent, DOT_PRECISION, SPLIT,
+                                       TRANSPOSED) * from_tangent
                 acc_dtk = _key_gradient(dts, q, acc_dtk, DOT_PRECISION, SPLIT, TRANSPOSED)
     key_rows = tl.program_id(1).to(tl.int64) * n_k + cols
     dk_factor = scale * carry_factor(factors_ptr, 3, CARRY, 1.0)
@@ -433,10 +543,12 @@ def _attention_backward_dkdv_kernel(
         _store_key_rows(dv_ptr, acc_dv * dv_factor, key_rows, cols, dims_v, n_k, value_dim,
                         TRANSPOSED)
     if HAS_TANGENT and KEYS:
-        _store_key_rows(dtk_ptr, acc_dtk * scale, key_rows, cols, dims, n_k, head_dim,
+        dtk_factor = scale * carry_factor(factors_ptr, 7, CARRY, 1.0)
+        _store_key_rows(dtk_ptr, acc_dtk * dtk_factor, key_rows, cols, dims, n_k, head_dim,
                         TRANSPOSED)
     if HAS_TANGENT and VALUES:
-        _store_key_rows(dtv_ptr, acc_dtv, key_rows, cols, dims_v, n_k, value_dim, TRANSPOSED)
+        _store_key_rows(dtv_ptr, acc_dtv * carry_factor(factors_ptr, 8, CARRY, 1.0), key_rows,
+                        cols, dims_v, n_k, value_dim, TRANSPOSED)
 
 
 @triton.jit
@@ -444,8 +556,8 @@ def _dq_key_block(
     acc_dq, acc_dq2, acc_dtq, q, q2, tq, do, do2, dto, lse2, delta, mu, c, rows, start_n,
     k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, stride_tkn, tv_src,
     stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
-    n_q, n_k, head_dim, value_dim, qk_scale, scale,
-    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
+    n_q, n_k, head_dim, value_dim, qk_scale, t_scale, ds_factor, dts_factor, to_tangent,
+    from_tangent, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     USE_TMA: tl.constexpr, MASK_GRAD: tl.constexpr, D_TAIL: tl.constexpr,
@@ -468,8 +580,9 @@ def _dq_key_block(
         tk, tv = k, v
     p, ds, tp, dts = _backward_tile(
         q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
-        mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, scale,
-        IS_CAUSAL, MASK_KIND, HAS_TANGENT, CHECK_BOUNDS, DOT_PRECISION, q2, k2, v2, do2,
+        mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, t_scale, ds_factor,
+        dts_factor, IS_CAUSAL, MASK_KIND, HAS_TANGENT, CHECK_BOUNDS, DOT_PRECISION, q2, k2, v2,
+        do2,
         D_TAIL, DV_TAIL)
     if MASK_GRAD:  # dS, dtS in natural units: the launcher does not carry with MASK_GRAD
         wide_rows = rows.to(tl.int64)  # a head's Nq x Nk entries can pass 2**31
@@ -480,7 +593,7 @@ def _dq_key_block(
     if D_TAIL > 0:
         acc_dq2 = dot_rounded(ds, k2, acc_dq2, DOT_PRECISION, SPLIT)
     if HAS_TANGENT:
-        acc_dq = dot_rounded(dts, tk, acc_dq, DOT_PRECISION, SPLIT)
+        acc_dq = dot_rounded(dts, tk, acc_dq * to_tangent, DOT_PRECISION, SPLIT) * from_tangent
         acc_dtq = dot_rounded(dts, k, acc_dtq, DOT_PRECISION, SPLIT)
     return acc_dq, acc_dq2, acc_dtq
 
@@ -512,7 +625,8 @@ def _attention_backward_dq_kernel(
      stride_dtom, head_dim, value_dim) = _aligned_backward_operands(
         stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
         stride_dtom, head_dim, value_dim, ALIGN)
-    qk_scale, delta_factor, p_exponent = _carried_units(factors_ptr, qk_scale, CARRY)
+    (qk_scale, t_scale, delta_factor, p_exponent, ds_factor, dts_factor, to_tangent,
+     from_tangent) = _carried_units(factors_ptr, qk_scale, scale, CARRY, HAS_TANGENT)
     scale = in_fp32(scale)
     start_m = query_block_start(BLOCK_M, IS_CAUSAL)  # causal: longest tiles first
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
@@ -547,7 +661,7 @@ def _attention_backward_dq_kernel(
         delta = _load_delta(delta_ptr + stats, rows, n_q)
     lse2, delta, mu, c = _load_row_statistics(lse_ptr + stats, delta, mu_ptr + stats,
                                               c_ptr + stats, rows, n_q, delta_factor,
-                                              p_exponent, HAS_TANGENT)
+                                              p_exponent, factors_ptr, HAS_TANGENT, CARRY)
     k_base = head_base(k_ptr, batch, kv_head, stride_kb, stride_kh, ALIGN)
     v_base = head_base(v_ptr, batch, kv_head, stride_vb, stride_vh, ALIGN)
     k_src = tile_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
@@ -573,17 +687,17 @@ def _attention_backward_dq_kernel(
             acc_dq, acc_dq2, acc_dtq, q, q2, tq, do, do2, dto, lse2, delta, mu, c, rows,
             start_n, k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, stride_tkn,
             tv_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
-            n_q, n_k, head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT,
-            False, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD, D_TAIL,
-            DV_TAIL)
+            n_q, n_k, head_dim, value_dim, qk_scale, t_scale, ds_factor, dts_factor, to_tangent,
+            from_tangent, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT,
+            USE_TMA, MASK_GRAD, D_TAIL, DV_TAIL)
     for start_n in range(full_end, end, BLOCK_N):
         acc_dq, acc_dq2, acc_dtq = _dq_key_block(
             acc_dq, acc_dq2, acc_dtq, q, q2, tq, do, do2, dto, lse2, delta, mu, c, rows,
             start_n, k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, stride_tkn,
             tv_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
-            n_q, n_k, head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT,
-            True, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD, D_TAIL,
-            DV_TAIL)
+            n_q, n_k, head_dim, value_dim, qk_scale, t_scale, ds_factor, dts_factor, to_tangent,
+            from_tangent, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT,
+            USE_TMA, MASK_GRAD, D_TAIL, DV_TAIL)
     flat_rows = stats + rows
     dq_factor = scale * carry_factor(factors_ptr, 2, CARRY, 1.0)
     store_rows(dq_ptr, acc_dq * dq_factor, flat_rows, rows, dims, n_q, head_dim)
@@ -591,7 +705,8 @@ def _attention_backward_dq_kernel(
         store_rows(dq_ptr, acc_dq2 * dq_factor, flat_rows, rows, BLOCK_D + tl.arange(0, D_TAIL),
                    n_q, head_dim)
     if HAS_TANGENT:
-        store_rows(dtq_ptr, acc_dtq * scale, flat_rows, rows, dims, n_q, head_dim)
+        dtq_factor = scale * carry_factor(factors_ptr, 6, CARRY, 1.0)
+        store_rows(dtq_ptr, acc_dtq * dtq_factor, flat_rows, rows, dims, n_q, head_dim)
 
 
 from jvp_attention.hopper_backward import (  # noqa: E402  (chapter 12)
@@ -656,14 +771,13 @@ def backward_tma_min_tokens(q: torch.Tensor) -> int:
 def traceable_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str,
                        has_tangent: bool, mask_grad: bool) -> bool:
     """Whether the backward's launches may enter a compiled graph (`traceable_launches`):
-    the first-order backward carries as the forward does, reads through descriptors from
-    `backward_tma_min_tokens` and cuts head dims in its dQ kernel; the second-order backward
-    does none of these."""
-    if has_tangent:
-        return traceable_launches(q, k.shape[-2], carry=False, long_rows=False, cut=False)
+    both backwards carry as the forward does; the first-order one also reads through
+    descriptors from `backward_tma_min_tokens` and cuts head dims in its dQ kernel."""
     n_q, n_k = q.shape[-2], k.shape[-2]
-    return traceable_launches(q, n_k,
-                              carry=accurate(precision) and not mask_grad and carries(q, n_k),
+    carry = accurate(precision) and not mask_grad and carries(q, n_k)
+    if has_tangent:
+        return traceable_launches(q, n_k, carry=carry, long_rows=False, cut=False)
+    return traceable_launches(q, n_k, carry=carry,
                               long_rows=min(n_q, n_k) >= backward_tma_min_tokens(q),
                               cut=cut_in_two(q.shape[-1], v.shape[-1]))
 
@@ -755,9 +869,11 @@ def flash_attention_backward(
     dmask = (torch.zeros(scores_shape, device=q.device, dtype=torch.float32) if mask_grad
              else lse)
     dmask_tangent = torch.zeros_like(dmask) if mask_grad and has_tangent else dmask
-    # bf16 first-order gradients in "accurate" mode: exact fp16 copies instead of the split.
-    # Carried dS is in shifted units, so the mask's gradient takes the split (as accurate).
-    carry = (exact and not has_tangent and not mask_grad and carries(q, n_k)
+    # bf16 gradients in "accurate" mode: exact fp16 copies instead of the split. Carried dS
+    # is in shifted units, so the mask's gradient takes the split (as accurate), and so does
+    # a mask's tangent, which would enter tS in natural units.
+    carry = (exact and not mask_grad and carries(q, n_k)
+             and not (has_tangent and mask_tangent is not None)
              and min(q.numel(), k.numel(), grad_out.numel()) > 0)
     # Chapter 12's warp-specialised kernels take unmasked first-order calls on Hopper.
     ws_dq, ws_dkdv = ((False, False) if attn_mask is not None or has_tangent or mask_grad
@@ -765,7 +881,12 @@ def flash_attention_backward(
     # Where its dK/dV kernel sums dQ as well, no dQ kernel runs.
     fused_dq = ws_dkdv and fuses_dq(head_dim, is_causal, carry)
     grad_operand, factors = grad_out, lse  # `factors` is not read without CARRY
-    if carry:  # the copy kernel writes delta too
+    grad_tangent = dto  # the row statistics read the cotangents themselves
+    if carry and has_tangent:
+        with on_device(q):
+            q, k, v, tq, tk, tv, grad_operand, dto, factors = second_order_operands(
+                q, k, v, tq, tk, tv, grad_out, dto, scale)
+    elif carry:  # the copy kernel writes delta too
         with on_device(q):
             q, k, v, grad_operand, factors = backward_operands(q, k, v, grad_out, out,
                                                                out_residual, delta)
@@ -794,18 +915,19 @@ def flash_attention_backward(
                 "ALIGN": row_alignment((q, k, v, tq, tk, tv, grad_operand, dto),
                                        (head_dim, value_dim))}
     mask_arg = q if mask is None else mask
-    # Delta = rowsum(dO * O): carried, the copy kernel wrote it. In the first-order backward
+    # Delta = rowsum(dO * O): carried, the first-order copy kernel wrote it. In the first-order backward
     # the dQ kernel computes it, launched first, when O's rows are 16-element aligned (else
     # its loads would not vectorise, and at d = 72 the dQ kernel needs up to twice the
     # registers); otherwise, and with the tangent, the row-statistics kernel does.
     delta_in_dq = not (carry or has_tangent or ws_dq or fused_dq) and value_dim % 16 == 0
+    delta_in_copies = carry and not has_tangent
     ws_args = (q, k, v, grad_operand, lse, delta, factors if carry else None)
     with on_device(q):
         prepare_descriptors(use_tma)
-        if not (carry or delta_in_dq):
+        if not (delta_in_copies or delta_in_dq):
             launchable(_row_statistics_kernel, q)[(cdiv(n_q, _ROW_BLOCK), batch * n_heads)](
-                out, grad_out, t_out, dto, mu, delta, c, residual, t_residual,
-                *row_strides(grad_out, dto), n_heads, n_q, value_dim,
+                out, grad_out, t_out, grad_tangent, mu, delta, c, residual, t_residual,
+                *row_strides(grad_out, grad_tangent), n_heads, n_q, value_dim,
                 HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
                 BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"], ALIGN=switches["ALIGN"])
         fused_dq = fused_dq and launched(launch_warp_specialized_dkdv, *ws_args, dk, dv,

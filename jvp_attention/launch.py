@@ -61,8 +61,9 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
         copied: The (B, H, N, W) tensors to copy, unit last stride (bf16, or fp16 in tests).
         others: Tensors whose largest magnitudes the shifts also depend on.
         shifts: A @triton.jit function of (the largest |x| of `copied` then `others`,
-            `bound`) returning 16 fp32 values: the copies' shifts, then the factors.
-        bound: A number `shifts` needs (a scale, or a power of two's exponent).
+            `bound`) returning 16 or 32 fp32 values: the copies' shifts, then the factors.
+        bound: A number `shifts` needs (a scale, or a power of two's exponent), or a tuple
+            of numbers.
         n_factors: How many factors follow the shifts.
         epilogue: A @triton.jit function of (copy index, a block of that tensor's rows in
             fp32, their flat (b, h, n) row numbers, the columns, `epilogue_args`) that the

@@ -361,8 +361,8 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                            ALIGN: tl.constexpr):
     """Row block program_id(0) of copy program_id(1): tensor c times its power of two,
     written to float16 (contiguous). Every program reduces the partial maxima itself (a few
-    hundred floats, from L2) and asks SHIFTS(maxima, bound) for the 16 values: the copies'
-    shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
+    hundred floats, from L2) and asks SHIFTS(maxima, bound) for a vector of 16 or 32
+    values: the copies' shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
     in fp32, their flat row numbers, columns, epilogue_args) then may use the rows in
     registers for more (the backward's row statistics, chapter 5)."""
     block, which = tl.program_id(0), tl.program_id(1)
@@ -371,7 +371,7 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                       mask=(tensor < N_TENSORS)[:, None], other=0.0)
     values = SHIFTS(tl.max(partial, 1), bound)
     if (block == 0) & (which == 0):
-        entry = tl.arange(0, 16)
+        entry = tl.arange(0, values.shape[0])
         tl.store(factors_ptr + entry - N_COPIES, values,
                  mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
     for c in tl.static_range(N_COPIES):

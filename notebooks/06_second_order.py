@@ -186,8 +186,9 @@ for name, shape, options in [
 #
 # The floor is the math path differentiated through its own JVP in the same dtype. In the
 # default "accurate" precision mode the kernels split every fp32 operand of a 16-bit product
-# into two 16-bit parts (chapter 3), bf16 included (the next section says why these kernels
-# do not take exact fp16 copies); "fast" rounds once. Both use the rounding residuals of
+# into two 16-bit parts (chapter 3); bf16 inputs with at least 1024 keys per row take exact
+# fp16 copies instead (chapter 5, "Through the tangent"; the next section), and the rows
+# below have 1000; "fast" rounds once. Both use the rounding residuals of
 # $O$ and $t_O$ here: $c$ and $\Delta_2$ cancel like chapter 5's $\Delta$. Ratios (our error /
 # floor):
 
@@ -212,37 +213,40 @@ set_precision("accurate")
 print(format_table(rows))
 
 # %% [markdown]
-# ## Why the backward through the tangent splits
+# ## bf16 through exact fp16 copies
 #
 # The split costs the most here: per key tile the two key-side passes and the dQ kernel do
 # 21 product-sized units of work in "accurate" precision against 15 in "fast", and on the
-# H200 "accurate" runs at 159 to 195 TFLOP/s where "fast" reaches 217 to 254 (chapter 8).
-# Chapter 5's cure for bf16, exact fp16 copies scaled by powers of two, does not carry over
-# as it is, and the reason is in the units. Give every copy its own shift, $\hat Q = 2^a Q$,
-# $\hat K = 2^b K$, $\hat V = 2^{e} V$, $\widehat{dO} = 2^g\,dO$, $\widehat{dt_O} = 2^h\,dt_O$,
-# and shifts $\alpha, \beta, \nu$ for $t_Q, t_K, t_V$. Every pair of products that adds into
-# one fp32 accumulator must come out in one unit:
+# H200 the split ran at 159 to 195 TFLOP/s where "fast" reaches 217 to 254. Chapter 5's cure
+# for bf16, exact fp16 copies scaled by powers of two, carries over with care ("Through the
+# tangent" there derives the units). The first version gave the whole tangent side one
+# shift, the one that dK's and dQ's sums ask for, $l = e_{dS} - e_{dtS}$, which is free of
+# work per tile. It failed the floor: with large tangent scores the only bound the range pass
+# gives on $|t_S|$, $s\,d\,(\max|t_Q|\max|K| + \max|Q|\max|t_K|)$, lies tens of times above
+# the scores that occur, the bound on $|dP|$ pulls $e_{dS}$ and with it $dO$'s copy into
+# float16's subnormals, and in the interpreter (bf16 inputs, whose copies are exact there;
+# $d = 64$, 384 causal tokens, queries and keys times 4, tangents times 30) $dV$ came out at
+# 3.94x the floor where unit-scaled inputs gave 1.00x. Ranges of their own for $dS$, $dt_S$
+# and the tangent copies cost two multiplies of a tile and two of an accumulator per tile,
+# and keep every gradient at the floor over inputs scaled by up to $10^{\pm 6}$ in turn
+# (`tests/library/test_backward_second_order.py`). Measured on the H200 against the split
+# (bf16, `benchmarks/results/second_order_h200.json`, the whole backward through both
+# outputs, TFLOP/s):
 #
-# * $dP = dO\,V^\top + dt_O\,t_V^\top + G \circ (t_S - \mu) - c \circ t_S$ forces
-#   $\nu = e + g - h$, and the tangent scores into units $2^{g-h}$;
-# * $dV = P^\top dO + t_P^\top dt_O$ then holds $t_P$ in units $2^{8+g-h}$;
-# * $dK = s\,(dS^\top Q + dt_S^\top t_Q)$ and $dQ = s\,(dS\,K + dt_S\,t_K)$, with $dS$ in units
-#   $2^{8+g+e}$ and $dt_S$ in $2^{8+h+e}$, force $\alpha = a + g - h$ and $\beta = b + g - h$.
+# | shape | split | carried | "fast" |
+# |---|---|---|---|
+# | B4 H16 N4096 d128 | 193 | 228 | 254 |
+# | B4 H16 N4096 d128 causal | 180 | 206 | 231 |
+# | B1 H16 N16384 d128 | 193 | 229 | 250 |
+# | B1 H16 N16384 d128 causal | 195 | 233 | 248 |
+# | B4 H32 N4096 d64 | 174 | 214 | 246 |
+# | B4 H32 N4096 d64 causal | 159 | 193 | 217 |
+# | B1 H32 N16384 d64 | 172 | 227 | 249 |
+# | B1 H32 N16384 d64 causal | 169 | 213 | 233 |
 #
-# So the whole tangent side shares one shift, $g - h$, fixed by the two cotangents; the
-# scalar factors the kernels already apply (the scores' scale, $\mu$, $c$, $\Delta$, the
-# outputs') absorb everything else, with no extra work per tile. The ranges then decide.
-# $\widehat{dS}$ must stay below float16's largest value, and $dP$'s tangent terms can be as
-# large as $|t_S|$ allows: with the only bound the range pass gives,
-# $|t_S| \le s\,d\,(\max|t_Q|\max|K| + \max|Q|\max|t_K|)$, tens of times above the
-# scores that occur at $d = 64$, $g$ must come down, and with it $\widehat{dO}$ goes into
-# float16's subnormals. Built that way and run in the interpreter (bf16 inputs, whose
-# copies are exact there; $d = 64$, 384 causal tokens, queries and keys times 4, tangents
-# times 30), the gradients through the tangent stayed at the floor while $dV$ came out at
-# 3.94x it (1.64x at 128 tokens), where unit-scaled inputs gave 1.00x. What would remove the
-# coupling is one multiply per tile element on $dS$ and on $dt_S$ before their rounding
-# (so that $g$ keeps $dO$'s own range and the tangent copies their own shift), and a choice
-# of $h$ that keeps $t_P$ in range; until that is built and measured, these kernels split.
+# "Accurate" now takes 1.07x to 1.15x the time of "fast", against 1.29x to 1.45x; the eight
+# fp16 copies raise the peak memory of the call from 386 to 898 MB at B4 H16 N4096 d128.
+# (The timing at the end of this chapter was last executed before the carry: 13.5 ms.)
 
 # %% [markdown]
 # ## A Hessian-vector product through an attention model

@@ -847,19 +847,18 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # run before it had "accurate" at 0.76x to 0.79x causal at $d = 128$ and 0.77x to 0.80x
 # at $d = 64$ up to 8192 tokens. What keeps "accurate" behind "fast" now is mostly the
 # carried copies' pass (0.26 ms at B4 H16 N4096). The second-order backward runs chapter
-# 6's Triton kernels, since 2026-12-03 with its key side in two passes (chapter 5,
-# `SPLIT_KEY_SIDE`): 180 to 195 TFLOP/s in "accurate" precision at $d = 128$ (183 and 182
-# before at B4 H16 N4096 and B1 H16 N16384) and 159 to 174 at $d = 64$ (4096 and 16384
-# tokens); in "fast" 231 to 254 at $d = 128$ and 217 to 249 at $d = 64$. The 250 TFLOP/s
-# line is met only in "fast" at B4 H16 N4096 $d = 128$ without the mask (254; 249.7 at
-# B1 H16 N16384 $d = 128$, 248.8 at B1 H32 N16384 $d = 64$); what
-# bounds "accurate" is its hi + lo products (per key tile the two passes do 21
-# product-sized units of work in "accurate", 15 in "fast") and the registers of the dK
-# pass at $d = 128$, which still spills on its larger tiles (chapter 4). The exact fp16
-# copies that spare the first-order kernels the split do not carry over as they are:
-# chapter 6 ("Why the backward through the tangent splits") derives why one shared shift
-# fails the floor when tangent scores are large (3.94x on $dV$ in a test) and what two more
-# multiplies per tile would fix.
+# 6's Triton kernels, with its key side in two passes (chapter 5, `SPLIT_KEY_SIDE`) and,
+# since 2026-12-04, bf16 "accurate" through exact fp16 copies of its eight inputs (chapter
+# 5, "Through the tangent") instead of hi + lo products: 206 to 233 TFLOP/s at $d = 128$
+# (180 to 195 with the split) and 193 to 227 at $d = 64$ (159 to 174), 1.07x to 1.15x the
+# time of "fast" (231 to 254 at $d = 128$, 217 to 249 at $d = 64$). The 250 TFLOP/s line is
+# met only in "fast" at B4 H16 N4096 $d = 128$ without the mask (254; 249.7 at B1 H16
+# N16384 $d = 128$, 248.8 at B1 H32 N16384 $d = 64$). What bounds "fast", and so
+# "accurate" above it, is the work per tile: fifteen product-sized units on the key side's
+# two passes and the dQ kernel where the first-order backward does five, and the registers
+# of the dK pass at $d = 128$, which still spills on its larger tiles (chapter 4); "accurate"
+# adds the copies' two passes over eight tensors and two multiplies of a tile and of an
+# accumulator per tile.
 
 # %% [markdown]
 # ## What the numbers mean

@@ -9,6 +9,8 @@ The kernels run as the autograd layer runs them (with the forward's rounding res
 """
 
 
+from unittest import mock
+
 import pytest
 import torch
 from helpers import (
@@ -18,6 +20,9 @@ from helpers import (
     F16,
     FUZZ_STRATEGIES,
     GPU_BIAS_CASES,
+    HAS_CUDA,
+    SECOND_ORDER_NAMES,
+    Problem,
     Spec,
     assert_accurate,
     assert_deterministic,
@@ -28,6 +33,7 @@ from helpers import (
     check_with_bias,
     cpu_grid,
     dtype_name,
+    expected_forward,
     expected_second_order,
     expected_with_bias,
     fuzz_settings,
@@ -42,6 +48,8 @@ from helpers import (
 )
 from hypothesis import given
 
+import jvp_attention.backward as backward
+from jvp_attention.accuracy import float64_truth
 from jvp_attention.backward import flash_attention_backward
 from jvp_attention.forward import flash_attention_forward
 
@@ -74,8 +82,6 @@ def test_second_order_with_query_blocks_narrower_than_key_blocks(spec: Spec,
     blocks, the reverse of the interpreter's 32 x 16: run that shape through both passes."""
     import triton
 
-    import jvp_attention.backward as backward
-
     tuners = (backward._backward_dv_tangent, backward._backward_dk_tangent)
     for tuner in tuners:
         monkeypatch.setattr(tuner, "configs", [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32},
@@ -94,8 +100,6 @@ def test_second_order_with_query_blocks_narrower_than_key_blocks(spec: Spec,
 def test_second_order_in_one_key_side_pass(spec: Spec, monkeypatch) -> None:
     """SPLIT_KEY_SIDE = False: dK, dV, dtK and dtV from one pass over the queries (four
     accumulators), as before the split; same accuracy."""
-    import jvp_attention.backward as backward
-
     tuner = backward._backward_dkdv_tangent
     monkeypatch.setattr(backward, "SPLIT_KEY_SIDE", False)
     monkeypatch.setattr(tuner, "tuned", {})
@@ -152,6 +156,99 @@ def test_the_accuracy_rule_catches_a_one_percent_gradient_error() -> None:
 @given(**FUZZ_STRATEGIES)
 def test_second_order_fuzz(batch, hkv, group, nq, nk, d, dv, causal, mask, dtype, seed) -> None:
     check_second_order(fuzz_spec(batch, hkv, group, nq, nk, d, dv, causal, mask), dtype, seed)
+
+
+# --- bf16 through exact fp16 copies (notebook 05, `second_order_shifts`) ------------------
+# (q, k, v, tq, tk, tv, dO, dtO) multipliers: each limit on the shifts binds in one case.
+SECOND_ORDER_CARRY_SCALES = {
+    "unit": (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0),
+    "large-tangent-scores": (4.0, 4.0, 1.0, 30.0, 30.0, 30.0, 1.0, 1.0),
+    "tiny-dtO": (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1e-6),
+    "tiny-dO": (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1e-6, 1.0),
+    "tiny-tangents": (1.0, 1.0, 1.0, 1e-6, 1e-6, 1e-6, 1.0, 1.0),
+    "tq-over-tk": (1.0, 1.0, 1.0, 1e3, 1e-3, 1.0, 1.0, 1.0),
+    "large-tv-small-v": (1.0, 1.0, 1e-2, 1.0, 1.0, 1e3, 1.0, 1.0),
+    "tiny-inputs": (1e-3, 1e-3, 1e-6, 1e-3, 1e-3, 1e-9, 1e3, 1e2),
+}
+
+
+def _scaled_problem(spec: Spec, scales: str, device: str) -> Problem:
+    """A bf16 problem with its inputs scaled by SECOND_ORDER_CARRY_SCALES[scales]."""
+    p = make_problem(spec, torch.bfloat16, seed=9, device=device)
+    factors = SECOND_ORDER_CARRY_SCALES[scales]
+    p.q, p.k, p.v = (x * c for x, c in zip((p.q, p.k, p.v), factors[:3], strict=True))
+    p.tangents = tuple(t * c for t, c in zip(p.tangents, factors[3:6], strict=True))
+    p.grad_out, p.grad_tangent_out = p.grad_out * factors[6], p.grad_tangent_out * factors[7]
+    return p
+
+
+def _truncated_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 toward zero, as the interpreter converts fp32."""
+    bits = x.float().view(torch.int32) & ~0xFFFF
+    return bits.view(torch.float32).double()
+
+
+@pytest.mark.parametrize("spec, scales", [
+    (Spec(hq=2, hkv=1, nq=50, nk=37, d=40, causal=True), "unit"),
+    (Spec(batch=2, hq=2, hkv=2, nq=40, nk=40, d=32, mask="keypad", scale=0.3), "unit"),
+    (Spec(hq=2, hkv=2, nq=33, nk=33, d=16, dv=24, cotangent="expanded"), "unit"),
+    *((Spec(hq=2, hkv=1, nq=40, nk=29, d=32, causal=True), name)
+      for name in list(SECOND_ORDER_CARRY_SCALES)[1:]),
+    # a loose bound on |tS| must not push dO's copy into float16's subnormals (it did, at
+    # 3.9x the floor on dV, when one shift served the whole tangent side)
+    (Spec(hq=2, hkv=1, nq=384, nk=384, d=64, causal=True), "large-tangent-scores"),
+    # nor may tiny tangent copies (or dtS^) lose their bits to the units of dK's sums
+    *((Spec(hq=2, hkv=1, nq=128, nk=128, d=64, causal=True), name)
+      for name in ("tiny-tangents", "large-tv-small-v")),
+], ids=lambda x: x if isinstance(x, str) else x.id)
+@pytest.mark.skipif(HAS_CUDA, reason="checks the interpreter's bf16 (the GPU's: "
+                    "test_second_order_gpu)")
+def test_bf16_second_order_through_fp16_operands_on_cpu(spec: Spec, scales: str,
+                                                        monkeypatch) -> None:
+    """In "accurate" mode the bf16 backward through the tangent of long rows runs on exact
+    fp16 copies of its eight inputs (forced here at short rows), so it runs correctly in the
+    interpreter, whose bf16 conversions truncate: the floor is the float64 truth truncated
+    to bf16, the forward's outputs and their residuals come from the float64 reference.
+    Inputs scaled far from 1 check that the shifts keep every operand in fp16's range and
+    every rounded one in its normal range."""
+    monkeypatch.setattr(backward, "carries", lambda q, n_keys: True)
+    p = _scaled_problem(spec, scales, "cpu")
+    forward_truth, _ = expected_forward(p)
+    out, t_out = (forward_truth[n].to(torch.bfloat16) for n in ("out", "tangent_out"))
+    residuals = [(forward_truth[n] - x.double()).to(torch.bfloat16)
+                 for n, x in (("out", out), ("tangent_out", t_out))]
+    with mock.patch.object(backward, "second_order_operands",
+                           wraps=backward.second_order_operands) as carried:
+        grads = flash_attention_backward(
+            p.q, p.k, p.v, out, forward_truth["lse"].float(), p.grad_out, p.attn_mask,
+            spec.causal, spec.scale, tangents=p.tangents, tangent_out=t_out,
+            mu=forward_truth["mu"].float(), grad_tangent_out=p.grad_tangent_out,
+            out_residual=residuals[0], tangent_out_residual=residuals[1])
+    assert carried.called
+    truth = float64_truth(p.q, p.k, p.v, tangents=p.tangents, grad_out=p.grad_out,
+                          grad_tangent_out=p.grad_tangent_out, **p.options,
+                          enable_gqa=spec.hq != spec.hkv)
+    for name, grad in zip(SECOND_ORDER_NAMES, grads, strict=True):
+        floor = (_truncated_to_bf16(truth[name]) - truth[name]).abs().max().item()
+        error = (grad.double() - truth[name]).abs().max().item()
+        tiny = 2.0**-20 * truth[name].abs().max().item()  # for gradients that are all ~0
+        assert error <= 1.25 * floor + tiny, f"{p.label} {name}: {error:.2e} vs {floor:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", SECOND_ORDER_CARRY_SCALES)
+def test_bf16_second_order_through_fp16_operands_gpu(scales: str) -> None:
+    """bf16 at CARRY_MIN_KEYS keys or more carries the backward through the tangent (chapter
+    5): PyTorch's floor, whatever the inputs' scales."""
+    p = _scaled_problem(Spec(batch=1, hq=4, hkv=2, nq=1100, nk=1100, d=64, causal=True),
+                        scales, "cuda")
+    with mock.patch.object(backward, "second_order_operands",
+                           wraps=backward.second_order_operands) as carried:
+        ours = kernel_second_order(p)
+    assert carried.called
+    truth, floor = expected_second_order(p)
+    assert_accurate(ours, truth, floor, torch.bfloat16, p.label, f"carried, {scales}",
+                    cancellation=cancellation_scale(p, second_order=True))
 
 
 # --- GPU: realistic sizes (one dtype and causal setting per case; see test_forward.py) ---
