@@ -349,8 +349,8 @@ def _backward_tile(
 # once) and writes its tile of a copy straight to float16; nothing waits for the host. The
 # copies are O(N) memory, like the inputs. fp16
 # inputs have no wider 16-bit type to go to and keep the split. The backward through the
-# tangent (chapter 6) carries too, with eight copies and ranges of its own: the next
-# section but one.
+# tangent (chapter 6) carries too, with eight copies and ranges of its own ("Through the
+# tangent" below).
 #
 # The copy kernel holds every row of dO in registers for a moment, so it also computes
 # $\Delta = \mathrm{rowsum}(dO \circ O)$ there, from the original dO and O with its
