@@ -343,9 +343,9 @@ def test_forward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> N
 
 
 def test_backward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> None:
-    """`traceable_backward`: the first-order backward not where bf16 accurate carries (unless
-    the mask's gradient is asked for, which splits), nor from the descriptors' row length;
-    the second-order backward does neither."""
+    """`traceable_backward`: neither backward where bf16 accurate carries (unless the mask's
+    gradient is asked for, which splits); the first-order one not from the descriptors' row
+    length either, which the second-order one does not use."""
     import jvp_attention.backward as backward
 
     def qkv(dtype, n, d=64):  # 256 queries: descriptors need both loops long
@@ -362,7 +362,9 @@ def test_backward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> 
             (torch.bfloat16, 4 * long, "accurate", False, False, False),
             (torch.bfloat16, 4 * long, "accurate", False, True, True),
             (torch.bfloat16, 4 * long, "fast", False, False, True),
-            (torch.bfloat16, 4 * long, "accurate", True, False, True)]:
+            (torch.bfloat16, 4 * long, "accurate", True, False, False),
+            (torch.bfloat16, 4 * long, "accurate", True, True, True),
+            (torch.bfloat16, 4 * long, "fast", True, False, True)]:
         assert backward.traceable_backward(*qkv(dtype, n), precision, tangent,
                                            mask_grad) == expected, (dtype, n, precision, tangent)
     q, k, v = (torch.zeros(1, 2, long, 64, dtype=torch.float16) for _ in range(3))
