@@ -14,6 +14,7 @@ without a reason written here.
 
 import collections
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -213,6 +214,27 @@ def test_backward_through_both_outputs(launches, monkeypatch, split_key_side: bo
     expected = SECOND_ORDER_LAUNCHES - (not split_key_side)
     assert sum(launches.values()) == expected, launches
     assert launches["_attention_backward_dkdv_kernel"] == 1 + split_key_side, launches
+
+
+def test_carried_backward_through_both_outputs(launches, monkeypatch) -> None:
+    """The carried backward through the tangent (forced on float16 inputs): the range pass
+    and the eight copies add two launches to the row statistics, dQ and the two key-side
+    passes, and no PyTorch operation besides allocations and views."""
+    import jvp_attention.backward as backward
+
+    monkeypatch.setattr(backward, "carries", lambda q, n_keys: True)
+    inputs, tangents = _inputs(torch.float16)
+    out, tangent_out = torch.func.jvp(jvp_attention.attention, inputs, tangents)
+    (out.float().sum() + tangent_out.float().square().sum()).backward()  # warm
+    out, tangent_out = torch.func.jvp(jvp_attention.attention, inputs, tangents)
+    loss = out.float().sum() + tangent_out.float().square().sum()
+    launches.clear()
+    with mock.patch.object(backward, "second_order_operands",
+                           wraps=backward.second_order_operands) as carried:
+        loss.backward()
+    assert carried.called
+    assert sum(launches.values()) == SECOND_ORDER_LAUNCHES + CARRY_LAUNCHES, launches
+    assert launches["_row_statistics_kernel"] == 1, launches
 
 
 def test_plain_forward_is_one_launch(launches) -> None:
