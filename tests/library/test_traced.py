@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import jvp_attention.launch as launch
+from jvp_attention.autograd import TRACED_SECOND_ORDER_MAX_SCORES
 
 TESTS = Path(__file__).resolve().parents[1]
 FORWARD = ["o_ptr", "lse_ptr"]
@@ -35,6 +36,8 @@ SECOND_ORDER = [["delta_ptr", "c_ptr"], ["dq_ptr", "dtq_ptr"], ["dv_ptr", "dtv_p
 CUT_IS_OPAQUE = launch.sound_ptxas(90) is not None
 LARGE_D72 = [16, 16, 1024, 72]  # 2**28 scores
 assert 16 * 16 * 1024 * 1024 > launch.PADDED_MAX_SCORES
+LARGE_SECOND_ORDER = [16, 16, 1024, 64]  # 2**28 scores
+assert 16 * 16 * 1024 * 1024 > TRACED_SECOND_ORDER_MAX_SCORES
 
 # (case, the arguments each launch writes, in launch order; None: the opaque operator).
 # "device": "cpu" where fake CUDA tensors cannot run an operation the launcher needs
@@ -100,6 +103,15 @@ CASES = [
       "residual": True, "device": "cpu"},
      [SECOND_ORDER[0], SECOND_ORDER[1] + ["dmask_ptr", "dtmask_ptr"], *SECOND_ORDER[2:]]),
     ({"op": "backward", "mask": "bool"}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
+    # bf16 "accurate" second order from carry_min_keys keys: traced with the split in a small
+    # call; above TRACED_SECOND_ORDER_MAX_SCORES the opaque operator, which carries
+    ({"op": "backward_tangent", "dtype": "bf16", "shape": [1, 2, 1024, 64]}, SECOND_ORDER),
+    ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER}, None),
+    ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER,
+      "precision": "fast"}, SECOND_ORDER),
+    ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER,
+      "mask": "float", "mask_grad": True}, [SECOND_ORDER[0], SECOND_ORDER[1] +
+                                             ["dmask_ptr", "dtmask_ptr"], *SECOND_ORDER[2:]]),
     # the second-order kernels keep d = 72 in one padded column tile: no cut, traced
     ({"op": "backward_tangent", "dtype": "bf16", "shape": [2, 4, 64, 72], "causal": True,
       "hkv": 2}, SECOND_ORDER),
@@ -150,6 +162,8 @@ COMPILED_CONFIGS = {
     # descriptors; under CUDA graphs the opaque operators
     "bf16-1024": {"dtype": "bf16", "n": 1024},
     "bf16-1024-cuda-graphs": {"dtype": "bf16", "n": 1024, "mode": "reduce-overhead"},
+    # 2**28 scores: the second-order backward stays the opaque operator, which carries
+    "bf16-1024-large": {"dtype": "bf16", "n": 1024, "b": 16, "h": 16},
 }
 DTYPE_OF = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -164,7 +178,8 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
     tiles itself and may sum in another order), for bool masks, biases with a tangent, bias
     parameters whose gradient the kernels compute, causal GQA, head dims padded in the graph
     (cut in two in eager mode), fp32, the fast precision, and 1024 tokens (the split and
-    pointer kernels traced, or the opaque operators under CUDA graphs)."""
+    pointer kernels traced, or the opaque operators under CUDA graphs; at 2**28 scores the
+    second-order backward's opaque operator in either mode)."""
     import torch
 
     from jvp_attention import attention, precision
@@ -173,7 +188,8 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
     dtype = getattr(torch, DTYPE_OF[options["dtype"]])
     torch._dynamo.reset()
     torch.manual_seed(0)
-    b, h, n, d = 4, 4, options.get("n", 256), options.get("d", 64)
+    b, h = options.get("b", 4), options.get("h", 4)
+    n, d = options.get("n", 256), options.get("d", 64)
     hkv = options.get("hkv", h)
 
     def tensor(heads):
