@@ -1843,11 +1843,11 @@ if FAST_RUN is not None:
 # two take 0.149 and 0.127 ms, 1.17x. Carrying (`dit-b2-512`, `n1k-d128` and, since
 # chapter 2 let head dims cut in two carry from 1024 keys too, `dit-xl2-512`) costs 1.17 to
 # 1.21x: the carry's two memory-bound launches (`dit-xl2-512` split took 1.23x for the
-# forward+JVP and 1.29x for the MeanFlow call, 0.914 and 2.325 ms). In this run the backward
-# through the tangent still split at every shape, so the second-order step cost 1.19 to 1.23x;
-# it has carried from 1024 keys since (chapter 5, "Through the tangent"), which at 4096 and
-# 16384 tokens took it from 1.29-1.45x fast to 1.07-1.15x (chapter 6); these rows are not
-# measured again yet. Where the call is bound by
+# forward+JVP and 1.29x for the MeanFlow call, 0.914 and 2.325 ms). The second-order step
+# costs 1.19 and 1.23x at 256 tokens, where its backward through the tangent splits, and
+# 1.10 to 1.17x from 1024 keys, where it carries (chapter 5, "Through the tangent"); with
+# the split there it had cost 1.18 to 1.22x (6.60, 6.45 and 7.15 ms at `dit-xl2-512`,
+# `dit-b2-512` and `n1k-d128`, now 6.19, 5.35 and 6.41 ms). Where the call is bound by
 # the host rather than the GPU (eager, or `torch.compile` without CUDA graphs, at 256
 # tokens: "Wall time per call" above) the difference does not reach the step; under CUDA
 # graphs it does, if little of it: 0.43 against 0.34 ms per MeanFlow call at `dit-b2-256`,
