@@ -48,6 +48,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -896,6 +897,7 @@ import functools
 import os
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -1183,14 +1185,20 @@ def _attention_forward_kernel(
 # arguments to the key itself. Under the interpreter there is one small configuration
 # (several would need a GPU to time them), chosen so that CPU tests cross block boundaries.
 #
-# Triton's autotuner is used with three changes (`KeyedAutotuner`). Timing the candidates
+# Triton's autotuner is used with four changes (`KeyedAutotuner`). Timing the candidates
 # takes seconds at a new key, so the chosen tiles are written to Triton's cache directory
 # (its `cache_results`), and a new process at a known shape reads them back instead of
 # timing again (`benchmarks/first_call.py` measures the difference, chapter 8). Each
 # candidate is timed for 20 ms after 5 ms of warm-up (`time_candidate`) where Triton's
 # default spends 100 and 25: a hundred calls of a 0.2 ms kernel rank tiles as well, and
 # timing the backward's tiles at a new DiT shape took 0.39 to 0.48 s on the H200 instead of
-# 1.4 to 2.4 (chapter 8). And on every
+# 1.4 to 2.4 (chapter 8). Compiling them takes longer still: in a fresh process with an
+# empty cache the first MeanFlow call at (64, 12, 256, 64) took 21.5 s, 18.5 of them
+# compiling candidates one after another. Triton compiles each candidate in its own MLIR
+# context and leaves Python's lock for most of the work (only its front end, which walks
+# the kernel's Python, holds it: about a quarter of a compile), so `compile_candidates`
+# compiles a new key's candidates together on threads, through Triton's
+# `AsyncCompileMode`, before they are timed one by one. And on every
 # launch, Triton's autotuner builds dictionaries of all of the kernel's ~60 arguments to
 # find the key. That is tens of microseconds per launch, at shapes where the kernel itself
 # runs for 0.2 ms. Once a key is tuned, `KeyedAutotuner` reads the key's arguments by
@@ -1314,6 +1322,14 @@ AUTOTUNE_KEYS = ["n_q_bucket", "n_k_bucket", "head_dim", "value_dim",
 # one twice after five calls for the estimate.
 TUNING_WARMUP_MS = 5
 TUNING_REP_MS = 20
+
+# Threads that compile a new key's candidate tiles together. Triton's compiler leaves
+# Python's lock in its MLIR and LLVM passes and runs ptxas as a process of its own, so
+# compiles overlap but for their Python front end (about a quarter of each): on a
+# two-core CPU, eight of the backward's candidates for Hopper compiled in 2.9 s against
+# 4.7 s one after another. JVP_ATTENTION_COMPILE_WORKERS=1 compiles them in turn.
+COMPILE_WORKERS = int(os.environ.get("JVP_ATTENTION_COMPILE_WORKERS",
+                                     min(8, os.cpu_count() or 1)))
 
 
 def time_candidate(kernel_call, quantiles=None):
@@ -1543,6 +1559,8 @@ class KeyedAutotuner(Autotuner):
       Triton's own `run` builds and filters dicts of all of the kernel's ~60 arguments on
       every launch, a sizeable share of a short call's host time. The launch itself goes
       through a `CachedLauncher`.
+    - At a key that has to be timed, the candidates are compiled at once, on
+      COMPILE_WORKERS threads (`compile_candidates`), before Triton times them in turn.
     """
 
     def __init__(self, kernel, configs: list[triton.Config], key: list[str]):
@@ -1554,6 +1572,7 @@ class KeyedAutotuner(Autotuner):
         self.launches: dict[tuple, tuple] = {}
         self.key_positions = [kernel.arg_names.index(name) for name in key]
         self.launcher = cached(kernel)
+        self.tuning_call: tuple | None = None  # (args, keywords) of the launch being tuned
 
     def launch_key(self, args: tuple, kwargs: dict) -> tuple:
         """The key values (by position, or by name when passed as keywords) and the dtypes
@@ -1576,8 +1595,12 @@ class KeyedAutotuner(Autotuner):
         key = self.launch_key(args, kwargs)
         config = self.tuned.get(key)
         if config is None or warmup:  # first launch at this key: tune (or read the disk cache)
-            with sound_compiler() if launcher.direct else nullcontext():
-                result = super().run(*args, grid=grid, warmup=warmup, **kwargs)
+            self.tuning_call = (args, {**kwargs, "grid": grid})
+            try:
+                with sound_compiler() if launcher.direct else nullcontext():
+                    result = super().run(*args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                self.tuning_call = None
             self.tuned.setdefault(key, self.best_config)
             return result
         self.best_config = config
@@ -1588,6 +1611,28 @@ class KeyedAutotuner(Autotuner):
             if launched is not None:
                 remember(self.launches, match, (key, config, tile, launched))
         return compiled
+
+    def check_disk_cache(self, tuning_key, configs, bench_fn) -> bool:
+        """Triton's reading of the tuned tile from its cache directory; on a miss, the
+        candidates are compiled together before `bench_fn` times them."""
+        def compile_then_time():
+            self.compile_candidates(configs)
+            bench_fn()
+        return super().check_disk_cache(tuning_key, configs, compile_then_time)
+
+    def compile_candidates(self, configs: list[triton.Config]) -> None:
+        """Compile every candidate tile of the launch being tuned, COMPILE_WORKERS at a time,
+        into the kernel's cache, where Triton's timing of each then finds it. A candidate
+        that fails to compile is left for the timing, which handles it as before."""
+        workers = min(COMPILE_WORKERS, len(configs))
+        compile_mode = getattr(triton, "AsyncCompileMode", None)
+        if self.tuning_call is None or workers < 2 or compile_mode is None or interpreting():
+            return
+        args, kwargs = self.tuning_call
+        with (ThreadPoolExecutor(workers) as pool,
+              compile_mode(pool, ignore_errors=True)):
+            for config in configs:
+                self.fn.run(*args, **{**kwargs, "warmup": True, **config.all_kwargs()})
 
 
 def launchable(kernel, like: torch.Tensor):

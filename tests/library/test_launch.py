@@ -5,6 +5,7 @@ On CPU no kernel is compiled, so a stand-in kernel records what reaches Triton's
 what reaches the compiled kernel's launcher."""
 
 import os
+import threading
 import types
 
 import pytest
@@ -165,6 +166,67 @@ def test_a_remembered_launch_follows_a_retuned_tile(launcher) -> None:
         tuner[(1,)](x, 64, 0.5, (64, 128))
         assert tuner.best_config.kwargs == {"BLOCK": 16}
     assert kernel.compiled.launches[-1][13] == 16
+
+
+def test_a_new_key_compiles_its_candidates_together_before_timing(launcher,
+                                                                   monkeypatch) -> None:
+    """Where the tuned tile is not in Triton's cache directory, every candidate of the launch
+    being tuned is handed to Triton's asynchronous compile (`compile_candidates`): compiled
+    on worker threads and all finished before the first is timed. A key whose tile the
+    cache holds compiles none, and neither do a single worker or the interpreter."""
+    from triton.runtime import _async_compile
+    from triton.runtime.autotuner import Autotuner
+
+    kernel = launcher.kernel
+    kernel.fn = lambda x_ptr, n, scale, shape, BLOCK, FLAG=False: None  # Autotuner's base_fn
+    configs = [triton.Config({"BLOCK": block}, num_warps=4) for block in (16, 32, 64)]
+    tuner = launch.KeyedAutotuner(kernel, configs, ["n"])
+    tuner.launcher = launcher
+    tuner.do_bench = lambda call, quantiles=None: call() or [1.0, 1.0, 1.0]
+    tuner.early_config_prune = None  # the stand-in has no head dims to prune by
+    tuner.cache_results = True  # as on a GPU (Triton turns it off in the interpreter)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "COMPILE_WORKERS", 2)
+    events, in_cache = [], []
+
+    def run(*args, grid, warmup, **kwargs):
+        mode, block = _async_compile.active_mode.get(), kwargs["BLOCK"]
+        if warmup and mode is not None:
+            def compile_tile():
+                events.append(("compiled", block, threading.current_thread().name))
+                return block
+            return mode.submit(block, compile_tile, lambda _: events.append(("ready", block)))
+        events.append(("timed" if grid == (1,) else "launched", block))
+        return kernel.compiled
+
+    def check_disk_cache(self, tuning_key, candidates, bench_fn):
+        if in_cache:
+            self.cache[tuning_key] = candidates[0]
+            return True
+        bench_fn()
+        return False
+
+    kernel.run = run
+    monkeypatch.setattr(Autotuner, "check_disk_cache", check_disk_cache)
+    x = torch.zeros(64, dtype=torch.float16)
+    tuner[(1,)](x, 64, 0.5, (64, 128))
+    compiled = [e for e in events if e[0] == "compiled"]
+    assert sorted(e[1] for e in compiled) == [16, 32, 64]
+    assert all(e[2] != threading.current_thread().name for e in compiled)
+    first_timed = events.index(("timed", 16))
+    assert {e[0] for e in events[:first_timed]} == {"compiled", "ready"}
+    assert [e for e in events[first_timed:] if e[0] == "timed"] == [
+        ("timed", 16), ("timed", 32), ("timed", 64), ("timed", 16)]
+    for setting in ("cached", "one worker", "interpreter"):
+        events.clear()
+        in_cache[:] = [True] if setting == "cached" else []
+        if setting == "one worker":
+            monkeypatch.setattr(launch, "COMPILE_WORKERS", 1)
+        if setting == "interpreter":
+            monkeypatch.setattr(launch, "COMPILE_WORKERS", 2)
+            monkeypatch.setattr(launch, "interpreting", lambda: True)
+        tuner[(1,)](x, len(setting), 0.5, (64, 128))  # a new key each time
+        assert events and not [e for e in events if e[0] == "compiled"], setting
 
 
 @pytest.mark.parametrize("change", ["alignment", "dtype", "value", "type", "keyword",
