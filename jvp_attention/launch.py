@@ -9,6 +9,7 @@ guard, the mask operand, the shape checks and the host side of the bf16 carry.
 import functools
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -459,16 +460,25 @@ class KeyedAutotuner(Autotuner):
     def compile_candidates(self, configs: list[triton.Config]) -> None:
         """Compile every candidate tile of the launch being tuned, COMPILE_WORKERS at a time,
         into the kernel's cache, where Triton's timing of each then finds it. A candidate
-        that fails to compile is left for the timing, which handles it as before."""
+        that fails to compile is left for the timing, which handles it as before; should
+        the asynchronous compile itself fail, a warning says so and candidates compile in
+        turn from then on."""
+        global COMPILE_WORKERS
         workers = min(COMPILE_WORKERS, len(configs))
         compile_mode = getattr(triton, "AsyncCompileMode", None)
         if self.tuning_call is None or workers < 2 or compile_mode is None or interpreting():
             return
         args, kwargs = self.tuning_call
-        with (ThreadPoolExecutor(workers) as pool,
-              compile_mode(pool, ignore_errors=True)):
-            for config in configs:
-                self.fn.run(*args, **{**kwargs, "warmup": True, **config.all_kwargs()})
+        try:
+            with (ThreadPoolExecutor(workers) as pool,
+                  compile_mode(pool, ignore_errors=True)):
+                for config in configs:
+                    self.fn.run(*args, **{**kwargs, "warmup": True, **config.all_kwargs()})
+        except Exception as error:  # a Triton whose asynchronous compile works otherwise
+            COMPILE_WORKERS = 1
+            warnings.warn(f"jvp_attention: compiling candidate tiles together failed ({error!r}); "
+                          "they compile one after another from now on", RuntimeWarning,
+                          stacklevel=2)
 
 
 def launchable(kernel, like: torch.Tensor):

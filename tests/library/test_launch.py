@@ -5,14 +5,19 @@ On CPU no kernel is compiled, so a stand-in kernel records what reaches Triton's
 what reaches the compiled kernel's launcher."""
 
 import os
+import subprocess
+import sys
 import threading
 import types
+from pathlib import Path
 
 import pytest
 import torch
 import triton
 
 import jvp_attention.launch as launch
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _Compiled:
@@ -227,6 +232,86 @@ def test_a_new_key_compiles_its_candidates_together_before_timing(launcher,
             monkeypatch.setattr(launch, "interpreting", lambda: True)
         tuner[(1,)](x, len(setting), 0.5, (64, 128))  # a new key each time
         assert events and not [e for e in events if e[0] == "compiled"], setting
+
+
+COMPILE_TOGETHER = """
+import os, sys, threading
+import torch, triton, triton.compiler, triton.language as tl
+from triton.backends.compiler import GPUTarget
+
+class Hopper:  # Triton's active driver, as far as compiling for an H200 needs one
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_current_device(self): return 0
+    def get_current_stream(self, device): return 0
+    def get_benchmarker(self): return None
+    def __getattr__(self, name): raise AttributeError(name)
+
+triton.runtime.driver.set_active(Hopper())
+sys.path.insert(0, "tools")
+import kernel_resources
+import jvp_attention.launch as launch
+
+threads, compile = set(), triton.compiler.compile
+def compile_on_a_thread(*args, **kwargs):
+    threads.add(threading.current_thread().name)
+    return compile(*args, **kwargs)
+triton.compiler.compile = compile_on_a_thread
+
+launches = kernel_resources.launches_for(torch.bfloat16, 64, False, "none")
+name, kernel, configs, bound = next(l for l in launches if l[0] == "_attention_forward_jvp")
+tuner = launch.KeyedAutotuner(kernel, configs[:3], launch.AUTOTUNE_KEYS)
+tile = set(configs[0].all_kwargs())
+tuner.tuning_call = ((), {**{k: v for k, v in bound.items() if k not in tile}, "grid": (1,)})
+tuner.compile_candidates(configs[:3])
+print(len(kernel.device_caches[0][0]), len(threads - {threading.current_thread().name}))
+"""
+
+
+def test_candidates_compile_together_on_threads_for_hopper() -> None:
+    """Triton's own compile, for an H200 on this CPU: the forward with the tangent's first
+    three candidate tiles, as recorded from the launcher, compiled by `compile_candidates`
+    on worker threads into the kernel's cache (no kernel runs). A subprocess, since Triton
+    must not be in its interpreter for this."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["JVP_ATTENTION_COMPILE_WORKERS"] = "2"
+    result = subprocess.run([sys.executable, "-c", COMPILE_TOGETHER], capture_output=True,
+                            text=True, env=env, cwd=REPO, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cached, worker_threads = map(int, result.stdout.split()[-2:])
+    assert cached == 3 and worker_threads == 2
+
+
+def test_a_failed_compile_of_candidates_together_falls_back_with_a_warning(
+        launcher, monkeypatch) -> None:
+    """Should Triton's asynchronous compile fail (a Triton that changed it), the launch warns
+    once, is tuned as before, and later keys compile their candidates in turn."""
+    from triton.runtime.autotuner import Autotuner
+
+    kernel = launcher.kernel
+    kernel.fn = lambda x_ptr, n, scale, shape, BLOCK, FLAG=False: None
+    tuner = launch.KeyedAutotuner(
+        kernel, [triton.Config({"BLOCK": block}, num_warps=4) for block in (16, 32)], ["n"])
+    tuner.launcher, tuner.early_config_prune, tuner.cache_results = launcher, None, True
+    tuner.do_bench = lambda call, quantiles=None: call() or [1.0, 1.0, 1.0]
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "COMPILE_WORKERS", 2)
+    monkeypatch.setattr(Autotuner, "check_disk_cache",
+                        lambda self, key, candidates, bench_fn: bench_fn() or False)
+    timed = []
+
+    def run(*args, grid, warmup, **kwargs):
+        if warmup:
+            raise TypeError("an asynchronous compile this Triton no longer has")
+        timed.append(kwargs["BLOCK"])
+        return kernel.compiled
+
+    kernel.run = run
+    x = torch.zeros(64, dtype=torch.float16)
+    with pytest.warns(RuntimeWarning, match="compiling candidate tiles together failed"):
+        tuner[(1,)](x, 64, 0.5, (64, 128))
+    assert timed == [16, 32, 16] and launch.COMPILE_WORKERS == 1
+    tuner[(1,)](x, 48, 0.5, (64, 128))  # a new key: no warning, timed in turn
+    assert timed[3:] == [16, 32, 16]
 
 
 @pytest.mark.parametrize("change", ["alignment", "dtype", "value", "type", "keyword",
