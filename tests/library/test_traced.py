@@ -109,6 +109,11 @@ CASES = [
     ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER}, None),
     ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER,
       "precision": "fast"}, SECOND_ORDER),
+    # a symbolic batch: the choice guards on it
+    ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER,
+      "dynamic": "batch", "device": "cpu"}, None),
+    ({"op": "backward_tangent", "dtype": "bf16", "shape": [1, 2, 1024, 64],
+      "dynamic": "batch", "device": "cpu"}, SECOND_ORDER),
     ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER,
       "mask": "float", "mask_grad": True}, [SECOND_ORDER[0], SECOND_ORDER[1] +
                                              ["dmask_ptr", "dtmask_ptr"], *SECOND_ORDER[2:]]),
