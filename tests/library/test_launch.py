@@ -544,6 +544,40 @@ def test_cut_head_dims_are_padded_in_small_compiled_calls(monkeypatch) -> None:
 
 
 @pytest.mark.gpu
+def test_a_new_key_compiles_on_threads_and_computes_on_the_gpu(tmp_path, monkeypatch) -> None:
+    """On the GPU, with an empty Triton cache: a new key's candidates compile on worker
+    threads (with this library's ptxas where it applies), are timed, and the tuned tile's
+    launch computes what it should."""
+    import triton.compiler
+    import triton.language as tl
+
+    @triton.jit
+    def scaled_copy(x_ptr, y_ptr, n, factor, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offsets, mask=offsets < n)
+        tl.store(y_ptr + offsets, x * factor, mask=offsets < n)
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(launch, "COMPILE_WORKERS", 3)
+    threads, compile = set(), triton.compiler.compile
+
+    def compile_on_a_thread(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return compile(*args, **kwargs)
+
+    monkeypatch.setattr(triton.compiler, "compile", compile_on_a_thread)
+    configs = [triton.Config({"BLOCK": block}, num_warps=4) for block in (128, 256, 512)]
+    tuner = launch.KeyedAutotuner(scaled_copy, configs, ["n"])
+    tuner.early_config_prune = None  # no head dims to prune by
+    x = torch.randn(3000, device="cuda")
+    y = torch.empty_like(x)
+    tuner[lambda meta: (triton.cdiv(3000, meta["BLOCK"]),)](x, y, 3000, 0.5)
+    torch.testing.assert_close(y, x * 0.5)
+    assert len(threads - {threading.current_thread().name}) >= 2, threads
+    assert len(scaled_copy.device_caches[x.device.index][0]) == 3
+
+
+@pytest.mark.gpu
 def test_compiled_forward_jvp_is_launched_by_inductor() -> None:
     """Under torch.compile the forward with the tangent at a short, d = 64 shape is a kernel
     launch in Inductor's code (no call into our operator per step), with eager's outputs."""
