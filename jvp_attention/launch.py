@@ -109,13 +109,15 @@ def carry_min_keys(head_dim: int) -> int:
     return CARRY_MIN_KEYS
 
 
-def carries(q: torch.Tensor, n_keys: int) -> bool:
+def carries(q: torch.Tensor, n_keys: int, in_graph: bool = True) -> bool:
     """Whether "accurate" mode carries the rounded products as exact fp16 copies rather
     than splitting them: bf16 inputs with at least `carry_min_keys` keys per row. Shorter
     rows split, which is as accurate and cheaper there; fp16 always splits (it has no wider
-    16-bit type) and fp32 has nothing to round."""
+    16-bit type) and fp32 has nothing to round. A graph that runs its launches from Python
+    splits too (`host_bound_graph`), unless `in_graph` is False: the call is asked as an
+    opaque operator would run it."""
     return (q.dtype == torch.bfloat16 and n_keys >= carry_min_keys(q.shape[-1])
-            and not host_bound_graph(q))
+            and not (in_graph and host_bound_graph(q)))
 
 
 def interpreting() -> bool:

@@ -101,7 +101,7 @@ from torch.overrides import TorchFunctionMode
 
 from jvp_attention.backward import flash_attention_backward, traceable_backward
 from jvp_attention.forward import flash_attention_forward, traceable_forward
-from jvp_attention.launch import accurate, carry_min_keys, get_precision, interpreting
+from jvp_attention.launch import accurate, carries, get_precision, interpreting
 from jvp_attention.reference import check_sdpa_arguments, reference_attention, tiled_attention
 
 Tensor = torch.Tensor
@@ -569,7 +569,7 @@ def _opaque_call_carries_at_scale(q, k, precision: str, mask_grad: bool, mask_ta
     batch, heads, n_q, _ = q.shape
     n_k = k.shape[-2]
     return (accurate(precision) and not mask_grad and mask_tangent is None
-            and q.dtype == torch.bfloat16 and n_k >= carry_min_keys(q.shape[-1])
+            and carries(q, n_k, in_graph=False)
             and batch * heads * n_q * n_k > TRACED_SECOND_ORDER_MAX_SCORES)
 
 
