@@ -1374,8 +1374,23 @@ TS_TABLES
 #   with the tangent is then the eager call's one kernel, 0.167 ms of GPU time at
 #   (64, 12, 256, 64), with 0.10 ms of host time against 0.71 ms eager; the MeanFlow call
 #   keeps one copy, 0.454 ms against 0.430 ms eager, and 0.78 ms of host time against
-#   1.53 ms. The video shape's rows are from a run before the marking (and before chapter
-#   2's alignment) and still include the copies.
+#   1.53 ms. The video shape's second-order row under CUDA graphs is from a run before the
+#   marking and still includes the copies (five `multi_tensor_apply_kernel` launches).
+# - **Compiled without CUDA graphs, large calls.** A graph that runs its launches from
+#   Python traces the split products and the backward's pointer kernels rather than call
+#   the opaque operators (`host_bound_graph`, chapter 2), since inside a model their host
+#   time is what bounds the step (chapter 9). On an isolated call from about $2^{28}$ scores
+#   that costs GPU time the host cannot hide: at (32, 12, 1024, 64) the forward with the
+#   tangent took 1.080 ms of GPU time compiled against 0.927 ms eager, the MeanFlow call
+#   2.681 against 2.052 ms, with 1.1 ms of host time against 2.7 ms; at (16, 16, 1024, 128)
+#   1.306 against 1.174 and 2.801 against 2.461 ms. The second-order backward, longer than
+#   any host time at these sizes, stays opaque from $2^{27}$ scores (chapter 7), and so do
+#   head dims cut in two (`PADDED_MAX_SCORES`), which is why (16, 16, 1024, 72) shows no gap.
+# - **The video shape runs chapters 11 and 12's kernels.** At (1, 12, 32760, 128) the
+#   forward with the tangent is the warp-specialised kernel with the carry, 31.8 ms of GPU
+#   time (623 TFLOP/s); the MeanFlow call adds the warp-specialised dK/dV kernel, 67.1 ms
+#   (541 TFLOP/s); the second-order step, whose backward through the tangent has no
+#   warp-specialised kernel yet, 257.3 ms (269 TFLOP/s), 225 ms of it that backward.
 #
 # To refresh this section, run `benchmarks/training_shapes.py` on the GPU (the command is in
 # `benchmarks/README.md`), save its JSON as `benchmarks/results/training_shapes_h200.json`,
@@ -2033,21 +2048,26 @@ FC_TABLE if FC is not None else None
 
 # %% [markdown]
 # What it says (H200, bf16, Python's bytecode compiled before the timed processes, as an
-# installed package has it). With the compiled kernels and the tuned tiles cached
-# (`tuned`), the first step at a new shape, first `jvp` and first backward, takes 2.22 s
-# at DiT-B/2 256 px, 2.31 s at 512 px and 2.69 s at DiT-XL/2 256 px: under 3 s at each
-# shape, with the import of torch and the library (3.5 to 4.1 s in those processes) timed
-# apart. The first `jvp` takes 0.47 to 0.50 s. About a second of the first backward (1.75
-# to 2.19 s) is PyTorch's own first use of a module: `torch.autograd.grad` with an explicit
-# gradient checks its shape through `torch.fx.experimental.symbolic_shapes`, whose import
-# loads sympy (1.07 s of a 2.35 s first backward in a CPU profile of the same step;
-# `loss.backward()` on a scalar loss does not take that path). Earlier runs counted that
-# second in the first `jvp`, whose registration of the traced twins imported
-# `torch._inductor`, which loads sympy as well; since the twins no longer import it
-# (chapter 7) the second shows in the backward instead. Timing the tiles, the difference
-# between the `compiled` and `tuned` rows (two processes, so only roughly), takes 0.11 to
-# 0.30 s for the forward with the tangent and 0.29 to 0.64 s for the backward; the
-# backward's took 1.4 to 2.4 s at these shapes in a run of 2026-12-01, before each
-# candidate was timed for 20 ms after 5 ms of warm-up (chapter 2's `time_candidate`;
-# Triton's default: 100 and 25). With an empty cache (`cold`), where every candidate tile
-# is compiled first, the first step takes 17.5 to 25.3 s.
+# installed package has it). With an empty cache (`cold`), where every candidate tile is
+# compiled before it is timed, the first step takes 12.4 s at DiT-B/2 256 px, 17.3 s at
+# 512 px and 15.1 s at DiT-XL/2 256 px. Chapter 2's `compile_candidates` compiles a new
+# key's candidates together on threads; the run before it (2026-12-03) took 21.5, 17.5 and
+# 25.3 s. At 512 px it gained nothing measurable: there the call carries (1024 keys), and
+# the carry's range and copy kernels, two in the forward and two in the backward, are not
+# autotuned and compile one after another (at 256 px, which does not carry, the first `jvp`
+# took 4.6 s against 6.9 s at 512 px). With the compiled kernels and the tuned
+# tiles cached (`tuned`), the first step at a new shape, first `jvp` and first backward,
+# took 3.68 s at DiT-B/2 256 px, 2.80 s at 512 px and 3.08 s at DiT-XL/2 256 px in this run,
+# against 2.22, 2.31 and 2.69 s in the run before, on a host that was slower throughout:
+# the import of torch and the library took 4.1 to 5.9 s (3.4 to 4.3 s before) and
+# compiling Python's bytecode 20.1 s (25.7 s before, a different host). Nothing of ours
+# runs in the tuned state that the run before did not: the tile is read back and the
+# compiled kernel loaded. About a second of the first backward is PyTorch's own first use
+# of a module: `torch.autograd.grad` with an explicit gradient checks its shape through
+# `torch.fx.experimental.symbolic_shapes`, whose import loads sympy (1.07 s of a 2.35 s
+# first backward in a CPU profile of the same step; `loss.backward()` on a scalar loss
+# does not take that path). Timing the tiles, the difference between the `compiled` and
+# `tuned` rows (two processes, so only roughly), takes 0.10 to 0.21 s for the forward with
+# the tangent and 0.04 to 0.95 s for the backward; the backward's took 1.4 to 2.4 s at
+# these shapes in a run of 2026-12-01, before each candidate was timed for 20 ms after 5 ms
+# of warm-up (chapter 2's `time_candidate`; Triton's default: 100 and 25).

@@ -527,6 +527,19 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   bound; the math path's own attention time is not attributed under `torch.compile`.
 # - Memory: 10.2 GB for our eager step at 256 tokens against 16.7 GB for the math path;
 #   at 4096 tokens and 2 images, 10.2 GB against 120.4 GB.
+# - **Run again on 2026-12-04** (`examples/results/bench_dit_b2_rerun_h200.json`, same H200
+#   kind, with the lean call path, the carry from 1024 keys and the traced twins), eager
+#   and `default` only. Compiled, ours took 36.5 ms against the math path's 44.0 ms at 256
+#   tokens (1.21x; 28.9 against 45.7 ms in the twins' run, so the host-bound compiled step
+#   still varies by a quarter between runs) and 58.3 against 69.6 ms at 1024 tokens,
+#   batch 16 (1.19x, as the run above: 57.4 against 68.3). Eager at 256 tokens ours took
+#   114.4 ms against 143.6 ms (1.25x; 175.0 against 130.2 ms in the saved run), but the
+#   "fast" precision, whose kernels are shorter, took 163.7 ms in the same run: eager steps
+#   still rank the host, not the attentions. The attention kernels took 2.6 ms (5.5% of the
+#   step's kernel time) in the eager step at 256 tokens and 16.8 ms (42%) in the compiled
+#   step at 1024 tokens. So the targets stand where the points above put them: 1.5x at 256
+#   tokens met in one compiled run (the twins') and not in this one, and 2.5x at 1024
+#   tokens out of reach for any attention, the rest of the model bounding the step.
 
 # %% [markdown]
 # Step time and the attention's share against the number of tokens (eager). On logarithmic
