@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from jvp_attention.backward import flash_attention_backward, traceable_backward
 from jvp_attention.forward import flash_attention_forward, traceable_forward
-from jvp_attention.launch import accurate, carries, get_precision, interpreting
+from jvp_attention.launch import accurate, get_precision, interpreting
 from jvp_attention.reference import check_sdpa_arguments, reference_attention, tiled_attention
 
 Tensor = torch.Tensor
@@ -435,50 +435,25 @@ def _traced_twin(name: str, fake, traceable) -> None:
     _TRACED[name] = f"{name}_traced"
 
 
-# Which calls of each operator may be traced (the operators' arguments: q, k, v first,
-# `precision` last, `mask_grad` before it in the backward's).
-def _primal_forward_traceable(q, k, v, *args) -> bool:
-    return traceable_forward(q, k, v, args[-1], has_tangent=False)
-
-
-def _forward_jvp_traceable(q, k, v, *args) -> bool:
-    return traceable_forward(q, k, v, args[-1], has_tangent=True)
+# Which calls of each operator may be traced (the operators' arguments: q, k, v first).
+def _forward_traceable(q, k, v, *args) -> bool:
+    return traceable_forward(q, k, v)
 
 
 def _backward_traceable(q, k, v, *args) -> bool:
-    return traceable_backward(q, k, v, args[-1], has_tangent=False, mask_grad=args[-2])
-
-
-# The most scores (B * Hq * Nq * Nk) of a bf16 "accurate" second-order backward that a
-# graph running its launches from Python traces with the split. Larger ones are bound by
-# their GPU time even as opaque calls, which carry: on the H200 the compiled second-order
-# step at (16, 16, 1024, 72), 2**28 scores, took 6.62 ms of GPU time traced against 6.19 ms
-# for eager's carry, whose host time was 2.19 ms (chapter 8).
-TRACED_SECOND_ORDER_MAX_SCORES = 2**27
-
-
-def _opaque_call_carries_at_scale(q, k, precision: str, mask_grad: bool, mask_tangent) -> bool:
-    """Whether the opaque second-order backward would carry (chapter 5's bf16 copies) in a
-    call of more than TRACED_SECOND_ORDER_MAX_SCORES scores."""
-    batch, heads, n_q, _ = q.shape
-    n_k = k.shape[-2]
-    return (accurate(precision) and not mask_grad and mask_tangent is None
-            and carries(q, n_k, in_graph=False)
-            and batch * heads * n_q * n_k > TRACED_SECOND_ORDER_MAX_SCORES)
+    return traceable_backward(q, k, v, has_tangent=False)
 
 
 def _backward_tangent_traceable(q, k, v, *args) -> bool:
-    if _opaque_call_carries_at_scale(q, k, args[-1], args[-2], args[-5]):
-        return False
-    return traceable_backward(q, k, v, args[-1], has_tangent=True, mask_grad=args[-2])
+    return traceable_backward(q, k, v, has_tangent=True)
 
 
 # Under Triton's interpreter `wrap_triton` runs kernels even on traced tensors, so there the
 # compiled path keeps the opaque operators.
 _TRACED: dict[str, str] = {}
 if not interpreting():
-    _traced_twin("forward", _forward_fake, _primal_forward_traceable)
-    _traced_twin("forward_jvp", _forward_jvp_fake, _forward_jvp_traceable)
+    _traced_twin("forward", _forward_fake, _forward_traceable)
+    _traced_twin("forward_jvp", _forward_jvp_fake, _forward_traceable)
     _traced_twin("backward", _backward_fake, _backward_traceable)
     _traced_twin("backward_tangent", _backward_tangent_fake, _backward_tangent_traceable)
     for _function, _name in ((_Attention, "forward"), (_FusedTangent, "forward_jvp")):

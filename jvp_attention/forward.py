@@ -14,12 +14,14 @@ import triton.language as tl
 from jvp_attention.launch import (
     accurate,
     autotuned,
+    carried_fakes,
     carried_operands,
     carries,
     cdiv,
     check_kernel_shapes,
     check_mask_tangent,
     cut_in_two,
+    graph_carry,
     kernel_meta,
     launch_column_tiles,
     launchable,
@@ -173,6 +175,13 @@ def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Te
     return v_hat, tv_hat, factors
 
 
+carried_jvp_operands = graph_carry(
+    "jvp_operands",
+    "(Tensor q, Tensor k, Tensor v, Tensor tq, Tensor tk, Tensor tv, float scale)"
+    " -> (Tensor, Tensor, Tensor)", jvp_operands,
+    lambda q, k, v, tq, tk, tv, scale: carried_fakes((v, tv), 4))
+
+
 @triton.jit
 def _attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, o_ptr, to_ptr, lse_ptr, mu_ptr,
@@ -318,14 +327,10 @@ _attention_forward_jvp = autotuned(_attention_forward_kernel, [
 FORWARD_TMA_MIN_KEYS = 4096
 
 
-def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str,
-                      has_tangent: bool) -> bool:
-    """Whether the forward's launches may enter a compiled graph (`traceable_launches`); a
-    forward with the tangent that might carry (bf16 "accurate" with long rows) may not."""
+def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the forward's launches may enter a compiled graph (`traceable_launches`)."""
     n_k = k.shape[-2]
-    return traceable_launches(q, n_k,
-                              carry=has_tangent and accurate(precision) and carries(q, n_k),
-                              long_rows=n_k >= FORWARD_TMA_MIN_KEYS,
+    return traceable_launches(q, n_k, long_rows=n_k >= FORWARD_TMA_MIN_KEYS,
                               cut=cut_in_two(q.shape[-1], v.shape[-1]))
 
 
@@ -403,7 +408,7 @@ def flash_attention_forward(
     factors = lse  # not read without CARRY
     if carry:
         with on_device(q):
-            v, tv, factors = jvp_operands(q, k, v, tq, tk, tv, scale)
+            v, tv, factors = carried_jvp_operands(q, k, v, tq, tk, tv, scale)
     use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=n_k >= FORWARD_TMA_MIN_KEYS)
     tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
     constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)

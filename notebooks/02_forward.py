@@ -520,12 +520,14 @@ import triton.language as tl
 from jvp_attention.launch import (
     accurate,
     autotuned,
+    carried_fakes,
     carried_operands,
     carries,
     cdiv,
     check_kernel_shapes,
     check_mask_tangent,
     cut_in_two,
+    graph_carry,
     kernel_meta,
     launch_column_tiles,
     launchable,
@@ -731,8 +733,10 @@ def _forward_key_block(
 # binds, gains little in wall time (2.157 against 2.356 ms in that session, 2.418 in a
 # later run of `training_shapes.py` whose host took 2.31 ms), while under CUDA graphs
 # (`ours_cudagraphs`, `benchmarks/results/training_shapes_h200.json`) the call took 2.156
-# ms against 2.409 before and the forward+JVP 0.894 against 0.944. A compiled graph that
-# runs its launches from Python does not carry at all (`host_bound_graph`, chapter 7). Below 1024 keys the two O(N) passes of the carry cost more than the split's extra
+# ms against 2.409 before and the forward+JVP 0.894 against 0.944. A compiled graph
+# carries too: the copy kernel's launch cannot enter a graph (it takes jit functions as
+# arguments), so the graph calls the copies as an opaque operator and traces the attention
+# kernels that read them (`graph_carry`, below). Below 1024 keys the two O(N) passes of the carry cost more than the split's extra
 # products saves (0.33 against 0.18 ms at 256 keys with the first version; not measured
 # again), and accurate mode costs the split: 15 to 30% more GPU time than "fast" for the
 # forward+JVP, where the call is bound by host work anyway.
@@ -998,15 +1002,41 @@ def carry_min_keys(head_dim: int) -> int:
     return CARRY_MIN_KEYS
 
 
-def carries(q: torch.Tensor, n_keys: int, in_graph: bool = True) -> bool:
+def carries(q: torch.Tensor, n_keys: int) -> bool:
     """Whether "accurate" mode carries the rounded products as exact fp16 copies rather
     than splitting them: bf16 inputs with at least `carry_min_keys` keys per row. Shorter
     rows split, which is as accurate and cheaper there; fp16 always splits (it has no wider
-    16-bit type) and fp32 has nothing to round. A graph that runs its launches from Python
-    splits too (`host_bound_graph`), unless `in_graph` is False: the call is asked as an
-    opaque operator would run it."""
-    return (q.dtype == torch.bfloat16 and n_keys >= carry_min_keys(q.shape[-1])
-            and not (in_graph and host_bound_graph(q)))
+    16-bit type) and fp32 has nothing to round. A compiled graph carries as an eager call
+    does, its copies made by an opaque operator (`graph_carry`)."""
+    return q.dtype == torch.bfloat16 and n_keys >= carry_min_keys(q.shape[-1])
+
+
+def carried_fakes(copied: tuple[torch.Tensor, ...], n_factors: int) -> tuple[torch.Tensor, ...]:
+    """What `carried_operands` returns for `copied`, as empty tensors, flat: the fp16
+    copies, then the fp32 factors (a carry operator's fake implementation)."""
+    return (*(torch.empty(x.shape, device=x.device, dtype=torch.float16) for x in copied),
+            torch.empty(n_factors, device=copied[0].device, dtype=torch.float32))
+
+
+def graph_carry(name: str, schema: str, carry, fake):
+    """How a launcher calls `carry` (a function of tensors and numbers built on
+    `carried_operands`): directly on real tensors; on the functional tensors of a compiled
+    graph being traced, through the opaque operator `jvp_attention::name` (its `schema`,
+    `fake` its fake implementation). The copy kernel takes jit functions as arguments, which
+    Inductor cannot paste into a graph's code; the attention kernels that read the copies
+    are traced as usual."""
+    def on_inputs_device(*args):
+        with on_device(args[0]):
+            return carry(*args)
+
+    operator = torch.library.custom_op(f"jvp_attention::{name}", on_inputs_device,
+                                       mutates_args=(), schema=schema,
+                                       tags=(torch.Tag.needs_fixed_stride_order,))
+    operator.register_fake(fake)
+
+    def call(*args):
+        return (operator if isinstance(args[0], FunctionalTensor) else carry)(*args)
+    return call
 
 
 # %% tags=["export"]
@@ -1037,6 +1067,13 @@ def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Te
     (v_hat, tv_hat), factors = carried_operands((v, tv), (q, k, tq, tk), jvp_shifts,
                                                 abs(scale) * q.shape[-1], 4)
     return v_hat, tv_hat, factors
+
+
+carried_jvp_operands = graph_carry(
+    "jvp_operands",
+    "(Tensor q, Tensor k, Tensor v, Tensor tq, Tensor tk, Tensor tv, float scale)"
+    " -> (Tensor, Tensor, Tensor)", jvp_operands,
+    lambda q, k, v, tq, tk, tv, scale: carried_fakes((v, tv), 4))
 
 
 # %% [markdown]
@@ -1686,16 +1723,14 @@ def plain_autotuner(kernel, configs: tuple[triton.Config, ...]) -> Autotuner:
     return triton.autotune(configs=list(configs), key=[])(kernel)
 
 
-def traceable_launches(q: torch.Tensor, n_k: int, *, carry: bool, long_rows: bool,
-                       cut: bool) -> bool:
-    """Whether a launcher's kernels may enter a compiled graph (`launchable`): not when it
-    carries (the copy kernel takes a jit function as an argument, which Inductor cannot
-    paste), nor with rows long enough for tensor descriptors (choosing them reads the data's
-    alignment, which a traced tensor has not got), nor under the interpreter. Head dims cut
-    into two column tiles where this library compiles with its own ptxas (`sound_ptxas`:
-    Inductor's compile workers would not) enter it padded to one tile, when the call is
-    small enough for that to pay (`pads_in_graph`)."""
-    if carry or long_rows or interpreting() or os.environ.get("JVP_ATTENTION_TMA") == "1":
+def traceable_launches(q: torch.Tensor, n_k: int, *, long_rows: bool, cut: bool) -> bool:
+    """Whether a launcher's kernels may enter a compiled graph (`launchable`): not with rows
+    long enough for tensor descriptors (choosing them reads the data's alignment, which a
+    traced tensor has not got), nor under the interpreter. A carry enters it through its
+    opaque operator (`graph_carry`). Head dims cut into two column tiles where this library
+    compiles with its own ptxas (`sound_ptxas`: Inductor's compile workers would not) enter
+    it padded to one tile, when the call is small enough for that to pay (`pads_in_graph`)."""
+    if long_rows or interpreting() or os.environ.get("JVP_ATTENTION_TMA") == "1":
         return False
     return not (cut and needs_sound_ptxas(q)) or pads_in_graph(q, n_k)
 
@@ -1705,8 +1740,9 @@ def traceable_launches(q: torch.Tensor, n_k: int, *, carry: bool, long_rows: boo
 # compiled MeanFlow step spent 58.7 of its 63.6 ms in the host's forward and backward
 # (chapter 9). Unless CUDA graphs replay the graph (`mode="reduce-overhead"`), which takes
 # that host work out, a graph therefore takes the kernels it can trace over the faster ones
-# it cannot: the split instead of the carry (`carries`) and, in the backward, pointers
-# instead of tensor descriptors below 4096 tokens (chapter 5).
+# it cannot: in the backward, pointers instead of tensor descriptors below 4096 tokens
+# (chapter 5). The carry it keeps, its copies made by an opaque operator (`graph_carry`),
+# about a tenth of a whole call's host time.
 def host_bound_graph(q: torch.Tensor) -> bool:
     """Whether `q` is a tensor of a compiled graph being traced that will run its launches
     from Python on every call: not one that Inductor will replay through CUDA graphs (its
@@ -2050,14 +2086,10 @@ _attention_forward_jvp = autotuned(_attention_forward_kernel, [
 FORWARD_TMA_MIN_KEYS = 4096
 
 
-def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str,
-                      has_tangent: bool) -> bool:
-    """Whether the forward's launches may enter a compiled graph (`traceable_launches`); a
-    forward with the tangent that might carry (bf16 "accurate" with long rows) may not."""
+def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the forward's launches may enter a compiled graph (`traceable_launches`)."""
     n_k = k.shape[-2]
-    return traceable_launches(q, n_k,
-                              carry=has_tangent and accurate(precision) and carries(q, n_k),
-                              long_rows=n_k >= FORWARD_TMA_MIN_KEYS,
+    return traceable_launches(q, n_k, long_rows=n_k >= FORWARD_TMA_MIN_KEYS,
                               cut=cut_in_two(q.shape[-1], v.shape[-1]))
 
 
@@ -2135,7 +2167,7 @@ def flash_attention_forward(
     factors = lse  # not read without CARRY
     if carry:
         with on_device(q):
-            v, tv, factors = jvp_operands(q, k, v, tq, tk, tv, scale)
+            v, tv, factors = carried_jvp_operands(q, k, v, tq, tk, tv, scale)
     use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=n_k >= FORWARD_TMA_MIN_KEYS)
     tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
     constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)

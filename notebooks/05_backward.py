@@ -87,12 +87,14 @@ from jvp_attention.launch import (
     KeyedAutotuner,
     accurate,
     autotuned,
+    carried_fakes,
     carried_operands,
     carries,
     cdiv,
     check_kernel_shapes,
     check_mask_tangent,
     cut_in_two,
+    graph_carry,
     host_bound_graph,
     kernel_meta,
     launch_column_tiles,
@@ -492,6 +494,24 @@ def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (*copies, factors)
 
 
+def backward_operands_and_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                grad_out: torch.Tensor, out: torch.Tensor,
+                                out_residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """`backward_operands` writing a Delta of its own, returned last (as an operator must:
+    it cannot write its inputs)."""
+    delta = torch.empty(out.shape[:3], device=out.device, dtype=torch.float32)
+    return (*backward_operands(q, k, v, grad_out, out, out_residual, delta), delta)
+
+
+carried_backward_operands = graph_carry(
+    "backward_operands",
+    "(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor out, Tensor? out_residual)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", backward_operands_and_delta,
+    lambda q, k, v, grad_out, out, out_residual: (
+        *carried_fakes((q, k, v, grad_out), 6),
+        torch.empty(out.shape[:3], device=out.device, dtype=torch.float32)))
+
+
 @triton.jit
 def _power(exponent):
     """2**exponent for a carry factor, the exponent kept inside fp32's normal range."""
@@ -574,6 +594,15 @@ def second_order_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         (q, k, v, tq, tk, tv, grad_out, grad_tangent_out), (), second_order_shifts,
         (abs(scale) * q.shape[-1], v.shape[-1]), SECOND_ORDER_FACTORS)
     return (*copies, factors)
+
+
+carried_second_order_operands = graph_carry(
+    "second_order_operands",
+    "(Tensor q, Tensor k, Tensor v, Tensor tq, Tensor tk, Tensor tv, Tensor grad_out,"
+    " Tensor grad_tangent_out, float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,"
+    " Tensor, Tensor, Tensor)", second_order_operands,
+    lambda q, k, v, tq, tk, tv, grad_out, grad_tangent_out, scale: carried_fakes(
+        (q, k, v, tq, tk, tv, grad_out, grad_tangent_out), SECOND_ORDER_FACTORS))
 
 
 # %% [markdown]
@@ -1066,17 +1095,15 @@ def backward_tma_min_tokens(q: torch.Tensor) -> int:
     return GRAPH_TMA_MIN_TOKENS if host_bound_graph(q) else BACKWARD_TMA_MIN_TOKENS
 
 
-def traceable_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str,
-                       has_tangent: bool, mask_grad: bool) -> bool:
+def traceable_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       has_tangent: bool) -> bool:
     """Whether the backward's launches may enter a compiled graph (`traceable_launches`):
-    both backwards carry as the forward does; the first-order one also reads through
-    descriptors from `backward_tma_min_tokens` and cuts head dims in its dQ kernel."""
+    the first-order one reads through descriptors from `backward_tma_min_tokens` and cuts
+    head dims in its dQ kernel; the one through the tangent does neither."""
     n_q, n_k = q.shape[-2], k.shape[-2]
-    carry = accurate(precision) and not mask_grad and carries(q, n_k)
     if has_tangent:
-        return traceable_launches(q, n_k, carry=carry, long_rows=False, cut=False)
-    return traceable_launches(q, n_k, carry=carry,
-                              long_rows=min(n_q, n_k) >= backward_tma_min_tokens(q),
+        return traceable_launches(q, n_k, long_rows=False, cut=False)
+    return traceable_launches(q, n_k, long_rows=min(n_q, n_k) >= backward_tma_min_tokens(q),
                               cut=cut_in_two(q.shape[-1], v.shape[-1]))
 
 
@@ -1182,13 +1209,13 @@ def flash_attention_backward(
     grad_tangent = dto  # the row statistics read the cotangents themselves
     if carry and has_tangent:
         with on_device(q):
-            q, k, v, tq, tk, tv, grad_operand, dto, factors = second_order_operands(
+            q, k, v, tq, tk, tv, grad_operand, dto, factors = carried_second_order_operands(
                 q, k, v, tq, tk, tv, grad_out, dto, scale)
     elif carry:  # the copy kernel writes delta too
         with on_device(q):
-            q, k, v, grad_operand, factors = backward_operands(q, k, v, grad_out, out,
-                                                               out_residual, delta)
-        tq, tk, tv, dto = q, k, v, grad_operand
+            q, k, v, grad_operand, factors, delta = carried_backward_operands(
+                q, k, v, grad_out, out, out_residual)
+        tq, tk, tv, dto, c = q, k, v, grad_operand, delta
     meta = kernel_meta(q, head_dim, value_dim, split=exact and not carry)
     # The first-order dQ kernel cuts a padded head dim into two column tiles, as the forward
     # does. The dK/dV kernel keeps one: with two it spills on every 8-warp tile for sm_90

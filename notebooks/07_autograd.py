@@ -101,7 +101,7 @@ from torch.overrides import TorchFunctionMode
 
 from jvp_attention.backward import flash_attention_backward, traceable_backward
 from jvp_attention.forward import flash_attention_forward, traceable_forward
-from jvp_attention.launch import accurate, carries, get_precision, interpreting
+from jvp_attention.launch import accurate, get_precision, interpreting
 from jvp_attention.reference import check_sdpa_arguments, reference_attention, tiled_attention
 
 Tensor = torch.Tensor
@@ -541,50 +541,25 @@ def _traced_twin(name: str, fake, traceable) -> None:
     _TRACED[name] = f"{name}_traced"
 
 
-# Which calls of each operator may be traced (the operators' arguments: q, k, v first,
-# `precision` last, `mask_grad` before it in the backward's).
-def _primal_forward_traceable(q, k, v, *args) -> bool:
-    return traceable_forward(q, k, v, args[-1], has_tangent=False)
-
-
-def _forward_jvp_traceable(q, k, v, *args) -> bool:
-    return traceable_forward(q, k, v, args[-1], has_tangent=True)
+# Which calls of each operator may be traced (the operators' arguments: q, k, v first).
+def _forward_traceable(q, k, v, *args) -> bool:
+    return traceable_forward(q, k, v)
 
 
 def _backward_traceable(q, k, v, *args) -> bool:
-    return traceable_backward(q, k, v, args[-1], has_tangent=False, mask_grad=args[-2])
-
-
-# The most scores (B * Hq * Nq * Nk) of a bf16 "accurate" second-order backward that a
-# graph running its launches from Python traces with the split. Larger ones are bound by
-# their GPU time even as opaque calls, which carry: on the H200 the compiled second-order
-# step at (16, 16, 1024, 72), 2**28 scores, took 6.62 ms of GPU time traced against 6.19 ms
-# for eager's carry, whose host time was 2.19 ms (chapter 8).
-TRACED_SECOND_ORDER_MAX_SCORES = 2**27
-
-
-def _opaque_call_carries_at_scale(q, k, precision: str, mask_grad: bool, mask_tangent) -> bool:
-    """Whether the opaque second-order backward would carry (chapter 5's bf16 copies) in a
-    call of more than TRACED_SECOND_ORDER_MAX_SCORES scores."""
-    batch, heads, n_q, _ = q.shape
-    n_k = k.shape[-2]
-    return (accurate(precision) and not mask_grad and mask_tangent is None
-            and carries(q, n_k, in_graph=False)
-            and batch * heads * n_q * n_k > TRACED_SECOND_ORDER_MAX_SCORES)
+    return traceable_backward(q, k, v, has_tangent=False)
 
 
 def _backward_tangent_traceable(q, k, v, *args) -> bool:
-    if _opaque_call_carries_at_scale(q, k, args[-1], args[-2], args[-5]):
-        return False
-    return traceable_backward(q, k, v, args[-1], has_tangent=True, mask_grad=args[-2])
+    return traceable_backward(q, k, v, has_tangent=True)
 
 
 # Under Triton's interpreter `wrap_triton` runs kernels even on traced tensors, so there the
 # compiled path keeps the opaque operators.
 _TRACED: dict[str, str] = {}
 if not interpreting():
-    _traced_twin("forward", _forward_fake, _primal_forward_traceable)
-    _traced_twin("forward_jvp", _forward_jvp_fake, _forward_jvp_traceable)
+    _traced_twin("forward", _forward_fake, _forward_traceable)
+    _traced_twin("forward_jvp", _forward_jvp_fake, _forward_traceable)
     _traced_twin("backward", _backward_fake, _backward_traceable)
     _traced_twin("backward_tangent", _backward_tangent_fake, _backward_tangent_traceable)
     for _function, _name in ((_Attention, "forward"), (_FusedTangent, "forward_jvp")):
@@ -608,33 +583,34 @@ if not interpreting():
 # themselves, which Inductor runs with its own lean launcher.
 #
 # Where the launcher's choices need the data or a compiler switch, the twin calls the
-# opaque operator instead (`traceable_forward`, `traceable_backward`): the bf16 carry's
-# copy kernel (it takes a jit function as an argument), tensor descriptors (they are
-# chosen by the data's alignment: the forward's from 4096 keys, the first-order backward's
-# from 1024 tokens), and head dims cut in two (d = 40, 72) in calls of more than
+# opaque operator instead (`traceable_forward`, `traceable_backward`): tensor descriptors
+# (they are chosen by the data's alignment: the forward's from 4096 keys, the first-order
+# backward's from 1024 tokens), and head dims cut in two (d = 40, 72) in calls of more than
 # `PADDED_MAX_SCORES` scores while this library compiles with its own ptxas
 # (`sound_ptxas`: Inductor's compile workers would use Triton's, which faults at d = 40
 # and 72). Smaller calls at those head dims enter the graph with one padded column tile
 # (`launch_column_tiles`, chapter 2), whose host time saved outweighs the extra products.
+# The bf16 carry's copy kernel cannot enter a graph either (it takes jit functions as
+# arguments), but it need not keep the whole call out: the twin calls the copies through
+# an opaque operator of their own (`graph_carry`, chapter 2; `jvp_operands`,
+# `backward_operands`, `second_order_operands`) and traces the attention kernels that read
+# them, so a graph carries wherever eager mode does, for two small launches' host time.
 #
-# Two of those choices are only worth their opaque call where something else removes its
-# host work. CUDA graphs do (`mode="reduce-overhead"`); without them an opaque call costs
-# about 1 ms of Python per step, and at DiT-B/2's 1024 tokens a compiled MeanFlow step spent
+# The descriptors are only worth their opaque call where something else removes its host
+# work. CUDA graphs do (`mode="reduce-overhead"`); without them an opaque call costs about
+# 1 ms of Python per step, and at DiT-B/2's 1024 tokens a compiled MeanFlow step spent
 # 58.7 of its 63.6 ms in the host's forward and backward (chapter 9). So a graph that runs
-# its launches from Python (`host_bound_graph`, chapter 2) traces the split where eager
-# mode would carry, and the backward's pointer kernels below 4096 tokens where eager mode
-# would read through descriptors (`backward_tma_min_tokens`, chapter 5): some GPU time for
-# all of that host time. A graph that CUDA graphs replay keeps the opaque operators and
-# their faster kernels. One call is an exception: a bf16 second-order backward of more than
-# `TRACED_SECOND_ORDER_MAX_SCORES` scores stays opaque and carries in either graph, because
-# its GPU time outweighs its host time by far. On the H200 (bf16, the second-order step of
-# chapter 8's training shapes, forward with the tangent and the backward through both
-# outputs), tracing the split had cost 6.62 against eager's 6.19 ms of GPU time at
-# (16, 16, 1024, 72), 6.08 against 5.32 at (32, 12, 1024, 64), 6.97 against 6.39 at
-# (16, 16, 1024, 128) and 297 against 257 ms at (1, 12, 32760, 128), where eager's host
-# time per step was 2.1 to 3.2 ms. With the opaque backward the compiled step took 6.18 ms
-# at the first shape and 5.47 at the second (its forward with the tangent is still traced
-# with the split, 0.15 ms of the difference to eager there).
+# its launches from Python (`host_bound_graph`, chapter 2) traces the backward's pointer
+# kernels below 4096 tokens where eager mode would read through descriptors
+# (`backward_tma_min_tokens`, chapter 5): some GPU time for all of that host time. A graph
+# that CUDA graphs replay keeps the opaque operator and its faster kernels.
+#
+# Until the copies had their own operator, such a graph traced the split products where
+# eager mode carries, which cost GPU time the host could not hide in large calls. On the
+# H200 (bf16, chapter 8's training shapes, compiled without CUDA graphs, GPU time per
+# call): the MeanFlow call took 2.68 ms against eager's 2.05 at (32, 12, 1024, 64) and 2.80
+# against 2.46 at (16, 16, 1024, 128); the second-order step 6.62 against 6.19 ms at
+# (16, 16, 1024, 72) and 297 against 257 ms at (1, 12, 32760, 128).
 #
 # Registering a twin would import `torch._inductor` (about a second, paid by the first call
 # of every process, compiled or not): `triton_op` scans the body's source for the kernels it

@@ -1376,16 +1376,19 @@ TS_TABLES
 #   keeps one copy, 0.454 ms against 0.430 ms eager, and 0.78 ms of host time against
 #   1.53 ms. The video shape's second-order row under CUDA graphs is from a run before the
 #   marking and still includes the copies (five `multi_tensor_apply_kernel` launches).
-# - **Compiled without CUDA graphs, large calls.** A graph that runs its launches from
-#   Python traces the split products and the backward's pointer kernels rather than call
-#   the opaque operators (`host_bound_graph`, chapter 2), since inside a model their host
-#   time is what bounds the step (chapter 9). On an isolated call from about $2^{28}$ scores
-#   that costs GPU time the host cannot hide: at (32, 12, 1024, 64) the forward with the
-#   tangent took 1.080 ms of GPU time compiled against 0.927 ms eager, the MeanFlow call
-#   2.681 against 2.052 ms, with 1.1 ms of host time against 2.7 ms; at (16, 16, 1024, 128)
-#   1.306 against 1.174 and 2.801 against 2.461 ms. The second-order backward, longer than
-#   any host time at these sizes, stays opaque from $2^{27}$ scores (chapter 7), and so do
-#   head dims cut in two (`PADDED_MAX_SCORES`), which is why (16, 16, 1024, 72) shows no gap.
+# - **Compiled without CUDA graphs, large calls.** In the saved run a graph that runs its
+#   launches from Python traced the split products and the backward's pointer kernels
+#   rather than call the opaque operators (`host_bound_graph`, chapter 2), since inside a
+#   model their host time is what bounds the step (chapter 9). On an isolated call from
+#   about $2^{28}$ scores that cost GPU time the host could not hide: at (32, 12, 1024, 64)
+#   the forward with the tangent took 1.080 ms of GPU time compiled against 0.927 ms eager,
+#   the MeanFlow call 2.681 against 2.052 ms, with 1.1 ms of host time against 2.7 ms; at
+#   (16, 16, 1024, 128) 1.306 against 1.174 and 2.801 against 2.461 ms. The second-order
+#   backward then stayed opaque from $2^{27}$ scores, and so do head dims cut in two
+#   (`PADDED_MAX_SCORES`), which is why (16, 16, 1024, 72) shows no gap. Since that run a
+#   graph carries as eager mode does, its copies made by an opaque operator of their own
+#   (`graph_carry`, chapter 2), which should remove most of the gap at these shapes (the
+#   pointer backward stays); these rows have not been measured again with it.
 # - **The video shape runs chapters 11 and 12's kernels.** At (1, 12, 32760, 128) the
 #   forward with the tangent is the warp-specialised kernel with the carry, 31.8 ms of GPU
 #   time (623 TFLOP/s); the MeanFlow call adds the warp-specialised dK/dV kernel, 67.1 ms

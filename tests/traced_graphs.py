@@ -50,6 +50,9 @@ import jvp_attention.forward as forward  # noqa: E402
 forward.on_device = backward.on_device = lambda t: contextlib.nullcontext()
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# The operators that make the bf16 carry's copies inside a traced graph (chapter 2's
+# `graph_carry`); any other operator of ours in a graph is a whole call kept opaque.
+CARRY_OPERATORS = ("jvp_operands", "backward_operands", "second_order_operands")
 
 
 def operands(case: dict, mode: FakeTensorMode) -> dict:
@@ -108,7 +111,8 @@ def call(case: dict, t: dict):
 
 def trace(case: dict) -> dict:
     """The forward graph AOTAutograd traces for one case: the kernels it launches, the
-    arguments each launch was found to write, and whether it calls an opaque operator."""
+    arguments each launch was found to write, the opaque operators it calls for whole
+    calls, and those it calls for the carry's copies."""
     mode = FakeTensorMode(shape_env=ShapeEnv() if case.get("dynamic") else None)
     graphs = []
 
@@ -131,11 +135,13 @@ def trace(case: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - reported; running the traced graph needs CUDA
         error = f"{type(e).__name__}: {e}"[:500]
     code = graphs[0] if graphs else ""
+    operators = re.findall(r"torch\.ops\.jvp_attention\.(\w+)\.default", code)
     return {"case": case, "error": None if graphs else error,
             "launches": len(re.findall(r"triton_kernel_wrapper_functional\(", code)),
             "written": [re.findall(r"'(\w+)'", m) for m in
                         re.findall(r"tensors_to_clone = \[([^\]]*)\]", code)],
-            "opaque": bool(re.search(r"torch\.ops\.jvp_attention\.\w+\.default", code)),
+            "opaque": [name for name in operators if name not in CARRY_OPERATORS],
+            "carried": [name for name in operators if name in CARRY_OPERATORS],
             "traced": bool(graphs)}
 
 

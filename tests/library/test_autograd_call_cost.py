@@ -229,8 +229,8 @@ def test_carried_backward_through_both_outputs(launches, monkeypatch) -> None:
     out, tangent_out = torch.func.jvp(jvp_attention.attention, inputs, tangents)
     loss = out.float().sum() + tangent_out.float().square().sum()
     launches.clear()
-    with mock.patch.object(backward, "second_order_operands",
-                           wraps=backward.second_order_operands) as carried:
+    with mock.patch.object(backward, "carried_second_order_operands",
+                           wraps=backward.carried_second_order_operands) as carried:
         loss.backward()
     assert carried.called
     assert sum(launches.values()) == SECOND_ORDER_LAUNCHES + CARRY_LAUNCHES, launches

@@ -217,8 +217,8 @@ def test_bf16_second_order_through_fp16_operands_on_cpu(spec: Spec, scales: str,
     out, t_out = (forward_truth[n].to(torch.bfloat16) for n in ("out", "tangent_out"))
     residuals = [(forward_truth[n] - x.double()).to(torch.bfloat16)
                  for n, x in (("out", out), ("tangent_out", t_out))]
-    with mock.patch.object(backward, "second_order_operands",
-                           wraps=backward.second_order_operands) as carried:
+    with mock.patch.object(backward, "carried_second_order_operands",
+                           wraps=backward.carried_second_order_operands) as carried:
         grads = flash_attention_backward(
             p.q, p.k, p.v, out, forward_truth["lse"].float(), p.grad_out, p.attn_mask,
             spec.causal, spec.scale, tangents=p.tangents, tangent_out=t_out,
@@ -242,8 +242,8 @@ def test_bf16_second_order_through_fp16_operands_gpu(scales: str) -> None:
     5): PyTorch's floor, whatever the inputs' scales."""
     p = _scaled_problem(Spec(batch=1, hq=4, hkv=2, nq=1100, nk=1100, d=64, causal=True),
                         scales, "cuda")
-    with mock.patch.object(backward, "second_order_operands",
-                           wraps=backward.second_order_operands) as carried:
+    with mock.patch.object(backward, "carried_second_order_operands",
+                           wraps=backward.carried_second_order_operands) as carried:
         ours = kernel_second_order(p)
     assert carried.called
     truth, floor = expected_second_order(p)

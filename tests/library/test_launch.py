@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+from helpers import DEVICE
 
 import jvp_attention.launch as launch
 
@@ -465,9 +466,9 @@ def test_launchable_keeps_our_launch_path_on_real_tensors() -> None:
 
 
 def test_forward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> None:
-    """`traceable_forward`: not where bf16 accurate carries, nor from the descriptors' row
-    length, nor under the interpreter; the fast precision and the primal forward never
-    carry."""
+    """`traceable_forward`: not from the descriptors' row length, nor under the interpreter;
+    a bf16 "accurate" call that carries is traced too (its copies come from an operator of
+    their own, `graph_carry`)."""
     import jvp_attention.forward as forward
 
     def q_k(dtype, n, d=64):
@@ -475,24 +476,20 @@ def test_forward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> N
 
     q, k = q_k(torch.float16, 256)
     monkeypatch.setattr(launch, "interpreting", lambda: True)
-    assert not forward.traceable_forward(q, k, k, "accurate", True)  # the interpreter runs this
+    assert not forward.traceable_forward(q, k, k)  # the interpreter runs this
     monkeypatch.setattr(launch, "interpreting", lambda: False)
-    for dtype, n, precision, tangent, expected in [
-            (torch.float16, 256, "accurate", True, True),
-            (torch.bfloat16, 256, "accurate", True, True),
-            (torch.bfloat16, 1024, "accurate", True, False),
-            (torch.bfloat16, 1024, "accurate", False, True),
-            (torch.bfloat16, 1024, "fast", True, True),
-            (torch.float16, forward.FORWARD_TMA_MIN_KEYS, "fast", True, False)]:
+    for dtype, n, expected in [
+            (torch.float16, 256, True),
+            (torch.bfloat16, 1024, True),
+            (torch.bfloat16, forward.FORWARD_TMA_MIN_KEYS - 1, True),
+            (torch.float16, forward.FORWARD_TMA_MIN_KEYS, False)]:
         q, k = q_k(dtype, n)
-        assert forward.traceable_forward(q, k, k, precision, tangent) == expected, (
-            dtype, n, precision, tangent)
+        assert forward.traceable_forward(q, k, k) == expected, (dtype, n)
 
 
 def test_backward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> None:
-    """`traceable_backward`: neither backward where bf16 accurate carries (unless the mask's
-    gradient is asked for, which splits); the first-order one not from the descriptors' row
-    length either, which the second-order one does not use."""
+    """`traceable_backward`: the first-order one not from the descriptors' row length, which
+    the second-order one does not use; a carry does not keep either out of a graph."""
     import jvp_attention.backward as backward
 
     def qkv(dtype, n, d=64):  # 256 queries: descriptors need both loops long
@@ -500,23 +497,17 @@ def test_backward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> 
                 *(torch.zeros(1, 2, n, d, dtype=dtype) for _ in range(2)))
 
     monkeypatch.setattr(launch, "interpreting", lambda: True)
-    assert not backward.traceable_backward(*qkv(torch.float16, 256), "accurate", False, False)
+    assert not backward.traceable_backward(*qkv(torch.float16, 256), False)
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     long = backward.BACKWARD_TMA_MIN_TOKENS
     assert launch.carry_min_keys(64) <= 4 * long
-    for dtype, n, precision, tangent, mask_grad, expected in [
-            (torch.float16, 256, "accurate", False, False, True),
-            (torch.bfloat16, 4 * long, "accurate", False, False, False),
-            (torch.bfloat16, 4 * long, "accurate", False, True, True),
-            (torch.bfloat16, 4 * long, "fast", False, False, True),
-            (torch.bfloat16, 4 * long, "accurate", True, False, False),
-            (torch.bfloat16, 4 * long, "accurate", True, True, True),
-            (torch.bfloat16, 4 * long, "fast", True, False, True)]:
-        assert backward.traceable_backward(*qkv(dtype, n), precision, tangent,
-                                           mask_grad) == expected, (dtype, n, precision, tangent)
+    for dtype, n, tangent in [(torch.float16, 256, False), (torch.bfloat16, 4 * long, False),
+                              (torch.bfloat16, 4 * long, True)]:
+        assert backward.traceable_backward(*qkv(dtype, n), tangent), (dtype, n, tangent)
     q, k, v = (torch.zeros(1, 2, long, 64, dtype=torch.float16) for _ in range(3))
-    assert not backward.traceable_backward(q, k, v, "fast", False, False)
-    assert backward.traceable_backward(q, k, v, "fast", True, False)
+    assert not backward.traceable_backward(q, k, v, False)
+    assert backward.traceable_backward(q, k, v, True)
+
 
 def test_cut_head_dims_are_padded_in_small_compiled_calls(monkeypatch) -> None:
     """Where the kernels need this library's ptxas (Hopper, Triton 3.6), a head dim cut in
@@ -533,11 +524,11 @@ def test_cut_head_dims_are_padded_in_small_compiled_calls(monkeypatch) -> None:
     assert launch.pads_in_graph(small[0], 256) and not launch.pads_in_graph(large[0], 1024)
     for q, k, v in (small, large):
         expected = launch.pads_in_graph(q, k.shape[-2])
-        assert forward.traceable_forward(q, k, v, "accurate", True) == expected
-        assert backward.traceable_backward(q, k, v, "fast", False, False) == expected
-        assert backward.traceable_backward(q, k, v, "accurate", True, False)  # never cut
+        assert forward.traceable_forward(q, k, v) == expected
+        assert backward.traceable_backward(q, k, v, False) == expected
+        assert backward.traceable_backward(q, k, v, True)  # never cut
     monkeypatch.setattr(launch, "PADDED_MAX_SCORES", 0)
-    assert not forward.traceable_forward(*small, "accurate", True)
+    assert not forward.traceable_forward(*small)
     assert launch.launch_column_tiles(small[0], 256, 72, 72) == launch.column_tiles(72, 72)
     assert launch.column_tiles(72, 72)["D_TAIL"] == 16  # what eager mode multiplies
 
@@ -701,3 +692,39 @@ def test_descriptors_match_by_what_triton_compiles_for_them(launcher) -> None:
         return isinstance(value, tuple) and any(map(holds_tensor, value))
 
     assert not any(holds_tensor(key) for key in launcher.launches)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_carry_operators_return_what_their_functions_do(residual: bool) -> None:
+    """The opaque operators through which a compiled graph makes the carry's copies
+    (`graph_carry`) run the same functions: their real implementations (which a traced graph
+    calls at run time, through the dispatcher) give the direct call's tensors, bit for bit,
+    and their fake implementations the same shapes, dtypes and strides."""
+    import jvp_attention.backward as backward
+    import jvp_attention.forward as forward
+
+    torch.manual_seed(0)
+    q, k, v, tq, tk, tv, grad_out, dto = (
+        torch.randn(2, 3, 40, 16, dtype=torch.bfloat16, device=DEVICE) for _ in range(8))
+    out = torch.randn_like(q)
+    out_residual = 1e-3 * torch.randn_like(q) if residual else None
+    ops = torch.ops.jvp_attention
+    cases = [
+        (ops.jvp_operands, forward.jvp_operands, (q, k, v, tq, tk, tv, 0.25)),
+        (ops.backward_operands, backward.backward_operands_and_delta,
+         (q, k, v, grad_out, out, out_residual)),
+        (ops.second_order_operands, backward.second_order_operands,
+         (q, k, v, tq, tk, tv, grad_out, dto, 0.25))]
+    for operator, function, args in cases:
+        expected = function(*args)
+        through_operator = operator(*args)
+        assert len(through_operator) == len(expected)
+        for ours, theirs in zip(through_operator, expected, strict=True):
+            assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+            assert torch.equal(ours, theirs), operator
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fakes = operator(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                               for a in args))
+        for fake, real in zip(fakes, expected, strict=True):
+            assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype,
+                                                               real.stride()), operator

@@ -16,11 +16,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 import jvp_attention.launch as launch
-from jvp_attention.autograd import TRACED_SECOND_ORDER_MAX_SCORES
 
 TESTS = Path(__file__).resolve().parents[1]
 FORWARD = ["o_ptr", "lse_ptr"]
@@ -37,7 +37,13 @@ CUT_IS_OPAQUE = launch.sound_ptxas(90) is not None
 LARGE_D72 = [16, 16, 1024, 72]  # 2**28 scores
 assert 16 * 16 * 1024 * 1024 > launch.PADDED_MAX_SCORES
 LARGE_SECOND_ORDER = [16, 16, 1024, 64]  # 2**28 scores
-assert 16 * 16 * 1024 * 1024 > TRACED_SECOND_ORDER_MAX_SCORES
+
+
+class Carried(NamedTuple):
+    """A traced call that carries (bf16 "accurate", from carry_min_keys keys): the graph
+    calls `operator` for the copies, then launches kernels that write `written`."""
+    operator: str
+    written: list
 
 # (case, the arguments each launch writes, in launch order; None: the opaque operator).
 # "device": "cpu" where fake CUDA tensors cannot run an operation the launcher needs
@@ -61,12 +67,18 @@ CASES = [
     # is specialised by the launcher's guards (a new count recompiles), and either traces
     ({"op": "forward_jvp", "dynamic": "batch", "device": "cpu"}, [FORWARD_JVP]),
     ({"op": "forward_jvp", "dynamic": "tokens", "device": "cpu"}, [FORWARD_JVP]),
-    # bf16 "accurate" from carry_min_keys keys carries, and its copy kernel takes a jit
-    # function: a graph that CUDA graphs replay keeps the opaque operator, one whose
-    # launches run from Python each step traces the split
+    # bf16 "accurate" from carry_min_keys keys carries: its copy kernel takes jit functions,
+    # so the copies come from an operator of their own, and the attention kernel is traced,
+    # whether CUDA graphs replay the graph or not
     ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "cudagraphs": True},
-     None),
-    ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64]}, [FORWARD_JVP]),
+     Carried("jvp_operands", [FORWARD_JVP])),
+    ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64]},
+     Carried("jvp_operands", [FORWARD_JVP])),
+    ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "residual": True},
+     Carried("jvp_operands", [FORWARD_JVP + RESIDUALS])),
+    # a mask tangent would enter tS in natural units: the split, traced
+    ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "mask": "float",
+      "mask_tangent": True, "device": "cpu"}, [FORWARD_JVP]),
     ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "precision": "fast"},
      [FORWARD_JVP]),
     # from FORWARD_TMA_MIN_KEYS keys, tensor descriptors: chosen by the data's alignment
@@ -82,13 +94,18 @@ CASES = [
     # d = 40: rows not 16-aligned, so the row-statistics kernel writes delta first
     ({"op": "backward", "shape": [2, 4, 64, 40], "device": "cpu"},
      [["delta_ptr"], ["dq_ptr"], KEY_GRADS]),
-    # from BACKWARD_TMA_MIN_TOKENS the backward reads through descriptors (and carries in
-    # bf16): opaque under CUDA graphs, traced with pointers (and the split) otherwise, up to
-    # GRAPH_TMA_MIN_TOKENS
+    # from BACKWARD_TMA_MIN_TOKENS the backward reads through descriptors: opaque under CUDA
+    # graphs, traced with pointers otherwise, up to GRAPH_TMA_MIN_TOKENS; in bf16 it
+    # carries, and the copy operator writes delta
     ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64], "cudagraphs": True}, None),
     ({"op": "backward", "shape": [1, 2, 1024, 64], "cudagraphs": True}, None),
     ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64]},
-     [["delta_ptr", "dq_ptr"], KEY_GRADS]),
+     Carried("backward_operands", [["dq_ptr"], KEY_GRADS])),
+    ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64], "residual": True},
+     Carried("backward_operands", [["dq_ptr"], KEY_GRADS])),
+    # with the mask's gradient, in natural units: the split
+    ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64], "mask": "float",
+      "mask_grad": True}, [["delta_ptr", "dq_ptr", "dmask_ptr"], KEY_GRADS]),
     ({"op": "backward", "shape": [1, 2, 2048, 64]}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
     ({"op": "backward", "shape": [1, 2, 4096, 64]}, None),
     ({"op": "backward", "shape": [2, 4, 64, 72]}, [["delta_ptr"], ["dq_ptr"], KEY_GRADS]),
@@ -103,17 +120,19 @@ CASES = [
       "residual": True, "device": "cpu"},
      [SECOND_ORDER[0], SECOND_ORDER[1] + ["dmask_ptr", "dtmask_ptr"], *SECOND_ORDER[2:]]),
     ({"op": "backward", "mask": "bool"}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
-    # bf16 "accurate" second order from carry_min_keys keys: traced with the split in a small
-    # call; above TRACED_SECOND_ORDER_MAX_SCORES the opaque operator, which carries
-    ({"op": "backward_tangent", "dtype": "bf16", "shape": [1, 2, 1024, 64]}, SECOND_ORDER),
-    ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER}, None),
+    # bf16 "accurate" second order from carry_min_keys keys carries, its copies from their
+    # own operator, in small and large calls alike
+    ({"op": "backward_tangent", "dtype": "bf16", "shape": [1, 2, 1024, 64]},
+     Carried("second_order_operands", SECOND_ORDER)),
+    ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER},
+     Carried("second_order_operands", SECOND_ORDER)),
     ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER,
       "precision": "fast"}, SECOND_ORDER),
-    # a symbolic batch: the choice guards on it
+    # a symbolic batch: the copies' shapes follow it
     ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER,
-      "dynamic": "batch", "device": "cpu"}, None),
-    ({"op": "backward_tangent", "dtype": "bf16", "shape": [1, 2, 1024, 64],
-      "dynamic": "batch", "device": "cpu"}, SECOND_ORDER),
+      "dynamic": "batch", "device": "cpu"}, Carried("second_order_operands", SECOND_ORDER)),
+    ({"op": "backward_tangent", "dtype": "bf16", "shape": [1, 2, 1024, 64], "residual": True},
+     Carried("second_order_operands", SECOND_ORDER)),
     ({"op": "backward_tangent", "dtype": "bf16", "shape": LARGE_SECOND_ORDER,
       "mask": "float", "mask_grad": True}, [SECOND_ORDER[0], SECOND_ORDER[1] +
                                              ["dmask_ptr", "dtmask_ptr"], *SECOND_ORDER[2:]]),
@@ -143,9 +162,11 @@ def test_twin_launches_what_the_kernels_write(traced: list[dict], number: int) -
     assert graph["traced"], graph["error"]
     if expected is None:
         assert graph["opaque"] and graph["launches"] == 0, graph
-    else:
-        assert not graph["opaque"], graph
-        assert graph["written"] == expected
+        return
+    assert not graph["opaque"], graph
+    carried = isinstance(expected, Carried)
+    assert graph["carried"] == ([expected.operator] if carried else []), graph
+    assert graph["written"] == (expected.written if carried else expected)
 
 
 # --- on the GPU: compiled steps through the twins give eager's numbers ----------------------
@@ -163,11 +184,12 @@ COMPILED_CONFIGS = {
     "fp16-d40-causal": {"dtype": "fp16", "d": 40, "causal": True},
     "fp32": {"dtype": "fp32"},
     "bf16-fast": {"dtype": "bf16", "precision": "fast"},
-    # 1024 tokens: the split and pointer kernels traced where eager carries through
-    # descriptors; under CUDA graphs the opaque operators
+    # 1024 tokens: carried in the graph (copies from their own operator); the backward's
+    # pointer kernels traced where eager reads through descriptors; under CUDA graphs the
+    # opaque backward
     "bf16-1024": {"dtype": "bf16", "n": 1024},
     "bf16-1024-cuda-graphs": {"dtype": "bf16", "n": 1024, "mode": "reduce-overhead"},
-    # 2**28 scores: the second-order backward stays the opaque operator, which carries
+    # 2**28 scores, carried in the graph as in eager mode
     "bf16-1024-large": {"dtype": "bf16", "n": 1024, "b": 16, "h": 16},
 }
 DTYPE_OF = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -182,9 +204,9 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
     same steps in eager mode: every gradient within the dtype's rounding (Inductor times the
     tiles itself and may sum in another order), for bool masks, biases with a tangent, bias
     parameters whose gradient the kernels compute, causal GQA, head dims padded in the graph
-    (cut in two in eager mode), fp32, the fast precision, and 1024 tokens (the split and
-    pointer kernels traced, or the opaque operators under CUDA graphs; at 2**28 scores the
-    second-order backward's opaque operator in either mode)."""
+    (cut in two in eager mode), fp32, the fast precision, and 1024 tokens (carried, the
+    copies from their own operators and the kernels traced; the backward's pointer kernels,
+    or its opaque operator under CUDA graphs; at 2**28 scores as well)."""
     import torch
 
     from jvp_attention import attention, precision
