@@ -14,9 +14,12 @@ folder of this run, and every timed process reads that folder (on a machine whos
 site-packages were never imported, compiling torch's modules from source alone took 8 s of
 a first step). Each measurement is then a fresh Python process (`--child`) that imports
 jvp_attention, runs one
-MeanFlow-style step at the shape (`torch.func.jvp(attention)`, then a backward through the
-primal output: the forward+JVP kernel and the kernels of the backward) and times the
-jvp and the backward of that first step, then of a second step. Its `TRITON_CACHE_DIR` is a
+MeanFlow-style step at the shape (`torch.func.jvp(attention)`, then `loss.backward()` on a
+scalar loss of the primal output, as a training loop calls it: the forward+JVP kernel and
+the kernels of the backward) and times the jvp and the backward of that first step, then
+of a second step. (Runs before 2026-12-05 called `torch.autograd.grad(out, ..., grad)`,
+whose first call imports sympy to check the gradient's shape: about a second that a
+scalar loss does not pay.) Its `TRITON_CACHE_DIR` is a
 folder of this run, in three states, in this order:
 
     cold      empty: Triton compiles every candidate tile and times them
@@ -81,8 +84,10 @@ def child(shape: str) -> dict:
         t0 = sync()
         out, _ = torch.func.jvp(attention, tuple(primals), tuple(tangents))
         t1 = sync()
-        torch.autograd.grad(out, primals, grad)
+        (out.float() * grad).sum().backward()
         t2 = sync()
+        for x in primals:
+            x.grad = None
         steps.append({"jvp_s": round(t1 - t0, 4), "backward_s": round(t2 - t1, 4)})
     return {"import_s": round(imported, 3), "first": steps[0], "second": steps[1]}
 
@@ -136,7 +141,7 @@ def main() -> None:
                  "dtype": "fp16 (interpreter)" if args.smoke else "bf16",
                  "states": STATE_LABELS,
                  "step": "out, _ = torch.func.jvp(attention, (q, k, v), (tq, tk, tv)); "
-                         "torch.autograd.grad(out, (q, k, v), grad); q, k, v require grad",
+                         "(out.float() * grad).sum().backward(); q, k, v require grad",
                  "cases": []})
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="jvp_first_call_bytecode_") as bytecode_dir:

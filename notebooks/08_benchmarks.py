@@ -2069,7 +2069,9 @@ FC_TABLE if FC is not None else None
 # of a module: `torch.autograd.grad` with an explicit gradient checks its shape through
 # `torch.fx.experimental.symbolic_shapes`, whose import loads sympy (1.07 s of a 2.35 s
 # first backward in a CPU profile of the same step; `loss.backward()` on a scalar loss
-# does not take that path). Timing the tiles, the difference between the `compiled` and
+# does not take that path). The benchmark's step now ends as a training step does, with
+# `loss.backward()` on a scalar loss; the saved run is from before that change (its JSON's
+# `step`). Timing the tiles, the difference between the `compiled` and
 # `tuned` rows (two processes, so only roughly), takes 0.10 to 0.21 s for the forward with
 # the tangent and 0.04 to 0.95 s for the backward; the backward's took 1.4 to 2.4 s at
 # these shapes in a run of 2026-12-01, before each candidate was timed for 20 ms after 5 ms
