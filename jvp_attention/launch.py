@@ -10,7 +10,7 @@ import functools
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 
@@ -125,7 +125,9 @@ def carried_fakes(copied: tuple[torch.Tensor, ...], n_factors: int) -> tuple[tor
             torch.empty(n_factors, device=copied[0].device, dtype=torch.float32))
 
 
-def graph_carry(name: str, schema: str, carry, fake):
+def graph_carry(name: str, schema: str, carry: Callable[..., tuple[torch.Tensor, ...]],
+                fake: Callable[..., tuple[torch.Tensor, ...]],
+                ) -> Callable[..., tuple[torch.Tensor, ...]]:
     """How a launcher calls `carry` (a function of tensors and numbers built on
     `carried_operands`): directly on real tensors; on the functional tensors of a compiled
     graph being traced, through the opaque operator `jvp_attention::name` (its `schema`,
@@ -564,8 +566,8 @@ def traceable_launches(q: torch.Tensor, n_k: int, *, long_rows: bool, cut: bool)
 # (chapter 9). Unless CUDA graphs replay the graph (`mode="reduce-overhead"`), which takes
 # that host work out, a graph therefore takes the kernels it can trace over the faster ones
 # it cannot: in the backward, pointers instead of tensor descriptors below 4096 tokens
-# (chapter 5). The carry it keeps, its copies made by an opaque operator (`graph_carry`),
-# about a tenth of a whole call's host time.
+# (chapter 5). The carry it keeps: its copies come from an opaque operator of their own
+# (`graph_carry`), two launches' host time rather than a whole call's.
 def host_bound_graph(q: torch.Tensor) -> bool:
     """Whether `q` is a tensor of a compiled graph being traced that will run its launches
     from Python on every call: not one that Inductor will replay through CUDA graphs (its
