@@ -426,6 +426,25 @@ P_EXPONENT = tl.constexpr(8)  # carried probabilities are P * 2**8: normal fp16 
 
 
 @triton.jit
+def _power(exponent):
+    """2**exponent for a carry factor, the exponent kept inside fp32's normal range."""
+    return power_of_two(tl.minimum(tl.maximum(exponent, -126), 127))
+
+
+@triton.jit
+def _with_first_order_factors(values, at: tl.constexpr, e_q, e_k, e_v, e_o, e_ds):
+    """`values` with the first-order kernels' six factors from entry `at` on: scores
+    2**-(e_q + e_k), Delta 2**(e_o + e_v), dQ 2**-(e_ds + e_k), dK 2**-(e_ds + e_q), dV
+    2**-(8 + e_o) and P's exponent 8, where dS is carried times 2**e_ds."""
+    values = with_entry(values, at, _power(-e_q - e_k))
+    values = with_entry(values, at + 1, _power(e_o + e_v))
+    values = with_entry(values, at + 2, _power(-e_ds - e_k))
+    values = with_entry(values, at + 3, _power(-e_ds - e_q))
+    values = with_entry(values, at + 4, _power(-e_o - P_EXPONENT))
+    return with_entry(values, at + 5, P_EXPONENT)
+
+
+@triton.jit
 def backward_shifts(maxima, do_top):
     """From max |q|, |k|, |v|, |dO|: their shifts (2**e_q, 2**e_k, 2**e_v, 2**e_o, with
     max |dO| below 2**do_top), then the kernels' factors: scores 2**-(e_q + e_k), Delta
@@ -441,12 +460,7 @@ def backward_shifts(maxima, do_top):
     values = with_entry(values, 1, power_of_two(e_k))
     values = with_entry(values, 2, power_of_two(e_v))
     values = with_entry(values, 3, power_of_two(e_o))
-    values = with_entry(values, 4, power_of_two(-e_q - e_k))
-    values = with_entry(values, 5, power_of_two(e_o + e_v))
-    values = with_entry(values, 6, power_of_two(-e_ds - e_k))
-    values = with_entry(values, 7, power_of_two(-e_ds - e_q))
-    values = with_entry(values, 8, power_of_two(-e_o - P_EXPONENT))
-    return with_entry(values, 9, P_EXPONENT)
+    return _with_first_order_factors(values, 4, e_q, e_k, e_v, e_o, e_ds)
 
 
 GRAD_OUT_COPY = tl.constexpr(3)  # dO is the fourth tensor `backward_operands` copies
@@ -513,12 +527,6 @@ carried_backward_operands = graph_carry(
 
 
 @triton.jit
-def _power(exponent):
-    """2**exponent for a carry factor, the exponent kept inside fp32's normal range."""
-    return power_of_two(tl.minimum(tl.maximum(exponent, -126), 127))
-
-
-@triton.jit
 def second_order_shifts(maxima, bounds):
     """From max |q|, |k|, |v|, |tq|, |tk|, |tv|, |dO|, |dtO| and `bounds` = (|s| d, d_v):
     the eight copies' shifts 2**a, 2**b, 2**e, 2**(a + l), 2**(b + l), 2**(e + g - h),
@@ -562,12 +570,7 @@ def second_order_shifts(maxima, bounds):
     values = with_entry(values, 5, _power(e_v + e_o - e_to))
     values = with_entry(values, 6, _power(e_o))
     values = with_entry(values, 7, _power(e_to))
-    values = with_entry(values, 8, _power(-e_q - e_k))
-    values = with_entry(values, 9, _power(e_o + e_v))
-    values = with_entry(values, 10, _power(-e_ds - e_k))
-    values = with_entry(values, 11, _power(-e_ds - e_q))
-    values = with_entry(values, 12, _power(-e_o - P_EXPONENT))
-    values = with_entry(values, 13, P_EXPONENT)
+    values = _with_first_order_factors(values, 8, e_q, e_k, e_v, e_o, e_ds)
     values = with_entry(values, 14, _power(-e_dts - e_k))
     values = with_entry(values, 15, _power(-e_dts - e_q))
     values = with_entry(values, 16, _power(-e_to - P_EXPONENT))
