@@ -881,8 +881,6 @@ def flash_attention_backward(
     dto = unit_last_stride(grad_tangent_out) if has_tangent else grad_out
     t_out = tangent_out if has_tangent else out
     mu = mu if has_tangent else lse
-    delta = torch.empty_like(lse)
-    c = torch.empty_like(lse) if has_tangent else delta
     residual = out if out_residual is None else out_residual
     if has_tangent and out_residual is not None and tangent_out_residual is None:
         raise ValueError("pass tangent_out_residual along with out_residual")
@@ -905,6 +903,9 @@ def flash_attention_backward(
     carry = (exact and not mask_grad and carries(q, n_k)
              and not (has_tangent and mask_tangent is not None)
              and min(q.numel(), k.numel(), grad_out.numel()) > 0)
+    # Delta (and c): carried first-order, the copy operator returns its own Delta
+    delta = None if carry and not has_tangent else torch.empty_like(lse)
+    c = torch.empty_like(lse) if has_tangent else delta
     # Chapter 12's warp-specialised kernels take unmasked first-order calls on Hopper.
     ws_dq, ws_dkdv = ((False, False) if attn_mask is not None or has_tangent or mask_grad
                       else warp_specialized_backward_kernels(q, k, v, grad_out, exact))
