@@ -1242,7 +1242,7 @@ def _attention_forward_kernel(
 # the kernel's Python, holds it: about a quarter of a compile), so `compile_candidates`
 # compiles a new key's candidates together on threads, through Triton's
 # `AsyncCompileMode`, before they are timed one by one: the same cold call then took
-# 12.4 s on the H200's 16 cores (chapter 8). And on every
+# 12.4 and 12.8 s in two runs on the H200's 16 cores (chapter 8). And on every
 # launch, Triton's autotuner builds dictionaries of all of the kernel's ~60 arguments to
 # find the key. That is tens of microseconds per launch, at shapes where the kernel itself
 # runs for 0.2 ms. Once a key is tuned, `KeyedAutotuner` reads the key's arguments by

@@ -1376,19 +1376,21 @@ TS_TABLES
 #   keeps one copy, 0.454 ms against 0.430 ms eager, and 0.78 ms of host time against
 #   1.53 ms. The video shape's second-order row under CUDA graphs is from a run before the
 #   marking and still includes the copies (five `multi_tensor_apply_kernel` launches).
-# - **Compiled without CUDA graphs, large calls.** In the saved run a graph that runs its
-#   launches from Python traced the split products and the backward's pointer kernels
-#   rather than call the opaque operators (`host_bound_graph`, chapter 2), since inside a
-#   model their host time is what bounds the step (chapter 9). On an isolated call from
-#   about $2^{28}$ scores that cost GPU time the host could not hide: at (32, 12, 1024, 64)
-#   the forward with the tangent took 1.080 ms of GPU time compiled against 0.927 ms eager,
-#   the MeanFlow call 2.681 against 2.052 ms, with 1.1 ms of host time against 2.7 ms; at
-#   (16, 16, 1024, 128) 1.306 against 1.174 and 2.801 against 2.461 ms. The second-order
-#   backward then stayed opaque from $2^{27}$ scores, and so do head dims cut in two
-#   (`PADDED_MAX_SCORES`), which is why (16, 16, 1024, 72) shows no gap. Since that run a
-#   graph carries as eager mode does, its copies made by an opaque operator of their own
-#   (`graph_carry`, chapter 2), which should remove most of the gap at these shapes (the
-#   pointer backward stays); these rows have not been measured again with it.
+# - **Compiled without CUDA graphs, large calls.** Where bf16 "accurate" carries (from 1024
+#   keys), a compiled graph carries as eager mode does: the fp16 copies come from an opaque
+#   operator of their own (`graph_carry`, chapter 2) and the attention kernels that read them
+#   are traced. In the saved run the forward with the tangent took 0.926 ms of GPU time
+#   compiled against 0.927 ms eager at (32, 12, 1024, 64), and 1.212 against 1.174 ms at
+#   (16, 16, 1024, 128). The MeanFlow call took 2.215 against 2.052 ms and 2.478 against
+#   2.461 ms: the backward's pointer kernels, which a graph that runs its launches from
+#   Python traces below 4096 tokens (chapter 7), cost some GPU time for the opaque call's
+#   host time. Before the graph carried, it traced the split products instead: 1.080 and
+#   1.306 ms for the forward with the tangent, 2.681 and 2.801 ms for the MeanFlow call. The
+#   second-order steps are level with eager (5.286 against 5.315 ms, 6.425 against
+#   6.387 ms). Under CUDA graphs, which keep the opaque backward, the MeanFlow call took
+#   2.082 and 2.536 ms with 1.10 and 0.79 ms of host time (eager: 2.71 and 2.20 ms).
+#   Head dims cut into two column tiles keep the opaque operators above $2^{27}$ scores
+#   (`PADDED_MAX_SCORES`), which is why (16, 16, 1024, 72) shows no gap.
 # - **The video shape runs chapters 11 and 12's kernels.** At (1, 12, 32760, 128) the
 #   forward with the tangent is the warp-specialised kernel with the carry, 31.8 ms of GPU
 #   time (623 TFLOP/s); the MeanFlow call adds the warp-specialised dK/dV kernel, 67.1 ms
@@ -2051,28 +2053,23 @@ FC_TABLE if FC is not None else None
 
 # %% [markdown]
 # What it says (H200, bf16, Python's bytecode compiled before the timed processes, as an
-# installed package has it). With an empty cache (`cold`), where every candidate tile is
-# compiled before it is timed, the first step takes 12.4 s at DiT-B/2 256 px, 17.3 s at
-# 512 px and 15.1 s at DiT-XL/2 256 px. Chapter 2's `compile_candidates` compiles a new
-# key's candidates together on threads; the run before it (2026-12-03) took 21.5, 17.5 and
-# 25.3 s. At 512 px it gained nothing measurable: there the call carries (1024 keys), and
+# installed package has it, the step ending with `loss.backward()` on a scalar loss as a
+# training loop does). With the compiled kernels and the tuned tiles cached (`tuned`), the
+# first step at a new shape, first `jvp` and first backward, took 0.82 s at DiT-B/2 256 px,
+# 0.70 s at 512 px and 0.65 s at DiT-XL/2 256 px, 0.57 to 0.74 s of it the first `jvp`;
+# the import of torch and the library took 4.7 to 6.5 s more. The run before (2026-12-04, commit 9581409) ended its step with
+# `torch.autograd.grad` and an explicit gradient, whose first call checks the gradient's
+# shape through `torch.fx.experimental.symbolic_shapes` and so imports sympy: its first
+# backward took 2.2 to 3.1 s where this one takes 0.09 s, a cost of PyTorch's that a
+# training loop calling `loss.backward()` does not pay. With an empty cache (`cold`), where
+# every candidate tile is compiled before it is timed, the first step takes 12.8 s at
+# DiT-B/2 256 px, 15.8 s at 512 px and 12.6 s at DiT-XL/2 256 px. Chapter 2's
+# `compile_candidates` compiles a new key's candidates together on threads; the run before
+# it (2026-12-03) took 21.5, 17.5 and 25.3 s. At 512 px the call carries (1024 keys), and
 # the carry's range and copy kernels, two in the forward and two in the backward, are not
-# autotuned and compile one after another (at 256 px, which does not carry, the first `jvp`
-# took 4.6 s against 6.9 s at 512 px). With the compiled kernels and the tuned
-# tiles cached (`tuned`), the first step at a new shape, first `jvp` and first backward,
-# took 3.68 s at DiT-B/2 256 px, 2.80 s at 512 px and 3.08 s at DiT-XL/2 256 px in this run,
-# against 2.22, 2.31 and 2.69 s in the run before, on a host that was slower throughout:
-# the import of torch and the library took 4.1 to 5.9 s (3.4 to 4.3 s before) and
-# compiling Python's bytecode 20.1 s (25.7 s before, a different host). Nothing of ours
-# runs in the tuned state that the run before did not: the tile is read back and the
-# compiled kernel loaded. About a second of the first backward is PyTorch's own first use
-# of a module: `torch.autograd.grad` with an explicit gradient checks its shape through
-# `torch.fx.experimental.symbolic_shapes`, whose import loads sympy (1.07 s of a 2.35 s
-# first backward in a CPU profile of the same step; `loss.backward()` on a scalar loss
-# does not take that path). The benchmark's step now ends as a training step does, with
-# `loss.backward()` on a scalar loss; the saved run is from before that change (its JSON's
-# `step`). Timing the tiles, the difference between the `compiled` and
-# `tuned` rows (two processes, so only roughly), takes 0.10 to 0.21 s for the forward with
-# the tangent and 0.04 to 0.95 s for the backward; the backward's took 1.4 to 2.4 s at
-# these shapes in a run of 2026-12-01, before each candidate was timed for 20 ms after 5 ms
-# of warm-up (chapter 2's `time_candidate`; Triton's default: 100 and 25).
+# autotuned and compile one after another (the first `jvp` took 7.8 s against 5.4 s at
+# 256 px). Timing the tiles, the difference between the `compiled` and `tuned` rows (two
+# processes, so only roughly), takes 0.17 to 0.34 s for the forward with the tangent and
+# 0.42 to 0.51 s for the backward; the backward's took 1.4 to 2.4 s at these shapes in a
+# run of 2026-12-01, before each candidate was timed for 20 ms after 5 ms of warm-up
+# (chapter 2's `time_candidate`; Triton's default: 100 and 25).

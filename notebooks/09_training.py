@@ -539,9 +539,14 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   step's kernel time) in the eager step at 256 tokens and 16.8 ms (42%) in the compiled
 #   step at 1024 tokens. So the targets stand where the points above put them: 1.5x at 256
 #   tokens met in one compiled run (the twins') and not in this one, and 2.5x at 1024
-#   tokens out of reach for any attention, the rest of the model bounding the step. (After
-#   this run a compiled graph carries at 1024 tokens as eager mode does, chapter 2's
-#   `graph_carry`, instead of tracing the split products; not measured in the DiT yet.)
+#   tokens out of reach for any attention, the rest of the model bounding the step.
+# - **Compiled, with the graph's carry** (`examples/results/bench_dit_b2_1024_compiled_h200.json`,
+#   2026-12-04, same H200 kind): after the run above a compiled graph carries at 1024
+#   tokens as eager mode does (chapter 2's `graph_carry`) instead of tracing the split
+#   products. The compiled (`default`) step at 1024 tokens, batch 16, then took 56.3 ms
+#   against the math path's 72.0 ms (1.28x; 1.19x above), with 14.0 ms of attention kernels
+#   (37% of the step's kernel time, 16.8 ms above) and 7.9 GB of peak memory against
+#   17.0 GB.
 
 # %% [markdown]
 # Step time and the attention's share against the number of tokens (eager). On logarithmic
