@@ -2103,6 +2103,7 @@ TS_FILE = TRAINING_SHAPES.name
 
 
 def target(rows, name, case, measured, goal, met, bound, source):
+    """Append a table row; `bound` (what bounds a miss) is shown only when `met` is false."""
     rows.append([name, case, measured, goal, "yes" if met else "no", "" if met else bound,
                  source])
 
@@ -2166,6 +2167,7 @@ def kernel_targets(rows):
 
 
 def first_call_targets(rows):
+    """The first step in a new process with compiled kernels, and with tuned tiles too."""
     if FC is None:
         return
     for case in FC["cases"]:
@@ -2192,6 +2194,7 @@ def dit_rows():
 
 
 def model_targets(rows):
+    """Our DiT-B/2 step against the math path's, same tokens, batch and compile mode."""
     newest = dit_rows()
     goals = {256: 1.5, 1024: 2.5, 4096: 4.0}
     for (tokens, batch, mode, attention), (row, name) in sorted(newest.items()):
