@@ -92,6 +92,7 @@
 # `bwd2` the O(N²) part *is* the saved graph, so the plots below show the sum.
 
 # %% tags=["hide_input"]
+import importlib.util
 import json
 import os
 import subprocess
@@ -2094,11 +2095,10 @@ FC_TABLE if FC is not None else None
 # path's step).
 
 # %% tags=["hide_input"]
-EXAMPLE_RESULTS = REPO / "examples" / "results"
-# DiT-B/2 runs of chapter 9, oldest first: a later file's rows replace an earlier one's.
-DIT_RUNS = ["bench_dit_b2_h200.json", "bench_dit_b2_twins_h200.json",
-            "bench_dit_b2_twins_1024_h200.json", "bench_dit_b2_rerun_h200.json",
-            "bench_dit_b2_1024_compiled_h200.json"]
+# The README's table of chapter 9's DiT-B/2 runs, whose rows this section reads too.
+_spec = importlib.util.spec_from_file_location("bench_tables", REPO / "tools" / "bench_tables.py")
+bench_tables = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_tables)
 TS_FILE = TRAINING_SHAPES.name
 
 
@@ -2178,30 +2178,14 @@ def first_call_targets(rows):
                    "", FIRST_CALL.name)
 
 
-def dit_rows():
-    """The newest row per (tokens, batch, compile mode, attention) over chapter 9's runs."""
-    newest = {}
-    for name in DIT_RUNS:
-        try:
-            run = json.loads((EXAMPLE_RESULTS / name).read_text())
-        except (OSError, ValueError):
-            continue
-        for row in run["rows"]:
-            if row.get("step_ms"):
-                newest[row["tokens"], row["batch"], row["compile"], row["attention"]] = (
-                    row, name)
-    return newest
-
-
 def model_targets(rows):
-    """Our DiT-B/2 step against the math path's, same tokens, batch and compile mode."""
-    newest = dit_rows()
+    """Our DiT-B/2 step against the math path's in the same run (the README's table)."""
     goals = {256: 1.5, 1024: 2.5, 4096: 4.0}
-    for (tokens, batch, mode, attention), (row, name) in sorted(newest.items()):
-        math = newest.get((tokens, batch, mode, "math"))
-        if attention != "jvp_attention" or tokens not in goals or math is None:
+    for (tokens, attention, mode), row in sorted(bench_tables.training_rows().items()):
+        math = row["math_row"]
+        if attention != "jvp_attention" or tokens not in goals or not math:
             continue
-        speedup = math[0]["step_ms"] / row["step_ms"]
+        speedup = math["step_ms"] / row["step_ms"]
         attention_ms = row.get("attention_ms")
         host_ms = sum(row.get(f"host_{phase}_ms", 0.0)
                       for phase in ("forward", "backward", "optimizer"))
@@ -2212,14 +2196,13 @@ def model_targets(rows):
         elif attention_ms:
             bound = (f"the rest of the model: attention kernels {attention_ms:.1f} of "
                      f"{row['step_ms']:.1f} ms, so at most "
-                     f"{math[0]['step_ms'] / (row['step_ms'] - attention_ms):.2f}x with free "
+                     f"{math['step_ms'] / (row['step_ms'] - attention_ms):.2f}x with free "
                      "attention")
         else:
             bound = "attention not attributed in this run"
         target(rows, f"DiT-B/2 step >= {goals[tokens]}x math",
-               f"{tokens} tokens, batch {batch}, {mode}",
-               f"{speedup:.2f}x", f"{goals[tokens]}x", speedup >= goals[tokens], bound,
-               name if name == math[1] else f"{name}, math from {math[1]}")
+               f"{tokens} tokens, batch {row['batch']}, {mode}", f"{speedup:.2f}x",
+               f"{goals[tokens]}x", speedup >= goals[tokens], bound, row["run"].name)
 
 
 TRAINING_TARGETS = []

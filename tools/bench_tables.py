@@ -2,7 +2,8 @@
 
 The site and README.md quote the H200 benchmark (`benchmarks/results/h200_2026-11-30.json`,
 written by `benchmarks/bench.py`) and chapter 9's DiT-B/2 training steps
-(`examples/results/bench_dit_b2_h200.json`, written by `examples/meanflow_dit.py --bench`).
+(`examples/results/bench_dit_b2_*.json`, written by `examples/meanflow_dit.py --bench`;
+each cell from the newest run that measured it beside the math path).
 Rather than copying numbers by hand, pages carry
 markers and the markdown is generated here:
 
@@ -35,7 +36,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARK = REPO / "benchmarks" / "results" / "h200_2026-11-30.json"
-TRAINING = REPO / "examples" / "results" / "bench_dit_b2_h200.json"
+# Chapter 9's DiT-B/2 runs, oldest first: a cell of the training table comes from the newest
+# run that measured it together with the math path at the same tokens, batch and mode.
+TRAINING_RUNS = tuple(REPO / "examples" / "results" / f"bench_dit_b2_{name}h200.json" for name in
+                      ("", "twins_", "twins_1024_", "rerun_", "1024_compiled_"))
 README = REPO / "README.md"
 
 HEADLINE = (4, 16, 4096, 128)  # B, H, N, d: chapter 8's first headline shape
@@ -251,13 +255,33 @@ def precision_table(bench: Benchmark | None = None) -> str:
     )
 
 
-def training_rows(path: Path = TRAINING, failed: bool = False) -> dict[tuple[int, str, str], dict]:
-    """The measured rows of the DiT-B/2 step benchmark by (tokens, attention, compile mode),
-    and with `failed` those that failed too; empty when it has not run."""
+def _run_rows(path: Path, failed: bool) -> dict[tuple[int, int, str, str], dict]:
+    """One run's measured rows (and with `failed` its failed ones) by (tokens, batch,
+    attention, compile mode)."""
     if not path.is_file():
         return {}
-    return {(r["tokens"], r["attention"], r.get("compile", "eager")): r
+    return {(r["tokens"], r["batch"], r["attention"], r.get("compile", "eager")): r
             for r in _load(path)["rows"] if "step_ms" in r or (failed and "error" in r)}
+
+
+def training_rows(paths: tuple[Path, ...] = TRAINING_RUNS, failed: bool = False,
+                  ) -> dict[tuple[int, str, str], dict]:
+    """The DiT-B/2 step benchmark's rows by (tokens, attention, compile mode): for each, the
+    newest run of `paths` (oldest first) that measured it beside the math path at the same
+    tokens, batch and mode, with that run's math row under "math_row" (empty if it has
+    none) and the run's path under "run". With `failed` a failed row counts as measured. A
+    row without a math row beside it, or at another batch, replaces no earlier row; empty
+    when nothing has run."""
+    chosen: dict[tuple[int, str, str], dict] = {}
+    for path in paths:
+        rows = _run_rows(path, failed)
+        for (tokens, batch, attention, mode), row in rows.items():
+            math = rows.get((tokens, batch, "math", mode), {})
+            earlier = chosen.get((tokens, attention, mode))
+            alone = attention != "math" and "step_ms" not in math
+            if earlier is None or (not alone and earlier["batch"] == batch):
+                chosen[tokens, attention, mode] = {**row, "math_row": math, "run": path}
+    return chosen
 
 
 NOT_MEASURED = ("The DiT-B/2 training step (chapter 9) has not been measured yet: "
@@ -268,13 +292,14 @@ def _failure(row: dict) -> str:
     return "out of memory" if "OutOfMemoryError" in row["error"] else "failed"
 
 
-def training_table(path: Path = TRAINING) -> str:
+def training_table(paths: tuple[Path, ...] = TRAINING_RUNS) -> str:
     """Chapter 9's DiT-B/2 step, eager and compiled: time and peak memory, and the speed-up
-    over the math path run the same way."""
-    rows = training_rows(path, failed=True)
+    over the math path run the same way, in the same run."""
+    rows = training_rows(paths, failed=True)
     if not any("step_ms" in row for row in rows.values()):
         return NOT_MEASURED
-    data = _load(path)
+    runs = [path for path in paths if any(row["run"] == path for row in rows.values())]
+    data = _load(runs[-1])
     compiled = sorted({mode for _, _, mode in rows} - {"eager"})
     columns = [(name, "eager", label) for name, label in TRAINING_LABELS.items()]
     columns += [(name, mode, f"{label}, compiled ({mode})") for mode in compiled
@@ -286,14 +311,16 @@ def training_table(path: Path = TRAINING) -> str:
     for n in tokens:
         cells = []
         for name, mode, _ in columns:
-            row, math = rows.get((n, name, mode)), rows.get((n, "math", mode), {})
+            row = rows.get((n, name, mode))
             if row is None:
                 cells.append("-")
                 continue
             if "step_ms" not in row:
                 cells.append(_failure(row))
                 continue
-            text = f"{row['step_ms']:.0f} ms"
+            math = row["math_row"]
+            text = f"{row['step_ms']:.0f} ms" + (f" [{runs.index(row['run']) + 1}]"
+                                                  if len(runs) > 1 else "")
             if "step_ms" in math and name != "math":
                 text += f" (**{math['step_ms'] / row['step_ms']:.2f}x**)"
             memory = row.get("peak_memory_gb")
@@ -312,18 +339,30 @@ def training_table(path: Path = TRAINING) -> str:
         "included, in GB of 2³⁰ bytes (with CUDA graphs, `reduce-overhead`, taken over the "
         "warm-up too, when the graphs' memory pool is allocated; a time with no memory is a row "
         "whose peak missed that pool); compiled: the training forward under `torch.compile` "
-        f"(`{_rel(path)}`: {env.get('gpu', 'GPU')}, torch {env.get('torch', '?')}; chapter 9)."
+        f"({env.get('gpu', 'GPU')}, torch {env.get('torch', '?')}; chapter 9). "
+        + _runs_note(runs)
     )
 
 
-def training_summary(path: Path = TRAINING) -> str:
+def _runs_note(runs: list[Path]) -> str:
+    """Which saved run each cell comes from, when there is more than one."""
+    if len(runs) == 1:
+        return f"From `{_rel(runs[0])}`."
+    return ("Each cell is the newest run that measured it beside the math path at the same "
+            "tokens, batch and mode, and its speed-up is within that run: "
+            + "; ".join(f"[{i}] `{_rel(path)}`" for i, path in enumerate(runs, 1))
+            + " (oldest first).")
+
+
+def training_summary(paths: tuple[Path, ...] = TRAINING_RUNS) -> str:
     """Chapter 9's step in words: jvp_attention's speed and memory against the math path."""
-    rows = training_rows(path)
+    rows = training_rows(paths)
     parts = []
     for n in sorted({t for t, _, _ in rows}):
         for mode in ("eager", *sorted({m for _, _, m in rows} - {"eager"})):
-            ours, math = rows.get((n, "jvp_attention", mode)), rows.get((n, "math", mode))
-            if ours is None or math is None:
+            ours = rows.get((n, "jvp_attention", mode))
+            math = None if ours is None else ours["math_row"]
+            if not math:
                 continue
             speed = math["step_ms"] / ours["step_ms"]
             verdict = "faster" if speed >= 1.05 else "slower" if speed <= 0.95 else "about as fast"
@@ -338,13 +377,12 @@ def training_summary(path: Path = TRAINING) -> str:
             "the same way), jvp_attention ran " + "; ".join(parts) + ".")
 
 
-def training_speedup(tokens: int, attention: str = "jvp_attention", path: Path = TRAINING,
-                     compile_mode: str = "eager") -> float:
+def training_speedup(tokens: int, attention: str = "jvp_attention",
+                     paths: tuple[Path, ...] = TRAINING_RUNS, compile_mode: str = "eager") -> float:
     """The math path's step time over `attention`'s at `tokens`, both run in `compile_mode`
-    (chapter 9)."""
-    rows = training_rows(path)
-    return (rows[(tokens, "math", compile_mode)]["step_ms"]
-            / rows[(tokens, attention, compile_mode)]["step_ms"])
+    in the same run (chapter 9)."""
+    row = training_rows(paths)[tokens, attention, compile_mode]
+    return row["math_row"]["step_ms"] / row["step_ms"]
 
 
 TABLES: dict[str, Callable[[], str]] = {

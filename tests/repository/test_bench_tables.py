@@ -75,11 +75,46 @@ def test_training_table_is_the_saved_dit_b2_run(tmp_path: Path) -> None:
                "batch": 32, "dtype": "bfloat16", "error": "OutOfMemoryError: CUDA out of"}]}
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(run))
-    made = bench_tables.training_table(path)
+    made = bench_tables.training_table((path,))
     assert "| 256 (32²), 32 | 30 ms, 1.0 GB | 20 ms (**1.50x**), 1.0 GB | - | - | " \
            "12 ms, 1.0 GB | 15 ms (**0.80x**), 1.0 GB |" in made
     assert "| 1024 (64²), 32 | out of memory | - | - | - | - | - |" in made
     assert "compiled (default)" in made.splitlines()[0]
     assert ("at 256 tokens, compiled (default), 0.80x the math path's speed (slower)"
-            in bench_tables.training_summary(path))
-    assert "1.50x the math path's speed (faster)" in bench_tables.training_summary(path)
+            in bench_tables.training_summary((path,)))
+    assert "1.50x the math path's speed (faster)" in bench_tables.training_summary((path,))
+
+
+def test_training_table_takes_each_cell_from_the_newest_run_beside_math(tmp_path: Path) -> None:
+    """A later run replaces a cell only where it measured the math path at the same tokens,
+    batch and mode too, and the speed-up is within the run the cell comes from."""
+    def row(attention, ms, batch=32, mode="eager"):
+        return {"tokens": 256, "attention": attention, "compile": mode, "step_ms": ms,
+                "image_size": 32, "batch": batch, "dtype": "bfloat16"}
+
+    def saved(name, rows):
+        path = tmp_path / name
+        path.write_text(json.dumps({
+            "model": {"width": 768, "depth": 12, "heads": 12, "patch_size": 2},
+            "parameters": 130e6, "environment": {"gpu": "GPU", "torch": "2"}, "rows": rows}))
+        return path
+
+    older = saved("older.json", [row("math", 30.0), row("jvp_attention", 20.0),
+                                 row("jvp_attention_fast", 25.0),
+                                 row("math", 12.0, mode="default"),
+                                 row("jvp_attention", 15.0, mode="default")])
+    newer = saved("newer.json", [row("math", 40.0), row("jvp_attention", 16.0),
+                                 row("jvp_attention_fast", 10.0, batch=64),
+                                 row("math", 50.0, batch=64, mode="default"),
+                                 row("jvp_attention", 25.0, batch=64, mode="default")])
+    rows = bench_tables.training_rows((older, newer))
+    assert rows[256, "jvp_attention", "eager"]["run"] == newer  # beside the newer math path
+    assert rows[256, "jvp_attention_fast", "eager"]["run"] == older  # another batch
+    assert rows[256, "jvp_attention", "default"]["run"] == older  # another batch
+    assert bench_tables.training_speedup(256, paths=(older, newer)) == 40.0 / 16.0
+    assert bench_tables.training_speedup(256, "jvp_attention_fast", paths=(older, newer)) \
+        == 30.0 / 25.0
+    table = bench_tables.training_table((older, newer))
+    assert "| 256 (32²), 32 | 40 ms [2] | 16 ms [2] (**2.50x**) | 25 ms [1] (**1.20x**) |" \
+        in table
+    assert "[1] `" in table and "[2] `" in table
