@@ -2243,11 +2243,15 @@ HTML(html_table(["target", "case", "measured", "target", "met", "what bounds it"
 # - **The first step at a new shape: met.** 0.65 to 0.82 s with the tuned tiles cached
 #   and 1.35 to 1.55 s with only the compiled kernels cached (the tiles timed again); a
 #   cold cache, where every candidate tile compiles, takes 12.6 to 15.8 s.
-# - **The DiT-B/2 step: missed, bounded outside the attention.** 1.06x to 1.28x the math
-#   path at 256 and 1024 tokens, 1.74x to 1.76x at 4096. At 256 tokens, eager and compiled
-#   alike, the step's host work is the step (36.2 of 36.5 ms compiled), so its pace is the
-#   host's. Compiled at 1024 and 4096 tokens, our attention kernels take 14.0 of 56.3 ms and
-#   19.3 of 46.3 ms of the step: even an attention that cost nothing would bring the step
-#   to only 1.70x and 3.00x the math path's, below the 2.5x and 4x targets. The rows with
-#   CUDA graphs (`reduce-overhead`) and eager at 1024 and 4096 tokens are from the first run
-#   of chapter 9, before the lean call path and the traced twins.
+# - **The DiT-B/2 step: missed, bounded outside the attention.** 1.06x to 1.38x the math
+#   path at 256 and 1024 tokens, 1.50x to 2.24x at 4096. Eager at every size, and compiled
+#   at 256 tokens, the step's host work is the step (36.2 of 36.5 ms compiled at 256
+#   tokens), so its pace is the host's. Compiled in the default mode at 4096 tokens the
+#   step was host-bound too (55.3 of 55.5 ms): there each call reads through tensor
+#   descriptors, so the graph keeps it as an opaque operator, whose Python runs on every
+#   step (chapter 7). Where the GPU bounds the step, at 1024 tokens compiled and at 4096
+#   tokens with CUDA graphs, our attention kernels take 14.0 of 56.3 ms and 18.1 of
+#   42.7 ms: even an attention that cost nothing would bring the step to only 1.70x and
+#   3.15x the math path's, below the 2.5x and 4x targets. Every cell of ours is now from
+#   a run with the lean call path and the traced twins; only jvp-flash-attention's are
+#   still from the first run of chapter 9.

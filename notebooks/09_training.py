@@ -547,6 +547,21 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   against the math path's 72.0 ms (1.28x; 1.19x above), with 14.0 ms of attention kernels
 #   (37% of the step's kernel time, 16.8 ms above) and 7.9 GB of peak memory against
 #   17.0 GB.
+# - **The first run's other cells, measured again**
+#   (`examples/results/bench_dit_b2_refresh_h200.json`, 2026-12-04, same H200 kind, the
+#   code of the run above): 1024 tokens eager and with CUDA graphs, 4096 tokens in every
+#   mode. Eager, ours took 150.7 ms against the math path's 207.8 ms at 1024 tokens
+#   (1.38x; 1.23x in the first run) and 124.7 against 278.9 ms at 4096 tokens (2.24x;
+#   1.74x), "fast" 175.4 and 143.6 ms. With CUDA graphs, 56.6 against 65.1 ms at 1024
+#   tokens (1.15x; 1.22x) and 42.7 against 77.6 ms at 4096 tokens (1.82x; 1.76x). Compiled
+#   in the default mode at 4096 tokens, 55.5 against 83.2 ms (1.50x; 46.3 against 81.0 ms,
+#   1.75x, in the first run) for the same attention kernels (19.5 ms, 19.3 then): that
+#   step is bound by the host, whose forward took 28.6 ms and backward 22.6 ms against the
+#   math path's 22.0 and 16.4 ms. At 4096 tokens each of our calls reads through tensor
+#   descriptors, so the graph keeps its opaque operators (chapter 7): about 0.5 ms more
+#   host time per call than the math path's attention, which Inductor fuses, 24 calls a
+#   step. How much of that shows depends on the host's speed, which differed between the
+#   two runs. With CUDA graphs, which take that host work out, the same step takes 42.7 ms.
 
 # %% [markdown]
 # Step time and the attention's share against the number of tokens (eager). On logarithmic

@@ -39,7 +39,7 @@ BENCHMARK = REPO / "benchmarks" / "results" / "h200_2026-11-30.json"
 # Chapter 9's DiT-B/2 runs, oldest first: a cell of the training table comes from the newest
 # run that measured it together with the math path at the same tokens, batch and mode.
 TRAINING_RUNS = tuple(REPO / "examples" / "results" / f"bench_dit_b2_{name}h200.json" for name in
-                      ("", "twins_", "twins_1024_", "rerun_", "1024_compiled_"))
+                      ("", "twins_", "twins_1024_", "rerun_", "1024_compiled_", "refresh_"))
 README = REPO / "README.md"
 
 HEADLINE = (4, 16, 4096, 128)  # B, H, N, d: chapter 8's first headline shape
