@@ -1,10 +1,14 @@
 """Compile every autotuning configuration of the library's kernels for Hopper (sm_90), on a
 machine without a GPU, and report what each one needs: registers per thread, spilled bytes,
 shared memory, how tiles reach shared memory (`copies`) and how many bytes each global load
-moves (`loads`: 2-byte loads are tiles read one element at a time). A configuration over the
-227 KiB of shared memory a Hopper block may take cannot launch; one with spills is slow.
+moves (`loads`: 2-byte loads are tiles read one element at a time), and its tensor-core
+products (`wgmma`: the Hopper warpgroup instructions by shape; `wgmma_groups`: how many
+groups of them are committed together; `wgmma_waits`: how many times the kernel waits for
+every group in flight to finish, `wgmma.wait_group 0`). A configuration over the 227 KiB of
+shared memory a Hopper block may take cannot launch; one with spills is slow.
 
     python tools/kernel_resources.py [--dtype bfloat16] [--head-dim 128] [--json out.json]
+    python tools/kernel_resources.py --kernels forward_jvp --head-dim 64 72 --tokens 1024
     JVP_ATTENTION_TMA=1 python tools/kernel_resources.py ...   # the descriptor (TMA) variants
 
 benchmarks/results/kernel_resources_sm90.json (read by chapter 4) holds both runs for bf16,
@@ -39,7 +43,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jvp_attention import backward, forward  # noqa: E402
+from jvp_attention import backward, forward, launch  # noqa: E402
 from jvp_attention.launch import sound_compiler  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 128)
@@ -87,7 +91,20 @@ def compile_report(kernel, bound: dict, config: triton.Config, float_type: str =
         ptx = compiled.asm["ptx"]
         report = ptxas_report(ptx)
     return {**report, "shared": compiled.metadata.shared,
-            "copies": copy_instructions(ptx), "load_bytes": global_load_widths(ptx)}
+            "copies": copy_instructions(ptx), "load_bytes": global_load_widths(ptx),
+            **wgmma_report(ptx)}
+
+
+def wgmma_report(ptx: str) -> dict:
+    """The kernel's Hopper tensor-core instructions in its code (each copy of a loop body
+    counts: a kernel whose key loop is split in two has two), by shape ("m64n64k16": count);
+    the groups they are committed in, and the waits for all groups to finish. Triton waits
+    for each product's group before its result is used unless the product accumulates
+    across the loop's iterations, so a wait is a point where the tensor cores drain."""
+    shapes = re.findall(r"wgmma\.mma_async\S*?\.(m\d+n\d+k\d+)\.", ptx)
+    return {"wgmma": {shape: shapes.count(shape) for shape in sorted(set(shapes))},
+            "wgmma_groups": len(re.findall(r"\bwgmma\.commit_group", ptx)),
+            "wgmma_waits": len(re.findall(r"\bwgmma\.wait_group\S*\s+0\s*;", ptx))}
 
 
 def copy_instructions(ptx: str) -> str:
@@ -136,9 +153,11 @@ def constexpr_names(kernel) -> set:
 
 
 def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str,
-                 layout: str = "contiguous") -> list:
-    """Run the launchers on small CPU tensors with recorders in place of the kernels; with
-    layout "bnhd", (B, N, H, D) storage seen as (B, H, N, D), as a fused projection makes."""
+                 layout: str = "contiguous", tokens: int = 256) -> list:
+    """Run the launchers on small CPU tensors (`tokens` queries and keys) with recorders in
+    place of the kernels; with layout "bnhd", (B, N, H, D) storage seen as (B, H, N, D), as
+    a fused projection makes. From `carry_min_keys` tokens bf16 "accurate" calls carry
+    (their copy kernels, which only prepare operands, are not recorded)."""
     launches: list = []
     saved = {(forward, "_attention_forward"), (forward, "_attention_forward_jvp"),
              (backward, "_backward_dkdv"), (backward, "_backward_dkdv_tangent"),
@@ -150,7 +169,7 @@ def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str,
             setattr(module, name, Recorder(originals[(module, name)], name, launches))
         for module, name in LAUNCH_SITES:
             setattr(module, name, recorded)
-        shape = (1, 2, 256, head_dim)
+        shape = (1, 2, tokens, head_dim)
         q, k, v, tq, tk, tv, do, dto = (
             torch.randn(shape, dtype=dtype) if layout == "contiguous"
             else torch.randn(shape[0], shape[2], shape[1], shape[3], dtype=dtype).transpose(1, 2)
@@ -168,12 +187,12 @@ def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str,
 
 
 # The launchers run their kernels through `launchable(kernel, q)[grid](...)`.
-LAUNCH_SITES = {(forward, "launchable"), (backward, "launchable")}
+LAUNCH_SITES = {(forward, "launchable"), (backward, "launchable"), (launch, "cached")}
 
 
-def recorded(kernel, like):
-    """`launchable` while recording: a recorder records, other kernels (the backward's row
-    statistics) do not run."""
+def recorded(kernel, like=None):
+    """`launchable` (and `cached`, the carry's launches) while recording: a recorder
+    records, other kernels (the backward's row statistics, the carry's copies) do not run."""
     return kernel if isinstance(kernel, Recorder) else _NoLaunch()
 
 
@@ -195,7 +214,9 @@ class _NoLaunch:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16", "float32"))
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[128])
+    parser.add_argument("--tokens", type=int, default=256,
+                        help="queries and keys of the recorded calls (decides, e.g., the carry)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--mask", default="none", choices=("none", "bool", "additive"))
     parser.add_argument("--kernels", default="", help="only kernels whose name contains this")
@@ -212,8 +233,10 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["JVP_ATTENTION_AUTOTUNE"] = "0" if args.first_only else "1"
     rows = []
-    for name, kernel, configs, bound in launches_for(getattr(torch, args.dtype), args.head_dim,
-                                                       args.causal, args.mask, args.layout):
+    for head_dim, (name, kernel, configs, bound) in (
+            (d, launched) for d in args.head_dim
+            for launched in launches_for(getattr(torch, args.dtype), d, args.causal, args.mask,
+                                         args.layout, args.tokens)):
         if args.kernels not in name:
             continue
         tangent = bool(bound.get("HAS_TANGENT"))
@@ -225,7 +248,7 @@ def main() -> None:
             tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
                     config.num_stages)
             row = {"kernel": name, "tangent": tangent, "tile": tile, "dtype": args.dtype,
-                   "head_dim": args.head_dim, "mask": args.mask,
+                   "head_dim": head_dim, "tokens": args.tokens, "mask": args.mask,
                    "use_tma": bool(bound.get("USE_TMA")), **report,
                    "fits": report["shared"] <= SHARED_LIMIT, "triton": triton.__version__}
             rows.append(row)
@@ -233,6 +256,8 @@ def main() -> None:
                   f"spills={report['spills']!s:6} shared={report['shared']:7d} "
                   f"copies={report['copies']:8} loads="
                   f"{' '.join(f'{n}x{b}B' for b, n in report['load_bytes'].items()) or '-':14}"
+                  f" d={head_dim} wgmma groups={report['wgmma_groups']} "
+                  f"waits={report['wgmma_waits']}"
                   f"{'' if row['fits'] else '  DOES NOT FIT'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -20,13 +20,19 @@ PTX = """
 """
 
 
-def test_global_load_widths_counts_loads_and_copies_by_bytes() -> None:
+def printed_by_tool(expression: str) -> str:
+    """The last line that printing `expression` writes, with tools/kernel_resources.py
+    imported as `kr` in a subprocess (it imports Triton in GPU mode)."""
     code = (f"import sys; sys.path.insert(0, {str(TOOLS)!r}); import kernel_resources as kr; "
-            f"print(kr.global_load_widths({PTX!r}))")
+            f"import torch; print({expression})")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == "{16: 2, 8: 1, 4: 1, 2: 2}"
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_global_load_widths_counts_loads_and_copies_by_bytes() -> None:
+    assert printed_by_tool(f"kr.global_load_widths({PTX!r})") == "{16: 2, 8: 1, 4: 1, 2: 2}"
 
 
 def test_every_kernel_compiles_with_fp64_float_arguments() -> None:
@@ -41,3 +47,32 @@ def test_every_kernel_compiles_with_fp64_float_arguments() -> None:
     assert kernels == {"_attention_forward", "_attention_forward_jvp", "_backward_dq",
                        "_backward_dkdv", "_backward_dq_tangent", "_backward_dv_tangent",
                        "_backward_dk_tangent"}
+
+
+WGMMA_PTX = """
+    wgmma.fence.sync.aligned;
+    wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r1}, %rd1, %rd2, p, 1, 1, 0, 1;
+    wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r1}, %rd3, %rd4, p, 1, 1, 0, 1;
+    wgmma.commit_group.sync.aligned;
+    wgmma.wait_group.sync.aligned 0;
+    wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%r2}, %rd5, %rd6, p, 1, 1, 0, 1;
+    wgmma.commit_group.sync.aligned;
+    wgmma.wait_group.sync.aligned 1;
+    wgmma.wait_group.sync.aligned 0;
+"""
+
+
+def test_wgmma_report_counts_shapes_groups_and_full_waits() -> None:
+    """Instructions by shape, committed groups, and only the waits for every group (0)."""
+    assert printed_by_tool(f"sorted(kr.wgmma_report({WGMMA_PTX!r}).items())") == (
+        "[('wgmma', {'m64n16k16': 1, 'm64n64k16': 2}), ('wgmma_groups', 2), ('wgmma_waits', 2)]")
+
+
+def test_long_calls_record_the_carried_launch() -> None:
+    """At 1024 tokens a bf16 "accurate" call carries: the copies are not launched (nor
+    compiled), and the attention kernel it records has CARRY on; at 256 it splits."""
+    assert printed_by_tool(
+        "[(n, b['CARRY'], b['SPLIT']) for t in (256, 1024) for n, _, _, b in "
+        "kr.launches_for(torch.bfloat16, 72, False, 'none', tokens=t) "
+        "if n == '_attention_forward_jvp']") == (
+        "[('_attention_forward_jvp', False, True), ('_attention_forward_jvp', True, False)]")
