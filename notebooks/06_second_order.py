@@ -89,6 +89,24 @@
 # (32, 12, 1024, 64), 6.64 against 6.88 at (16, 16, 1024, 72) and 6.84 against 7.11 at
 # (16, 16, 1024, 128) (`benchmarks/results/training_shapes_key_side_*_h200.json`).
 #
+# Even in two passes the key side at $d = 128$ seldom multiplies on Hopper's own
+# instructions. Hopper's warpgroup products (`wgmma`) take 64 rows per warpgroup; a product
+# with fewer, such as a key side's $dV \mathrel{+}= \tilde P^\top dO$ over a key block of
+# 16 or 32 keys, falls back to Ampere's `mma.sync`. Counted in the code compiled for sm_90
+# (`tools/kernel_resources.py --kernels tangent --head-dim 64 128 --tokens 4096`,
+# `benchmarks/results/kernel_resources_second_order_sm90.json`, Triton 3.6): of the $dK$
+# pass's tiles at $d = 128$, the only one that multiplies on `wgmma` alone (64 × 64 on 4
+# warps) spills 684 bytes a thread, the others that use it spill 24 to 332 bytes or do not
+# fit in shared memory, and the two spill-free tiles (32 × 32 and 16 × 32 on 4 warps) use
+# `mma.sync` throughout; the $dV$ pass and the $dQ$ kernel each have spill-free tiles that
+# use `wgmma` (128 × 16 and 64 × 32 on 8 warps; 128 × 16 on 8 warps), the $dV$ pass's
+# for part of their products only, `mma.sync` for the rest. At $d = 64$ every pass has
+# spill-free `wgmma` tiles. That is one bound on the backward through both outputs, about
+# 230 TFLOP/s at $d = 128$ in "accurate" precision, under a third of the H200's measured
+# bf16 peak. Outside the lists, 32 × 64 on 8 warps compiles the $dK$ pass without spills
+# (3 `wgmma` groups beside its `mma.sync`), and 16 × 128 on 8 warps and 16 × 64 on 4 the
+# $dV$ pass; none has been timed yet.
+#
 # When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
 # target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward
 # runs: the second-order kernels cost nothing unless used.

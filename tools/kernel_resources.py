@@ -98,13 +98,16 @@ def compile_report(kernel, bound: dict, config: triton.Config, float_type: str =
 def wgmma_report(ptx: str) -> dict:
     """The kernel's Hopper tensor-core instructions in its code (each copy of a loop body
     counts: a kernel whose key loop is split in two has two), by shape ("m64n64k16": count);
-    the groups they are committed in, and the waits for all groups to finish. Triton waits
+    the groups they are committed in, and the waits for all groups to finish; and its
+    Ampere-style tensor-core instructions (`mma.sync`, which products of fewer than 64 rows
+    a warpgroup fall back to). Triton waits
     for each product's group before its result is used unless the product accumulates
     across the loop's iterations, so a wait is a point where the tensor cores drain."""
     shapes = re.findall(r"wgmma\.mma_async\S*?\.(m\d+n\d+k\d+)\.", ptx)
     return {"wgmma": {shape: shapes.count(shape) for shape in sorted(set(shapes))},
             "wgmma_groups": len(re.findall(r"\bwgmma\.commit_group", ptx)),
-            "wgmma_waits": len(re.findall(r"\bwgmma\.wait_group\S*\s+0\s*;", ptx))}
+            "wgmma_waits": len(re.findall(r"\bwgmma\.wait_group\S*\s+0\s*;", ptx)),
+            "mma_sync": len(re.findall(r"\bmma\.sync\.", ptx))}
 
 
 def copy_instructions(ptx: str) -> str:
@@ -257,7 +260,7 @@ def main() -> None:
                   f"copies={report['copies']:8} loads="
                   f"{' '.join(f'{n}x{b}B' for b, n in report['load_bytes'].items()) or '-':14}"
                   f" d={head_dim} wgmma groups={report['wgmma_groups']} "
-                  f"waits={report['wgmma_waits']}"
+                  f"waits={report['wgmma_waits']} mma.sync={report['mma_sync']}"
                   f"{'' if row['fits'] else '  DOES NOT FIT'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

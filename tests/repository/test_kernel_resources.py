@@ -59,13 +59,16 @@ WGMMA_PTX = """
     wgmma.commit_group.sync.aligned;
     wgmma.wait_group.sync.aligned 1;
     wgmma.wait_group.sync.aligned 0;
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, {%r3}, {%r4}, {%f1};
 """
 
 
 def test_wgmma_report_counts_shapes_groups_and_full_waits() -> None:
-    """Instructions by shape, committed groups, and only the waits for every group (0)."""
+    """Instructions by shape, committed groups, only the waits for every group (0), and
+    Ampere's mma.sync."""
     assert printed_by_tool(f"sorted(kr.wgmma_report({WGMMA_PTX!r}).items())") == (
-        "[('wgmma', {'m64n16k16': 1, 'm64n64k16': 2}), ('wgmma_groups', 2), ('wgmma_waits', 2)]")
+        "[('mma_sync', 1), ('wgmma', {'m64n16k16': 1, 'm64n64k16': 2}), ('wgmma_groups', 2), "
+        "('wgmma_waits', 2)]")
 
 
 def test_long_calls_record_the_carried_launch() -> None:
