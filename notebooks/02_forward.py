@@ -132,13 +132,15 @@ from jvp_attention.reference import AttentionOutputs  # noqa: E402  (chapter 1)
 # $d = 80$ at 221 and $d = 96$ (64 + 32) at 226, so there the cut costs little; at 1024
 # tokens $d = 64$'s kernel reaches 401 (334 for the whole call, which at that length also
 # runs the bf16 carry's range pass and copies) against 243, 283 and 284, each call a single
-# kernel. The reason at 1024 tokens, counted in
-# the compiled code (`tools/kernel_resources.py`, chapter 8): each product of a key block
-# becomes two tensor-core operations, and Triton waits for each one's group of warpgroup
-# instructions before its result is used, so the 64 × 64 tile commits 12 groups per key
-# block instead of 6 and waits 9 times instead of 5, for a quarter more arithmetic; the
-# kernel's time follows the groups (1.77x d = 64's at d = 80), not the arithmetic. Tiles
-# outside the autotuner's list that compile without spills do no better.
+# kernel. Counted in the compiled code
+# (`tools/kernel_resources.py`, chapter 8): each product of a key block becomes two
+# tensor-core operations, and Triton waits for each one's group of warpgroup instructions
+# before its result is used, so at 1024 tokens the 64 × 64 tile commits 12 groups per key
+# block instead of 6 and waits 9 times instead of 5, for a quarter more arithmetic. Per
+# head the d = 72 kernel takes 1.46x d = 64's time there, where d = 128 (as many groups as
+# d = 64, twice the arithmetic) takes 1.95x: the extra groups cost about 17% on top of the
+# arithmetic. Tiles outside the autotuner's list that compile without spills do no
+# better.
 #
 # One more cost at $d = 72$ is not the cut's. Triton specialises an integer argument by its
 # divisibility by 16 only, so a row stride of 72 elements (144 bytes, 16-byte aligned) looks
