@@ -1929,7 +1929,11 @@ else:
 # Through pointers at 256 tokens the cut costs little: 80 and 96 run at d = 64's rate and
 # 72, with its 8 masked columns, at 85% of it. At 1024 tokens, per call, 72 runs at 73% of
 # d = 64's rate and 80 and 96 at 85% (d = 64's call there also runs the bf16 carry's range
-# pass and copies); kernel against kernel (the run's `ms`), at 61% and 71%. Two
+# pass and copies); kernel against kernel (the run's `ms`), at 61% and 71%. That run is
+# older than the carry at cut head dims: at 1024 tokens d = 64 multiplied the carried
+# copies once while 72, 80 and 96 still split each product into hi + lo halves, so its
+# 1024-token rows weigh the split as well as the cut (the counts below compare like with
+# like). Two
 # column tiles make every product of a key block two tensor-core operations, the second a
 # narrow one. The same file's other runs show that no other tile that compiles without
 # spills does better, and that with aligned loads pointers beat descriptors at 256 and at
