@@ -16,9 +16,12 @@ Each tile runs alone (the autotuner's list is narrowed to it); a tile that canno
 reference (every output the call makes: O and tO, or the gradients), as a multiple of the
 error of PyTorch's math attention (softmax(s QKᵀ) V) in the same dtype; the tests accept up
 to 2. The reference materialises the scores in float64, so keep the shape moderate.
+`--pair-tails on` (or `off`) times the forward with its half-full tail tiles paired (or
+not) whatever the library would choose (chapter 2's `pair_tails`).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -194,6 +197,29 @@ def forget_tiles(tuner) -> None:
     tuner.launches.clear()
 
 
+def pairing_tails(setting: str):
+    """A context in which the forward pairs its tail tiles (`pair_tails`, chapter 2) as the
+    library chooses ("auto"), wherever a tail tile is at most half full ("on": also for
+    single products, carried or "fast"), or nowhere ("off")."""
+    chosen = forward.pair_tails
+
+    def pair(tiles: dict, head_dim: int, value_dim: int, paired: bool) -> dict:
+        return chosen(tiles, head_dim, value_dim, paired if setting == "auto" else setting == "on")
+
+    return patched(forward, "pair_tails", pair)
+
+
+@contextlib.contextmanager
+def patched(module, name: str, value):
+    """`module.name` replaced by `value` while the context runs."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("B", "H", "N"),
@@ -215,6 +241,10 @@ def main() -> None:
                         help="time the autotuner's choice alone, not each tile: the call as "
                         "users get it (run with JVP_ATTENTION_TMA=0 and =1 to compare "
                         "pointer loads with tensor descriptors)")
+    parser.add_argument("--pair-tails", choices=("auto", "on", "off"), default="auto",
+                        help="the forward's paired tail tiles (chapter 2): as the library "
+                        "chooses, wherever a tail tile is at most half full (also for single "
+                        "products), or nowhere")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--smoke", action="store_true",
                         help="(1, 1, 16, 16) in fp16, once per tile: checks the plumbing (on "
@@ -227,11 +257,13 @@ def main() -> None:
                      "CPU)")
     tiles = args.tiles and tile_configs([tuple(int(x) for x in tile.split(","))
                                          for tile in args.tiles.split(";")])
-    rows = [row for b, h, n in (args.shape or [[64, 12, 256]]) for d in args.head_dims
-            for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles, args.kernel,
-                             args.check, args.auto_only)]
+    with pairing_tails(args.pair_tails):
+        rows = [row for b, h, n in (args.shape or [[64, 12, 256]]) for d in args.head_dims
+                for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles,
+                                 args.kernel, args.check, args.auto_only)]
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "dtype": args.dtype,
+                                         "pair_tails": args.pair_tails,
                                          "gpu": torch.cuda.get_device_name() if HAS_CUDA
                                          else None,
                                          "rows": rows}, indent=1) + "\n")

@@ -128,3 +128,18 @@ def test_forgetting_the_tiles_forgets_the_launches_remembered_with_them(monkeypa
     for _ in range(3):
         tuner[(1,)](x, 64)
     assert kernel.compiled.blocks[-3:] == [16, 16, 16]
+
+
+def test_pair_tails_setting_overrides_the_librarys_choice() -> None:
+    """--pair-tails on pairs the half-full tail tiles of single products too (d = 72 carried
+    or "fast"), off pairs none, auto keeps the library's choice; the forward's own function
+    comes back afterwards."""
+    tiles = launch.column_tiles(72, 72)
+    chosen = forward.pair_tails
+    for setting, expected in (("on", True), ("off", False), ("auto", False)):
+        with tile_sweep.pairing_tails(setting):
+            paired = forward.pair_tails(tiles, 72, 72, False)
+        assert paired == {"PAIR_D": expected, "PAIR_DV": expected}, setting
+    with tile_sweep.pairing_tails("off"):
+        assert forward.pair_tails(tiles, 72, 72, True) == {"PAIR_D": False, "PAIR_DV": False}
+    assert forward.pair_tails is chosen
