@@ -1985,13 +1985,13 @@ if HEAD_DIM_RESOURCES.is_file():
         by_d = {r["head_dim"]: r for r in resources if r["tokens"] == tokens}
         base = by_d[64]
         for d, r in sorted(by_d.items()):
-            time = per_head.get((tokens, d)), per_head.get((tokens, 64))
-            time = f"{time[0] / time[1]:.2f}x" if None not in time else "-"
+            mine, d64 = per_head.get((tokens, d)), per_head.get((tokens, 64))
+            ratio = f"{mine / d64:.2f}x" if mine and d64 else "-"
             print(f"{tokens:>6} {d:>4} {r['regs']:>5} {wgmma_work(r['wgmma']):>6.0f} "
                   f"{r['wgmma_groups']:>7} {r['wgmma_waits']:>6}   {'':15} "
                   f"{wgmma_work(r['wgmma']) / wgmma_work(base['wgmma']):>4.2f}x "
                   f"{r['wgmma_groups'] / base['wgmma_groups']:>5.2f}x "
-                  f"{r['wgmma_waits'] / base['wgmma_waits']:>5.2f}x {time:>11}")
+                  f"{r['wgmma_waits'] / base['wgmma_waits']:>5.2f}x {ratio:>11}")
 else:
     print(f"not measured yet: {HEAD_DIM_RESOURCES.relative_to(REPO)} (benchmarks/README.md)")
 

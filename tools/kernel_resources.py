@@ -100,9 +100,9 @@ def wgmma_report(ptx: str) -> dict:
     counts: a kernel whose key loop is split in two has two), by shape ("m64n64k16": count);
     the groups they are committed in, and the waits for all groups to finish; and its
     Ampere-style tensor-core instructions (`mma.sync`, which products of fewer than 64 rows
-    a warpgroup fall back to). Triton waits
-    for each product's group before its result is used unless the product accumulates
-    across the loop's iterations, so a wait is a point where the tensor cores drain."""
+    a warpgroup fall back to). Triton waits for each product's group before its result is
+    used unless the product accumulates across the loop's iterations, so a wait is a point
+    where the tensor cores drain."""
     shapes = re.findall(r"wgmma\.mma_async\S*?\.(m\d+n\d+k\d+)\.", ptx)
     return {"wgmma": {shape: shapes.count(shape) for shape in sorted(set(shapes))},
             "wgmma_groups": len(re.findall(r"\bwgmma\.commit_group", ptx)),

@@ -21,11 +21,11 @@ not) whatever the library would choose (chapter 2's `pair_tails`).
 """
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -206,18 +206,7 @@ def pairing_tails(setting: str):
     def pair(tiles: dict, head_dim: int, value_dim: int, paired: bool) -> dict:
         return chosen(tiles, head_dim, value_dim, paired if setting == "auto" else setting == "on")
 
-    return patched(forward, "pair_tails", pair)
-
-
-@contextlib.contextmanager
-def patched(module, name: str, value):
-    """`module.name` replaced by `value` while the context runs."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
+    return unittest.mock.patch.object(forward, "pair_tails", pair)
 
 
 def main() -> None:
