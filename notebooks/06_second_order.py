@@ -107,6 +107,24 @@
 # (3 `wgmma` groups beside its `mma.sync`), and 16 × 128 on 8 warps and 16 × 64 on 4 the
 # $dV$ pass; none has been timed yet.
 #
+# The accumulators' layout is the other way in. Chapter 5's dK/dV kernel can hold them
+# transposed, head dim × keys (`TRANSPOSED`), so that a key gradient's product takes the
+# head dim as its rows: 128 or 64 rows whatever the key block, which `wgmma` can take. The
+# second-order passes keep the stored layout, chosen while the key side was one kernel (the
+# transposed one-pass form was slower at every tile tried). Compiled for sm_90 with both
+# passes transposed (`tools/kernel_resources.py --kernels _tangent --head-dim 64 128
+# --tokens 4096 --key-layout transposed`, and `stored`:
+# `benchmarks/results/kernel_resources_second_order_layouts_sm90.json`, the lists' tiles
+# and seven more): at $d = 128$ the $dK$ pass has three tiles that multiply on `wgmma`
+# alone without spilling (64 × 16 on 8 or 4 warps, 128 × 16 on 8 warps and 1 stage; 215–234
+# registers), where stored it has none, and the $dV$ pass eight (two of them in its list:
+# 64 × 32 on 4 and 8 warps), where stored it has none (a key block of 16 or 32 keys
+# multiplies its gradients on `mma.sync`); at $d = 64$ five of the list's eight
+# tiles for $dV$ and four for $dK$, against one and none stored. Tiles with fewer than 64
+# query rows a warpgroup still multiply the scores on `mma.sync`. These tiles are not
+# timed yet: `tools/tile_sweep.py --kernel backward_dk_tangent --key-layout transposed
+# --tiles ...` times them inside the backward through both outputs.
+#
 # When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
 # target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward
 # runs: the second-order kernels cost nothing unless used.

@@ -9,6 +9,7 @@ shared memory a Hopper block may take cannot launch; one with spills is slow.
 
     python tools/kernel_resources.py [--dtype bfloat16] [--head-dim 128] [--json out.json]
     python tools/kernel_resources.py --kernels forward_jvp --head-dim 64 72 --tokens 1024
+    python tools/kernel_resources.py --kernels _tangent --tokens 4096 --key-layout transposed
     JVP_ATTENTION_TMA=1 python tools/kernel_resources.py ...   # the descriptor (TMA) variants
 
 benchmarks/results/kernel_resources_sm90.json (read by chapter 4) holds both runs for bf16,
@@ -209,6 +210,14 @@ def backward_launch(q, k, v, out, lse, do, attn_mask, causal, tangents, dto):
                                           tangents, out, lse, dto)
 
 
+def with_key_layout(bound: dict, layout: str) -> dict:
+    """A dK/dV launch's arguments with its accumulators keys x dims ("stored") or dims x
+    keys ("transposed"); other kernels' and "library" unchanged."""
+    if layout == "library" or "TRANSPOSED" not in bound:
+        return bound
+    return {**bound, "TRANSPOSED": layout == "transposed"}
+
+
 class _NoLaunch:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
@@ -229,6 +238,11 @@ def main() -> None:
                         help="only the tile JVP_ATTENTION_AUTOTUNE=0 runs with")
     parser.add_argument("--tiles", default="",
                         help="try these tiles instead of the pruned list: 'M,N,warps,stages;...'")
+    parser.add_argument("--key-layout", choices=("library", "stored", "transposed"),
+                        default="library",
+                        help="the dK/dV kernels' accumulators: as the library lays them out "
+                        "(by pass and keys), keys x dims (stored) or dims x keys (transposed, "
+                        "`TRANSPOSED`, chapter 5)")
     parser.add_argument("--float-args", choices=("fp32", "fp64"), default="fp32",
                         help="type the kernels' float arguments as Triton's launch does (fp32) "
                         "or as Inductor's launch of a user's kernel does (fp64)")
@@ -243,6 +257,7 @@ def main() -> None:
         if args.kernels not in name:
             continue
         tangent = bool(bound.get("HAS_TANGENT"))
+        bound = with_key_layout(bound, args.key_layout)
         if args.tiles:
             configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
                        for m, n, w, st in (map(int, t.split(",")) for t in args.tiles.split(";"))]
@@ -253,6 +268,7 @@ def main() -> None:
             row = {"kernel": name, "tangent": tangent, "tile": tile, "dtype": args.dtype,
                    "head_dim": head_dim, "tokens": args.tokens, "mask": args.mask,
                    "use_tma": bool(bound.get("USE_TMA")), **report,
+                   **({"transposed": bound["TRANSPOSED"]} if "TRANSPOSED" in bound else {}),
                    "fits": report["shared"] <= SHARED_LIMIT, "triton": triton.__version__}
             rows.append(row)
             print(f"{name:20} tangent={tangent!s:5} tile={tile!s:18} regs={report['regs']!s:4} "
@@ -261,6 +277,7 @@ def main() -> None:
                   f"{' '.join(f'{n}x{b}B' for b, n in report['load_bytes'].items()) or '-':14}"
                   f" d={head_dim} wgmma groups={report['wgmma_groups']} "
                   f"waits={report['wgmma_waits']} mma.sync={report['mma_sync']}"
+                  f"{' transposed' if bound.get('TRANSPOSED') else ''}"
                   f"{'' if row['fits'] else '  DOES NOT FIT'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

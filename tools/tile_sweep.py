@@ -17,7 +17,9 @@ reference (every output the call makes: O and tO, or the gradients), as a multip
 error of PyTorch's math attention (softmax(s QKᵀ) V) in the same dtype; the tests accept up
 to 2. The reference materialises the scores in float64, so keep the shape moderate.
 `--pair-tails on` (or `off`) times the forward with its half-full tail tiles paired (or
-not) whatever the library would choose (chapter 2's `pair_tails`).
+not) whatever the library would choose (chapter 2's `pair_tails`). `--key-layout transposed`
+(or `stored`) has the dK/dV kernels accumulate dims x keys (or keys x dims) whatever the
+library would choose (chapter 5's `TRANSPOSED`).
 """
 
 import argparse
@@ -26,6 +28,7 @@ import os
 import sys
 import time
 import unittest.mock
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -209,6 +212,28 @@ def pairing_tails(setting: str):
     return unittest.mock.patch.object(forward, "pair_tails", pair)
 
 
+# The autotuned dK/dV kernels, whose launches say how they lay out their accumulators.
+KEY_SIDE_TUNERS = ("_backward_dkdv", "_backward_dkdv_tangent", "_backward_dv_tangent",
+                   "_backward_dk_tangent")
+
+
+def laying_out_keys(setting: str) -> ExitStack:
+    """A context in which the dK/dV kernels accumulate keys x dims ("stored"), dims x keys
+    ("transposed") or as the library chooses ("library"), by overriding the TRANSPOSED
+    argument of their launches."""
+    stack = ExitStack()
+    if setting == "library":
+        return stack
+    for name in KEY_SIDE_TUNERS:
+        tuner = getattr(backward, name)
+
+        def run(*args, _run=tuner.run, **kwargs):
+            return _run(*args, **{**kwargs, "TRANSPOSED": setting == "transposed"})
+
+        stack.enter_context(unittest.mock.patch.object(tuner, "run", run))
+    return stack
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("B", "H", "N"),
@@ -234,6 +259,10 @@ def main() -> None:
                         help="the forward's paired tail tiles (chapter 2): as the library "
                         "chooses, wherever a tail tile is at most half full (also for single "
                         "products), or nowhere")
+    parser.add_argument("--key-layout", choices=("library", "stored", "transposed"),
+                        default="library",
+                        help="the dK/dV kernels' accumulators (chapter 5): as the library lays "
+                        "them out, keys x dims, or dims x keys")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--smoke", action="store_true",
                         help="(1, 1, 16, 16) in fp16, once per tile: checks the plumbing (on "
@@ -246,13 +275,14 @@ def main() -> None:
                      "CPU)")
     tiles = args.tiles and tile_configs([tuple(int(x) for x in tile.split(","))
                                          for tile in args.tiles.split(";")])
-    with pairing_tails(args.pair_tails):
+    with pairing_tails(args.pair_tails), laying_out_keys(args.key_layout):
         rows = [row for b, h, n in (args.shape or [[64, 12, 256]]) for d in args.head_dims
                 for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles,
                                  args.kernel, args.check, args.auto_only)]
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "dtype": args.dtype,
                                          "pair_tails": args.pair_tails,
+                                         "key_layout": args.key_layout,
                                          "gpu": torch.cuda.get_device_name() if HAS_CUDA
                                          else None,
                                          "rows": rows}, indent=1) + "\n")

@@ -79,3 +79,13 @@ def test_long_calls_record_the_carried_launch() -> None:
         "kr.launches_for(torch.bfloat16, 72, False, 'none', tokens=t) "
         "if n == '_attention_forward_jvp']") == (
         "[('_attention_forward_jvp', False, True), ('_attention_forward_jvp', True, False)]")
+
+
+def test_key_layout_overrides_the_key_sides_accumulators_only() -> None:
+    """--key-layout: the dK/dV launches (here the second order's two passes, which the
+    library runs stored) take the layout asked for; the dQ kernel has none."""
+    assert printed_by_tool(
+        "[kr.with_key_layout(b, layout).get('TRANSPOSED') for layout in "
+        "('library', 'transposed') for n, _, _, b in kr.launches_for(torch.float16, 64, False, "
+        "'none', tokens=64) if n in ('_backward_dq_tangent', '_backward_dv_tangent', "
+        "'_backward_dk_tangent')]") == "[None, False, False, None, True, True]"

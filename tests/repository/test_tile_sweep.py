@@ -143,3 +143,27 @@ def test_pair_tails_setting_overrides_the_librarys_choice() -> None:
     with tile_sweep.pairing_tails("off"):
         assert forward.pair_tails(tiles, 72, 72, True) == {"PAIR_D": False, "PAIR_DV": False}
     assert forward.pair_tails is chosen
+
+
+@pytest.mark.parametrize("setting", ["stored", "transposed"])
+def test_key_layout_setting_overrides_the_librarys_choice(setting: str, monkeypatch) -> None:
+    """--key-layout stored|transposed: every dK/dV launch takes that layout whatever the
+    library passes (the first order's choice by keys, the tangent passes' stored one), the
+    gradients stay right (--check), and the tuners' own `run` comes back afterwards."""
+    seen = []
+    for name in tile_sweep.KEY_SIDE_TUNERS:
+        tuner = getattr(backward, name)
+
+        def spy(*args, _run=tuner.run, **kwargs):
+            seen.append(kwargs["TRANSPOSED"])
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(tuner, "run", spy)
+    runs = {name: getattr(backward, name).run for name in tile_sweep.KEY_SIDE_TUNERS}
+    with tile_sweep.laying_out_keys(setting):
+        for kernel in ("backward_dkdv", "backward_dk_tangent"):
+            rows = tile_sweep.sweep((1, 2, 24, 16), tile_sweep.DTYPES["fp16"], 1,
+                                    kernel=kernel, check=True, auto_only=True)
+            assert all(0 < row["error_vs_math"] <= 2 for row in rows), rows
+    assert seen and set(seen) == {setting == "transposed"}, seen
+    assert {name: getattr(backward, name).run for name in runs} == runs
