@@ -22,6 +22,7 @@ from jvp_attention.launch import (
     check_mask_tangent,
     cut_in_two,
     graph_carry,
+    graph_takes_pointers,
     kernel_meta,
     launch_column_tiles,
     launchable,
@@ -330,8 +331,14 @@ FORWARD_TMA_MIN_KEYS = 4096
 def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the forward's launches may enter a compiled graph (`traceable_launches`)."""
     n_k = k.shape[-2]
-    return traceable_launches(q, n_k, long_rows=n_k >= FORWARD_TMA_MIN_KEYS,
+    return traceable_launches(q, n_k, long_rows=long_forward_rows(q, n_k),
                               cut=cut_in_two(q.shape[-1], v.shape[-1]))
+
+
+def long_forward_rows(q: torch.Tensor, n_k: int) -> bool:
+    """Whether the forward reads rows of `n_k` keys through tensor descriptors (given tensors
+    that allow them): from FORWARD_TMA_MIN_KEYS, unless `graph_takes_pointers`."""
+    return n_k >= FORWARD_TMA_MIN_KEYS and not graph_takes_pointers(q, n_k)
 
 
 def flash_attention_forward(
@@ -382,7 +389,9 @@ def flash_attention_forward(
     if mask_tangent is not None and tangents is None:
         raise ValueError("mask_tangent is part of the tangent: pass tangents=(tq, tk, tv) too")
     scale = head_dim**-0.5 if scale is None else scale
-    if attn_mask is None and takes_warp_specialized(q, k, v, tangents, exact, is_causal):
+    long_rows = long_forward_rows(q, n_k)  # chapter 11's kernels read descriptors too
+    if (attn_mask is None and long_rows
+            and takes_warp_specialized(q, k, v, tangents, exact, is_causal)):
         ran = warp_specialized_forward(q, k, v, is_causal, scale, residuals,  # chapter 11
                                        tangents, jvp_operands if exact else None)
         if ran is not None:
@@ -409,7 +418,7 @@ def flash_attention_forward(
     if carry:
         with on_device(q):
             v, tv, factors = carried_jvp_operands(q, k, v, tq, tk, tv, scale)
-    use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=n_k >= FORWARD_TMA_MIN_KEYS)
+    use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=long_rows)
     tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
     constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)
 

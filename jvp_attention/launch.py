@@ -566,8 +566,10 @@ def traceable_launches(q: torch.Tensor, n_k: int, *, long_rows: bool, cut: bool)
 # (chapter 9). Unless CUDA graphs replay the graph (`mode="reduce-overhead"`), which takes
 # that host work out, a graph therefore takes the kernels it can trace over the faster ones
 # it cannot: in the backward, pointers instead of tensor descriptors below 4096 tokens
-# (chapter 5). The carry it keeps: its copies come from an opaque operator of their own
-# (`graph_carry`), two launches' host time rather than a whole call's.
+# (chapter 5), and in the forward and backward alike at any length in calls of at most
+# GRAPH_POINTER_MAX_SCORES scores (`graph_takes_pointers`). The carry it keeps: its copies
+# come from an opaque operator of their own (`graph_carry`), two launches' host time
+# rather than a whole call's.
 def host_bound_graph(q: torch.Tensor) -> bool:
     """Whether `q` is a tensor of a compiled graph being traced that will run its launches
     from Python on every call: not one that Inductor will replay through CUDA graphs (its
@@ -599,6 +601,28 @@ def pads_in_graph(q: torch.Tensor, n_k: int) -> bool:
     take padded column tiles (PADDED_MAX_SCORES)."""
     batch, heads, n_q, _ = q.shape
     return batch * heads * n_q * n_k <= PADDED_MAX_SCORES
+
+
+# The most scores of a call that a compiled graph running its launches from Python traces
+# through pointers at any length, where an eager call would read rows long enough through
+# tensor descriptors (which keeps the graph's call opaque: about 1 ms of host time). H200,
+# bf16, DiT-B/2 at 4096 tokens (batch 2, 12 heads: 2**28.6 scores), compiled in the default
+# mode: the opaque calls left the step bound by the host, 28.6 ms of host time in its
+# forward against the math path's 22.0 (chapter 9); at 4096 keys pointers cost the forward
+# with the tangent under 3% of GPU time (see FORWARD_TMA_MIN_KEYS). Larger calls are bound
+# by their GPU time, which hides the opaque call's host work; they keep the descriptors and
+# chapters 11-12's kernels, which also need them.
+GRAPH_POINTER_MAX_SCORES = 2**29
+
+
+def graph_takes_pointers(q: torch.Tensor, n_k: int) -> bool:
+    """Whether a call with queries `q` and `n_k` keys reads through pointers whatever its
+    length: one of a compiled graph that runs its launches from Python (`host_bound_graph`)
+    with at most GRAPH_POINTER_MAX_SCORES scores (B * Hq * Nq * Nk)."""
+    if not host_bound_graph(q):
+        return False
+    batch, heads, n_q, _ = q.shape
+    return batch * heads * n_q * n_k <= GRAPH_POINTER_MAX_SCORES
 
 
 def launch_column_tiles(q: torch.Tensor, n_k: int, head_dim: int, value_dim: int) -> dict:

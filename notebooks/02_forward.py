@@ -532,6 +532,7 @@ from jvp_attention.launch import (
     check_mask_tangent,
     cut_in_two,
     graph_carry,
+    graph_takes_pointers,
     kernel_meta,
     launch_column_tiles,
     launchable,
@@ -1747,8 +1748,10 @@ def traceable_launches(q: torch.Tensor, n_k: int, *, long_rows: bool, cut: bool)
 # (chapter 9). Unless CUDA graphs replay the graph (`mode="reduce-overhead"`), which takes
 # that host work out, a graph therefore takes the kernels it can trace over the faster ones
 # it cannot: in the backward, pointers instead of tensor descriptors below 4096 tokens
-# (chapter 5). The carry it keeps: its copies come from an opaque operator of their own
-# (`graph_carry`), two launches' host time rather than a whole call's.
+# (chapter 5), and in the forward and backward alike at any length in calls of at most
+# GRAPH_POINTER_MAX_SCORES scores (`graph_takes_pointers`). The carry it keeps: its copies
+# come from an opaque operator of their own (`graph_carry`), two launches' host time
+# rather than a whole call's.
 def host_bound_graph(q: torch.Tensor) -> bool:
     """Whether `q` is a tensor of a compiled graph being traced that will run its launches
     from Python on every call: not one that Inductor will replay through CUDA graphs (its
@@ -1780,6 +1783,28 @@ def pads_in_graph(q: torch.Tensor, n_k: int) -> bool:
     take padded column tiles (PADDED_MAX_SCORES)."""
     batch, heads, n_q, _ = q.shape
     return batch * heads * n_q * n_k <= PADDED_MAX_SCORES
+
+
+# The most scores of a call that a compiled graph running its launches from Python traces
+# through pointers at any length, where an eager call would read rows long enough through
+# tensor descriptors (which keeps the graph's call opaque: about 1 ms of host time). H200,
+# bf16, DiT-B/2 at 4096 tokens (batch 2, 12 heads: 2**28.6 scores), compiled in the default
+# mode: the opaque calls left the step bound by the host, 28.6 ms of host time in its
+# forward against the math path's 22.0 (chapter 9); at 4096 keys pointers cost the forward
+# with the tangent under 3% of GPU time (see FORWARD_TMA_MIN_KEYS). Larger calls are bound
+# by their GPU time, which hides the opaque call's host work; they keep the descriptors and
+# chapters 11-12's kernels, which also need them.
+GRAPH_POINTER_MAX_SCORES = 2**29
+
+
+def graph_takes_pointers(q: torch.Tensor, n_k: int) -> bool:
+    """Whether a call with queries `q` and `n_k` keys reads through pointers whatever its
+    length: one of a compiled graph that runs its launches from Python (`host_bound_graph`)
+    with at most GRAPH_POINTER_MAX_SCORES scores (B * Hq * Nq * Nk)."""
+    if not host_bound_graph(q):
+        return False
+    batch, heads, n_q, _ = q.shape
+    return batch * heads * n_q * n_k <= GRAPH_POINTER_MAX_SCORES
 
 
 def launch_column_tiles(q: torch.Tensor, n_k: int, head_dim: int, value_dim: int) -> dict:
@@ -2095,8 +2120,14 @@ FORWARD_TMA_MIN_KEYS = 4096
 def traceable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the forward's launches may enter a compiled graph (`traceable_launches`)."""
     n_k = k.shape[-2]
-    return traceable_launches(q, n_k, long_rows=n_k >= FORWARD_TMA_MIN_KEYS,
+    return traceable_launches(q, n_k, long_rows=long_forward_rows(q, n_k),
                               cut=cut_in_two(q.shape[-1], v.shape[-1]))
+
+
+def long_forward_rows(q: torch.Tensor, n_k: int) -> bool:
+    """Whether the forward reads rows of `n_k` keys through tensor descriptors (given tensors
+    that allow them): from FORWARD_TMA_MIN_KEYS, unless `graph_takes_pointers`."""
+    return n_k >= FORWARD_TMA_MIN_KEYS and not graph_takes_pointers(q, n_k)
 
 
 def flash_attention_forward(
@@ -2147,7 +2178,9 @@ def flash_attention_forward(
     if mask_tangent is not None and tangents is None:
         raise ValueError("mask_tangent is part of the tangent: pass tangents=(tq, tk, tv) too")
     scale = head_dim**-0.5 if scale is None else scale
-    if attn_mask is None and takes_warp_specialized(q, k, v, tangents, exact, is_causal):
+    long_rows = long_forward_rows(q, n_k)  # chapter 11's kernels read descriptors too
+    if (attn_mask is None and long_rows
+            and takes_warp_specialized(q, k, v, tangents, exact, is_causal)):
         ran = warp_specialized_forward(q, k, v, is_causal, scale, residuals,  # chapter 11
                                        tangents, jvp_operands if exact else None)
         if ran is not None:
@@ -2174,7 +2207,7 @@ def flash_attention_forward(
     if carry:
         with on_device(q):
             v, tv, factors = carried_jvp_operands(q, k, v, tq, tk, tv, scale)
-    use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=n_k >= FORWARD_TMA_MIN_KEYS)
+    use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=long_rows)
     tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
     constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)
 

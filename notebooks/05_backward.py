@@ -95,6 +95,7 @@ from jvp_attention.launch import (
     check_mask_tangent,
     cut_in_two,
     graph_carry,
+    graph_takes_pointers,
     host_bound_graph,
     kernel_meta,
     launch_column_tiles,
@@ -1098,15 +1099,26 @@ def backward_tma_min_tokens(q: torch.Tensor) -> int:
     return GRAPH_TMA_MIN_TOKENS if host_bound_graph(q) else BACKWARD_TMA_MIN_TOKENS
 
 
+def long_backward_rows(q: torch.Tensor, n_q: int, n_k: int) -> bool:
+    """Whether the first-order kernels read `n_q` queries and `n_k` keys through tensor
+    descriptors (given tensors that allow them): from `backward_tma_min_tokens` of both,
+    unless the call is one that a compiled graph traces through pointers at any length
+    (`graph_takes_pointers`). (The first test spares short calls two function calls: this
+    runs on every backward.)"""
+    tokens = min(n_q, n_k)
+    return (tokens >= BACKWARD_TMA_MIN_TOKENS and tokens >= backward_tma_min_tokens(q)
+            and not graph_takes_pointers(q, n_k))
+
+
 def traceable_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        has_tangent: bool) -> bool:
     """Whether the backward's launches may enter a compiled graph (`traceable_launches`):
-    the first-order one reads through descriptors from `backward_tma_min_tokens` and cuts
-    head dims in its dQ kernel; the one through the tangent does neither."""
+    the first-order one reads through descriptors on `long_backward_rows` and cuts head dims
+    in its dQ kernel; the one through the tangent does neither."""
     n_q, n_k = q.shape[-2], k.shape[-2]
     if has_tangent:
         return traceable_launches(q, n_k, long_rows=False, cut=False)
-    return traceable_launches(q, n_k, long_rows=min(n_q, n_k) >= backward_tma_min_tokens(q),
+    return traceable_launches(q, n_k, long_rows=long_backward_rows(q, n_q, n_k),
                               cut=cut_in_two(q.shape[-1], v.shape[-1]))
 
 
@@ -1204,8 +1216,10 @@ def flash_attention_backward(
     # Delta (and c): carried first-order, the copy operator returns its own Delta
     delta = None if carry and not has_tangent else torch.empty_like(lse)
     c = torch.empty_like(lse) if has_tangent else delta
-    # Chapter 12's warp-specialised kernels take unmasked first-order calls on Hopper.
-    ws_dq, ws_dkdv = ((False, False) if attn_mask is not None or has_tangent or mask_grad
+    # Chapter 12's warp-specialised kernels take unmasked first-order calls on Hopper; they
+    # read descriptors, so only on long rows.
+    long_rows = not has_tangent and long_backward_rows(q, n_q, n_k)
+    ws_dq, ws_dkdv = ((False, False) if attn_mask is not None or not long_rows or mask_grad
                       else warp_specialized_backward_kernels(q, k, v, grad_out, exact))
     # Where its dK/dV kernel sums dQ as well, no dQ kernel runs.
     fused_dq = ws_dkdv and fuses_dq(head_dim, is_causal, carry)
@@ -1234,11 +1248,7 @@ def flash_attention_backward(
              next_power_of_2(n_q), next_power_of_2(n_k))
     # Descriptors (chapter 4) for the first-order kernels only: compiled for sm_90, the
     # second-order kernels spill hundreds of bytes per thread with them (tools/kernel_resources.py).
-    # (the first test spares short calls a function call: this runs on every backward)
-    tokens = min(n_q, n_k)
-    use_tma = not has_tangent and tma_eligible(
-        q, k, v, grad_operand, long_enough=tokens >= BACKWARD_TMA_MIN_TOKENS
-        and tokens >= backward_tma_min_tokens(q))
+    use_tma = long_rows and tma_eligible(q, k, v, grad_operand)
     switches = {"IS_CAUSAL": is_causal, "MASK_KIND": mask_kind, "HAS_TANGENT": has_tangent,
                 "USE_TMA": use_tma, "CARRY": carry,
                 "ALIGN": row_alignment((q, k, v, tq, tk, tv, grad_operand, dto),

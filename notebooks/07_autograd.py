@@ -602,8 +602,14 @@ if not interpreting():
 # 58.7 of its 63.6 ms in the host's forward and backward (chapter 9). So a graph that runs
 # its launches from Python (`host_bound_graph`, chapter 2) traces the backward's pointer
 # kernels below 4096 tokens where eager mode would read through descriptors
-# (`backward_tma_min_tokens`, chapter 5): some GPU time for all of that host time. A graph
-# that CUDA graphs replay keeps the opaque operator and its faster kernels.
+# (`backward_tma_min_tokens`, chapter 5): some GPU time for all of that host time. From
+# 4096 tokens it does the same, forward and backward, in calls of at most
+# `GRAPH_POINTER_MAX_SCORES` = $2^{29}$ scores (`graph_takes_pointers`, chapter 2): at
+# DiT-B/2's 4096 tokens (batch 2, $2^{28.6}$ scores) the opaque calls had left the compiled
+# step bound by the host, 55.5 ms against 42.7 ms with CUDA graphs (chapter 9). Larger
+# calls are bound by their GPU time, which hides the opaque call, and keep the descriptors
+# and chapters 11-12's kernels. A graph that CUDA graphs replay keeps the opaque operator
+# and its faster kernels.
 #
 # Until the copies had their own operator, such a graph traced the split products where
 # eager mode carries, which cost GPU time the host could not hide in large calls. On the

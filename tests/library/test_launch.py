@@ -485,6 +485,13 @@ def test_forward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> N
             (torch.float16, forward.FORWARD_TMA_MIN_KEYS, False)]:
         q, k = q_k(dtype, n)
         assert forward.traceable_forward(q, k, k) == expected, (dtype, n)
+    # In a graph that runs its launches from Python, long rows too, up to
+    # GRAPH_POINTER_MAX_SCORES (the call's kernels then read through pointers)
+    monkeypatch.setattr(launch, "host_bound_graph", lambda q: True)
+    q, k = q_k(torch.float16, forward.FORWARD_TMA_MIN_KEYS)
+    assert forward.traceable_forward(q, k, k) and not forward.long_forward_rows(q, k.shape[2])
+    monkeypatch.setattr(launch, "GRAPH_POINTER_MAX_SCORES", q.shape[1] * q.shape[2] ** 2 - 1)
+    assert not forward.traceable_forward(q, k, k) and forward.long_forward_rows(q, k.shape[2])
 
 
 def test_backward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> None:
@@ -507,6 +514,17 @@ def test_backward_is_traced_only_where_its_choices_need_no_data(monkeypatch) -> 
     q, k, v = (torch.zeros(1, 2, long, 64, dtype=torch.float16) for _ in range(3))
     assert not backward.traceable_backward(q, k, v, False)
     assert backward.traceable_backward(q, k, v, True)
+    # In a graph that runs its launches from Python: pointers below GRAPH_TMA_MIN_TOKENS,
+    # and in calls of up to GRAPH_POINTER_MAX_SCORES at any length
+    for module in (launch, backward):
+        monkeypatch.setattr(module, "host_bound_graph", lambda q: True)
+    for n in (long, backward.GRAPH_TMA_MIN_TOKENS):
+        q, k, v = (torch.zeros(1, 2, n, 64, dtype=torch.float16) for _ in range(3))
+        assert backward.traceable_backward(q, k, v, False), n
+        assert not backward.long_backward_rows(q, n, n), n
+    monkeypatch.setattr(launch, "GRAPH_POINTER_MAX_SCORES", 2 * n * n - 1)
+    assert not backward.traceable_backward(q, k, v, False)
+    assert backward.long_backward_rows(q, n, n)
 
 
 def test_cut_head_dims_are_padded_in_small_compiled_calls(monkeypatch) -> None:

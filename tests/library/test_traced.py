@@ -37,6 +37,8 @@ CUT_IS_OPAQUE = launch.sound_ptxas(90) is not None
 LARGE_D72 = [16, 16, 1024, 72]  # 2**28 scores
 assert 16 * 16 * 1024 * 1024 > launch.PADDED_MAX_SCORES
 LARGE_SECOND_ORDER = [16, 16, 1024, 64]  # 2**28 scores
+LARGE_LONG_ROWS = [4, 16, 4096, 64]  # 2**30 scores
+assert 4 * 16 * 4096 * 4096 > launch.GRAPH_POINTER_MAX_SCORES
 
 
 class Carried(NamedTuple):
@@ -81,8 +83,13 @@ CASES = [
       "mask_tangent": True, "device": "cpu"}, [FORWARD_JVP]),
     ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "precision": "fast"},
      [FORWARD_JVP]),
-    # from FORWARD_TMA_MIN_KEYS keys, tensor descriptors: chosen by the data's alignment
-    ({"op": "forward_jvp", "shape": [1, 2, 4096, 64], "precision": "fast"}, None),
+    # from FORWARD_TMA_MIN_KEYS keys, tensor descriptors, chosen by the data's alignment:
+    # opaque under CUDA graphs and in calls above GRAPH_POINTER_MAX_SCORES; smaller ones
+    # are traced with pointers where the graph runs its launches from Python
+    ({"op": "forward_jvp", "shape": [1, 2, 4096, 64], "precision": "fast"}, [FORWARD_JVP]),
+    ({"op": "forward_jvp", "shape": [1, 2, 4096, 64], "precision": "fast", "cudagraphs": True},
+     None),
+    ({"op": "forward_jvp", "shape": LARGE_LONG_ROWS, "precision": "fast"}, None),
     # d = 72: padded to one column tile in a small call, opaque in a large one (see above)
     ({"op": "forward_jvp", "shape": [2, 4, 64, 72]}, [FORWARD_JVP]),
     ({"op": "forward_jvp", "shape": LARGE_D72}, None if CUT_IS_OPAQUE else [FORWARD_JVP]),
@@ -107,7 +114,9 @@ CASES = [
     ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64], "mask": "float",
       "mask_grad": True}, [["delta_ptr", "dq_ptr", "dmask_ptr"], KEY_GRADS]),
     ({"op": "backward", "shape": [1, 2, 2048, 64]}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
-    ({"op": "backward", "shape": [1, 2, 4096, 64]}, None),
+    # from GRAPH_TMA_MIN_TOKENS, descriptors in calls above GRAPH_POINTER_MAX_SCORES only
+    ({"op": "backward", "shape": [1, 2, 4096, 64]}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
+    ({"op": "backward", "shape": LARGE_LONG_ROWS}, None),
     ({"op": "backward", "shape": [2, 4, 64, 72]}, [["delta_ptr"], ["dq_ptr"], KEY_GRADS]),
     # 1024 queries and keys: pointer kernels in the graph (GRAPH_TMA_MIN_TOKENS), so cut head
     # dims decide, as in the forward
@@ -191,6 +200,10 @@ COMPILED_CONFIGS = {
     "bf16-1024-cuda-graphs": {"dtype": "bf16", "n": 1024, "mode": "reduce-overhead"},
     # 2**28 scores, carried in the graph as in eager mode
     "bf16-1024-large": {"dtype": "bf16", "n": 1024, "b": 16, "h": 16},
+    # 4096 tokens, where eager calls read through descriptors: the pointer kernels traced
+    # in a small call, the opaque operators under CUDA graphs
+    "bf16-4096": {"dtype": "bf16", "n": 4096, "b": 1},
+    "bf16-4096-cuda-graphs": {"dtype": "bf16", "n": 4096, "b": 1, "mode": "reduce-overhead"},
 }
 DTYPE_OF = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -206,7 +219,8 @@ def test_compiled_step_through_the_twins_matches_eager(config: str, step: str) -
     parameters whose gradient the kernels compute, causal GQA, head dims padded in the graph
     (cut in two in eager mode), fp32, the fast precision, and 1024 tokens (carried, the
     copies from their own operators and the kernels traced; the backward's pointer kernels,
-    or its opaque operator under CUDA graphs; at 2**28 scores as well)."""
+    or its opaque operator under CUDA graphs; at 2**28 scores as well), and 4096 tokens
+    (pointer kernels where eager mode reads through descriptors)."""
     import torch
 
     from jvp_attention import attention, precision
