@@ -23,6 +23,7 @@ from jvp_attention.launch import (
     graph_carry,
     graph_takes_pointers,
     host_bound_graph,
+    interpreting,
     kernel_meta,
     launch_column_tiles,
     launchable,
@@ -759,19 +760,45 @@ _backward_dkdv = KeyedAutotuner(_attention_backward_dkdv_kernel, tile_configs([
 # (`_key_gradient`). H200, bf16, the kernel alone, best tile of each layout (64 x 64 on 4
 # warps): 0.150 against 0.171 ms at (64, 12, 256, 64), 0.219 against 0.241 at
 # (32, 16, 256, 72), but 0.704 against 0.610 at (32, 12, 1024, 64); at 512 keys the whole
-# backward gains 9% (d = 64) or stays within 2% (d = 72). The second-order passes keep the
-# stored layout (transposed, the one-pass form was slower at every tile tried).
+# backward gains 9% (d = 64) or stays within 2% (d = 72). The second-order passes choose
+# their layout with their tile (`laid_out`).
 TRANSPOSED_MAX_KEYS = 512
+
+
+def with_layout(configs: list[triton.Config], transposed: bool) -> list[triton.Config]:
+    """`configs` whose dK/dV kernel accumulates dims x keys (`transposed`) or keys x dims."""
+    return [triton.Config({**config.kwargs, "TRANSPOSED": transposed},
+                          num_warps=config.num_warps, num_stages=config.num_stages)
+            for config in configs]
+
+
+def laid_out(stored: list[tuple[int, int, int, int]],
+             transposed: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """A second-order key-side pass's candidates: the `stored` tiles accumulating keys x
+    dims, the `transposed` ones dims x keys, so that the autotuner chooses the layout with
+    the tile (under the interpreter, the one stored tile)."""
+    configs = with_layout(tile_configs(stored), False)
+    return configs if interpreting() else configs + with_layout(tile_configs(transposed), True)
+
+
 # 16 x 32 on 4 warps, 2 stages: the one spill-free dK/dV tangent tile at d = 128 that was
 # faster, on the H200 at (4, 16, 4096, 128) bf16: 15.9 ms against 17.6 ms for the best tile
-# before it (tools/tile_sweep.py --kernel backward_dkdv_tangent).
-_backward_dkdv_tangent = autotuned(_attention_backward_dkdv_kernel, [
-    (32, 32, 8, 2), (128, 16, 8, 2), (32, 32, 4, 1), (64, 32, 8, 2), (16, 32, 4, 2)])
+# before it (tools/tile_sweep.py --kernel backward_dkdv_tangent). The one-pass form was
+# slower transposed at every tile tried, so it stays stored.
+_backward_dkdv_tangent = KeyedAutotuner(_attention_backward_dkdv_kernel, laid_out([
+    (32, 32, 8, 2), (128, 16, 8, 2), (32, 32, 4, 1), (64, 32, 8, 2), (16, 32, 4, 2)], []),
+    AUTOTUNE_KEYS)
 _KEY_SIDE_TILES = [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
                    (128, 16, 8, 2), (64, 32, 8, 2), (32, 32, 4, 1), (16, 32, 4, 2)]
-_backward_dv_tangent, _backward_dk_tangent = (
-    KeyedAutotuner(_attention_backward_dkdv_kernel, tile_configs(_KEY_SIDE_TILES),
-                   [*AUTOTUNE_KEYS, "KEYS", "VALUES"]) for _ in range(2))
+# Transposed, these multiply on Hopper's wgmma alone without spills (tools/kernel_resources.py
+# --key-layout transposed, chapter 6): at d = 128 and at d = 64, but for the dK pass's
+# 64 x 32 on 8 warps, which spills 24 bytes at d = 128.
+_backward_dv_tangent = KeyedAutotuner(_attention_backward_dkdv_kernel, laid_out(
+    _KEY_SIDE_TILES, [(64, 32, 8, 2), (64, 32, 4, 2), (128, 16, 8, 1), (64, 16, 8, 2)]),
+    [*AUTOTUNE_KEYS, "KEYS", "VALUES"])
+_backward_dk_tangent = KeyedAutotuner(_attention_backward_dkdv_kernel, laid_out(
+    _KEY_SIDE_TILES, [(64, 16, 8, 2), (64, 16, 4, 2), (128, 16, 8, 1), (64, 32, 8, 2)]),
+    [*AUTOTUNE_KEYS, "KEYS", "VALUES"])
 # The second-order dK/dV work in one pass (four accumulators) or in two (dV and dtV, then
 # dK and dtK: two accumulators each, at the cost of the score products done twice).
 SPLIT_KEY_SIDE = True
@@ -983,7 +1010,8 @@ def flash_attention_backward(
                 HAS_RESIDUAL=out_residual is not None)
         if not (fused_dq or ws_dkdv and launched(launch_warp_specialized_dkdv, *ws_args, dk,
                                                  dv, is_causal, scale)):
-            transposed = not has_tangent and n_k <= TRANSPOSED_MAX_KEYS
+            # The first order's layout follows the keys; the second order's is tuned.
+            layout = {} if has_tangent else {"TRANSPOSED": n_k <= TRANSPOSED_MAX_KEYS}
             if not has_tangent:
                 passes = ((_backward_dkdv, True, True),)
             elif SPLIT_KEY_SIDE:
@@ -995,7 +1023,7 @@ def flash_attention_backward(
                 launchable(dkdv, q)[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
                     q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c,
                     factors, dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches,
-                    **meta, KEYS=keys, VALUES=values, TRANSPOSED=transposed)
+                    **meta, KEYS=keys, VALUES=values, **layout)
     grads = (dq, dk, dv, dtq, dtk, dtv) if has_tangent else (dq, dk, dv)
     if mask_grad:
         return (*grads, dmask, dmask_tangent) if has_tangent else (*grads, dmask)

@@ -110,20 +110,22 @@
 # The accumulators' layout is the other way in. Chapter 5's dK/dV kernel can hold them
 # transposed, head dim × keys (`TRANSPOSED`), so that a key gradient's product takes the
 # head dim as its rows: 128 or 64 rows whatever the key block, which `wgmma` can take. The
-# second-order passes keep the stored layout, chosen while the key side was one kernel (the
-# transposed one-pass form was slower at every tile tried). Compiled for sm_90 with both
-# passes transposed (`tools/kernel_resources.py --kernels _tangent --head-dim 64 128
-# --tokens 4096 --key-layout transposed`, and `stored`:
+# second-order passes used to keep the stored layout, chosen while the key side was one
+# kernel (the transposed one-pass form was slower at every tile tried). Compiled for sm_90
+# with both passes transposed (`tools/kernel_resources.py --kernels _tangent --head-dim 64
+# 128 --tokens 4096 --key-layout transposed`, and `stored`:
 # `benchmarks/results/kernel_resources_second_order_layouts_sm90.json`, the lists' tiles
 # and seven more): at $d = 128$ the $dK$ pass has three tiles that multiply on `wgmma`
 # alone without spilling (64 × 16 on 8 or 4 warps, 128 × 16 on 8 warps and 1 stage; 215–234
-# registers), where stored it has none, and the $dV$ pass eight (two of them in its list:
-# 64 × 32 on 4 and 8 warps), where stored it has none (a key block of 16 or 32 keys
-# multiplies its gradients on `mma.sync`); at $d = 64$ five of the list's eight
-# tiles for $dV$ and four for $dK$, against one and none stored. Tiles with fewer than 64
-# query rows a warpgroup still multiply the scores on `mma.sync`. These tiles are not
-# timed yet: `tools/tile_sweep.py --kernel backward_dk_tangent --key-layout transposed
-# --tiles ...` times them inside the backward through both outputs.
+# registers), where stored it has none, and the $dV$ pass eight (64 × 32 on 4 and 8 warps
+# among them), where stored it has none (a key block of 16 or 32 keys multiplies its
+# gradients on `mma.sync`); at $d = 64$ five of the stored list's eight tiles for $dV$ and
+# four for $dK$, against one and none stored. Tiles with fewer than 64 query rows a
+# warpgroup still multiply the scores on `mma.sync`. So each pass now tunes its layout with
+# its tile: its candidates are the stored list and four transposed tiles that compile onto
+# `wgmma` alone (chapter 5's `laid_out`), and the autotuner times both at each new shape.
+# `tools/tile_sweep.py --kernel backward_dk_tangent --tiles "16,32,4,2;64,16,8,2,1"` times
+# a stored and a transposed tile side by side (a fifth field 1: transposed).
 #
 # When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
 # target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward

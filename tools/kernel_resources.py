@@ -210,12 +210,19 @@ def backward_launch(q, k, v, out, lse, do, attn_mask, causal, tangents, dto):
                                           tangents, out, lse, dto)
 
 
-def with_key_layout(bound: dict, layout: str) -> dict:
-    """A dK/dV launch's arguments with its accumulators keys x dims ("stored") or dims x
-    keys ("transposed"); other kernels' and "library" unchanged."""
-    if layout == "library" or "TRANSPOSED" not in bound:
-        return bound
-    return {**bound, "TRANSPOSED": layout == "transposed"}
+def in_key_layout(kernel, bound: dict, config: triton.Config,
+                  layout: str) -> tuple[dict, triton.Config]:
+    """A dK/dV launch's arguments and tile with its accumulators keys x dims ("stored"), dims
+    x keys ("transposed") or as the library lays them out ("library": the launch's layout,
+    or the tile's where the autotuner chooses it, stored for a tile from --tiles); the
+    layout moves into the arguments. Other kernels' unchanged."""
+    if "TRANSPOSED" not in kernel.arg_names:
+        return bound, config
+    chosen = config.kwargs.get("TRANSPOSED", bound.get("TRANSPOSED", False))
+    tile = triton.Config({k: v for k, v in config.kwargs.items() if k != "TRANSPOSED"},
+                         num_warps=config.num_warps, num_stages=config.num_stages)
+    transposed = chosen if layout == "library" else layout == "transposed"
+    return {**bound, "TRANSPOSED": transposed}, tile
 
 
 class _NoLaunch:
@@ -241,8 +248,9 @@ def main() -> None:
     parser.add_argument("--key-layout", choices=("library", "stored", "transposed"),
                         default="library",
                         help="the dK/dV kernels' accumulators: as the library lays them out "
-                        "(by pass and keys), keys x dims (stored) or dims x keys (transposed, "
-                        "`TRANSPOSED`, chapter 5)")
+                        "(the first order's by its keys, the second order's tuned with the "
+                        "tile), keys x dims (stored) or dims x keys (transposed, `TRANSPOSED`, "
+                        "chapter 5)")
     parser.add_argument("--float-args", choices=("fp32", "fp64"), default="fp32",
                         help="type the kernels' float arguments as Triton's launch does (fp32) "
                         "or as Inductor's launch of a user's kernel does (fp64)")
@@ -257,18 +265,23 @@ def main() -> None:
         if args.kernels not in name:
             continue
         tangent = bool(bound.get("HAS_TANGENT"))
-        bound = with_key_layout(bound, args.key_layout)
         if args.tiles:
             configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
                        for m, n, w, st in (map(int, t.split(",")) for t in args.tiles.split(";"))]
+        seen = set()
         for config in configs:
-            report = compile_report(kernel, bound, config, args.float_args)
+            launch_args, config = in_key_layout(kernel, bound, config, args.key_layout)
             tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps,
                     config.num_stages)
+            if (tile, launch_args.get("TRANSPOSED")) in seen:  # a layout asked of both
+                continue
+            seen.add((tile, launch_args.get("TRANSPOSED")))
+            report = compile_report(kernel, launch_args, config, args.float_args)
             row = {"kernel": name, "tangent": tangent, "tile": tile, "dtype": args.dtype,
                    "head_dim": head_dim, "tokens": args.tokens, "mask": args.mask,
                    "use_tma": bool(bound.get("USE_TMA")), **report,
-                   **({"transposed": bound["TRANSPOSED"]} if "TRANSPOSED" in bound else {}),
+                   **({"transposed": launch_args["TRANSPOSED"]}
+                      if "TRANSPOSED" in launch_args else {}),
                    "fits": report["shared"] <= SHARED_LIMIT, "triton": triton.__version__}
             rows.append(row)
             print(f"{name:20} tangent={tangent!s:5} tile={tile!s:18} regs={report['regs']!s:4} "
@@ -277,7 +290,7 @@ def main() -> None:
                   f"{' '.join(f'{n}x{b}B' for b, n in report['load_bytes'].items()) or '-':14}"
                   f" d={head_dim} wgmma groups={report['wgmma_groups']} "
                   f"waits={report['wgmma_waits']} mma.sync={report['mma_sync']}"
-                  f"{' transposed' if bound.get('TRANSPOSED') else ''}"
+                  f"{' transposed' if launch_args.get('TRANSPOSED') else ''}"
                   f"{'' if row['fits'] else '  DOES NOT FIT'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

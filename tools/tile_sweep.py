@@ -19,7 +19,9 @@ to 2. The reference materialises the scores in float64, so keep the shape modera
 `--pair-tails on` (or `off`) times the forward with its half-full tail tiles paired (or
 not) whatever the library would choose (chapter 2's `pair_tails`). `--key-layout transposed`
 (or `stored`) has the dK/dV kernels accumulate dims x keys (or keys x dims) whatever the
-library would choose (chapter 5's `TRANSPOSED`).
+library would choose (chapter 5's `TRANSPOSED`); the second order's key-side passes tune
+their layout with their tile, and `--tiles` gives it as a fifth field ("64,16,8,2,1"), so
+that one run times both layouts.
 """
 
 import argparse
@@ -40,6 +42,8 @@ if not HAS_CUDA:  # --smoke: Triton's interpreter, set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
 
 import jvp_attention  # noqa: E402
 from jvp_attention import backward, forward  # noqa: E402
@@ -68,7 +72,8 @@ def kernel_ms(call, calls: int) -> dict[str, float]:
 
 def tile_name(config) -> str:
     kw = config.kwargs
-    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
+    layout = " transposed" if kw.get("TRANSPOSED") else ""
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{config.num_warps} s{config.num_stages}{layout}"
 
 
 # Which autotuned kernel to sweep: (its autotuner, its kernel's name in the profiler, the call
@@ -217,21 +222,61 @@ KEY_SIDE_TUNERS = ("_backward_dkdv", "_backward_dkdv_tangent", "_backward_dv_tan
                    "_backward_dk_tangent")
 
 
+def carries_layout(tuner) -> bool:
+    """Whether `tuner`'s tiles carry their dK/dV layout (the second order's key side,
+    chapter 5's `laid_out`) rather than take it from the launch (the first order's)."""
+    return any("TRANSPOSED" in config.kwargs for config in tuner.configs)
+
+
+def in_layout(configs: list, setting: str) -> list:
+    """`configs` with the layout `setting` asks ("stored", "transposed"; "library": each
+    tile's own, stored where it has none), duplicates dropped."""
+    laid = []
+    for config in configs:
+        transposed = (config.kwargs.get("TRANSPOSED", False) if setting == "library"
+                      else setting == "transposed")
+        tile = triton.Config({**config.kwargs, "TRANSPOSED": transposed},
+                             num_warps=config.num_warps, num_stages=config.num_stages)
+        if tile_name(tile) not in map(tile_name, laid):
+            laid.append(tile)
+    return laid
+
+
 def laying_out_keys(setting: str) -> ExitStack:
     """A context in which the dK/dV kernels accumulate keys x dims ("stored"), dims x keys
-    ("transposed") or as the library chooses ("library"), by overriding the TRANSPOSED
-    argument of their launches."""
+    ("transposed") or as the library chooses ("library"): the tiles that carry their
+    layout take it, the other launches have their TRANSPOSED argument overridden."""
     stack = ExitStack()
     if setting == "library":
         return stack
     for name in KEY_SIDE_TUNERS:
         tuner = getattr(backward, name)
+        if carries_layout(tuner):
+            stack.enter_context(unittest.mock.patch.object(
+                tuner, "configs", in_layout(tuner.configs, setting)))
+            continue
 
         def run(*args, _run=tuner.run, **kwargs):
             return _run(*args, **{**kwargs, "TRANSPOSED": setting == "transposed"})
 
         stack.enter_context(unittest.mock.patch.object(tuner, "run", run))
     return stack
+
+
+def parse_tiles(text: str, tuner, setting: str) -> list:
+    """--tiles 'M,N,warps,stages[,transposed];...' as configurations of `tuner`: a fifth
+    field 1 (or 0) lays a second-order key-side tile out transposed (or stored)."""
+    fields = [tuple(int(x) for x in tile.split(",")) for tile in text.split(";")]
+    if any(len(tile) not in (4, 5) for tile in fields):
+        raise ValueError(f"a tile is M,N,warps,stages[,transposed]: {text!r}")
+    if not carries_layout(tuner):
+        if any(len(tile) == 5 for tile in fields):
+            raise ValueError("only the second order's key-side passes take a layout per "
+                             "tile; use --key-layout for the others")
+        return tile_configs(fields)
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "TRANSPOSED": bool(rest and rest[0])},
+                             num_warps=w, num_stages=st) for m, n, w, st, *rest in fields]
+    return in_layout(configs, setting)
 
 
 def main() -> None:
@@ -246,8 +291,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tiles", help="try these tiles instead of the kernel's list: "
-                        "'M,N,warps,stages;...' (tools/kernel_resources.py checks them for "
-                        "spills without a GPU)")
+                        "'M,N,warps,stages;...', for the second order's key-side passes "
+                        "'M,N,warps,stages,transposed' too (1: dims x keys) "
+                        "(tools/kernel_resources.py checks them for spills without a GPU)")
     parser.add_argument("--check", action="store_true",
                         help="also compare each tile's outputs with a float64 reference "
                         "(error_vs_math: a multiple of PyTorch's math attention's error)")
@@ -273,8 +319,10 @@ def main() -> None:
     elif not HAS_CUDA:
         parser.error("the sweep times kernels on a CUDA GPU (--smoke checks the plumbing on "
                      "CPU)")
-    tiles = args.tiles and tile_configs([tuple(int(x) for x in tile.split(","))
-                                         for tile in args.tiles.split(";")])
+    try:
+        tiles = args.tiles and parse_tiles(args.tiles, KERNELS[args.kernel][0], args.key_layout)
+    except ValueError as error:
+        parser.error(str(error))
     with pairing_tails(args.pair_tails), laying_out_keys(args.key_layout):
         rows = [row for b, h, n in (args.shape or [[64, 12, 256]]) for d in args.head_dims
                 for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles,

@@ -73,6 +73,27 @@ def test_second_order_grid(spec: Spec, dtype: torch.dtype) -> None:
     check_second_order(spec, dtype)
 
 
+KEY_SIDE_PASSES = ("_backward_dv_tangent", "_backward_dk_tangent")
+
+
+def force_key_side_tiles(monkeypatch, configs: dict) -> None:
+    """Make each second-order key-side pass (by name) tune over `configs[name]` alone,
+    forgetting what it tuned and the launches remembered with their tiles."""
+    for name, config in configs.items():
+        tuner = getattr(backward, name)
+        monkeypatch.setattr(tuner, "configs", [config])
+        for cache in ("tuned", "cache", "launches"):
+            monkeypatch.setattr(tuner, cache, {})
+
+
+def key_side_tile(block_m: int, block_n: int, transposed: bool, warps: int = 4,
+                  stages: int = 2):
+    import triton
+
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "TRANSPOSED": transposed},
+                         num_warps=warps, num_stages=stages)
+
+
 @pytest.mark.parametrize("spec", [Spec(nq=45, nk=70, causal=True),
                                   Spec(hq=4, hkv=2, nq=70, nk=45, mask="bool"),
                                   Spec(nq=33, nk=33, d=24, dv=40)], ids=lambda s: s.id)
@@ -80,18 +101,67 @@ def test_second_order_with_query_blocks_narrower_than_key_blocks(spec: Spec,
                                                                  monkeypatch) -> None:
     """The GPU lists' 16 x 32 dK/dV tile (chapter 5) has query blocks narrower than its key
     blocks, the reverse of the interpreter's 32 x 16: run that shape through both passes."""
+    force_key_side_tiles(monkeypatch, dict.fromkeys(KEY_SIDE_PASSES,
+                                                    key_side_tile(16, 32, False)))
+    check_second_order(spec, torch.float32)
+    for name in KEY_SIDE_PASSES:
+        best = getattr(backward, name).best_config.kwargs
+        assert (best["BLOCK_M"], best["BLOCK_N"]) == (16, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+@pytest.mark.parametrize("spec", [Spec(nq=45, nk=70, causal=True),
+                                  Spec(hq=4, hkv=2, nq=70, nk=45, mask="bool"),
+                                  Spec(batch=2, nq=33, nk=40, d=24, dv=40, mask="additive",
+                                       layout="bnhd"),
+                                  Spec(nq=33, nk=17, d=72, mask="empty_rows")],
+                         ids=lambda s: s.id)
+def test_second_order_with_transposed_key_side_passes(spec: Spec, dtype: torch.dtype,
+                                                      monkeypatch) -> None:
+    """The key side's passes accumulating dims x keys (`TRANSPOSED`), as the autotuner may
+    choose on a GPU (chapter 5's `laid_out`): same accuracy as stored, every gradient
+    written."""
+    force_key_side_tiles(monkeypatch, {"_backward_dv_tangent": key_side_tile(32, 16, True),
+                                       "_backward_dk_tangent": key_side_tile(16, 32, True)})
+    check_second_order(spec, dtype)
+    for name in KEY_SIDE_PASSES:
+        assert getattr(backward, name).best_config.kwargs["TRANSPOSED"] is True
+
+
+def test_the_key_side_passes_tune_their_layout() -> None:
+    """On a GPU each pass's candidates hold both layouts; under the interpreter one stored
+    tile; the first-order kernel's layout is passed by its launch, not tuned."""
     import triton
 
-    tuners = (backward._backward_dv_tangent, backward._backward_dk_tangent)
-    for tuner in tuners:
-        monkeypatch.setattr(tuner, "configs", [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32},
-                                                             num_warps=4, num_stages=2)])
-        monkeypatch.setattr(tuner, "tuned", {})
-        monkeypatch.setattr(tuner, "cache", {})
-        monkeypatch.setattr(tuner, "launches", {})  # launches remembered with their tiles
-    check_second_order(spec, torch.float32)
-    for tuner in tuners:
-        assert (tuner.best_config.kwargs["BLOCK_M"], tuner.best_config.kwargs["BLOCK_N"]) == (16, 32)
+    from jvp_attention.launch import interpreting
+
+    for name in KEY_SIDE_PASSES:
+        layouts = {config.kwargs["TRANSPOSED"] for config in getattr(backward, name).configs}
+        assert layouts == ({False} if interpreting() else {False, True}), name
+    assert all(config.kwargs["TRANSPOSED"] is False
+               for config in backward._backward_dkdv_tangent.configs)
+    assert all("TRANSPOSED" not in config.kwargs for config in backward._backward_dkdv.configs)
+    laid = backward.with_layout([triton.Config({"BLOCK_M": 64, "BLOCK_N": 16}, num_warps=8,
+                                               num_stages=1)], True)[0]
+    assert (laid.kwargs, laid.num_warps, laid.num_stages) == (
+        {"BLOCK_M": 64, "BLOCK_N": 16, "TRANSPOSED": True}, 8, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=dtype_name)
+@pytest.mark.parametrize("spec", [Spec(batch=2, hq=4, hkv=2, nq=1000, nk=1000, d=128,
+                                       causal=True),
+                                  Spec(batch=2, hq=4, hkv=4, nq=777, nk=1000, d=64,
+                                       mask="bool"),
+                                  Spec(batch=2, hq=4, hkv=4, nq=1000, nk=1000, d=72,
+                                       layout="bnhd")], ids=lambda s: s.id)
+def test_second_order_with_transposed_key_side_passes_gpu(spec: Spec, dtype: torch.dtype,
+                                                          monkeypatch) -> None:
+    """The transposed tiles of the GPU lists (wgmma alone, chapter 6) at realistic sizes."""
+    force_key_side_tiles(monkeypatch, {
+        "_backward_dv_tangent": key_side_tile(64, 32, True, warps=8),
+        "_backward_dk_tangent": key_side_tile(64, 16, True, warps=8)})
+    check_second_order(spec, dtype, device="cuda")
 
 
 @pytest.mark.parametrize("spec", [Spec(hq=4, hkv=2, nq=45, nk=70, causal=True),

@@ -147,23 +147,44 @@ def test_pair_tails_setting_overrides_the_librarys_choice() -> None:
 
 @pytest.mark.parametrize("setting", ["stored", "transposed"])
 def test_key_layout_setting_overrides_the_librarys_choice(setting: str, monkeypatch) -> None:
-    """--key-layout stored|transposed: every dK/dV launch takes that layout whatever the
-    library passes (the first order's choice by keys, the tangent passes' stored one), the
-    gradients stay right (--check), and the tuners' own `run` comes back afterwards."""
+    """--key-layout stored|transposed: the first-order dK/dV launch takes that layout
+    whatever the library passes, the second order's passes tune only tiles in it, the
+    gradients stay right (--check), and the tuners come back as they were."""
     seen = []
-    for name in tile_sweep.KEY_SIDE_TUNERS:
-        tuner = getattr(backward, name)
+    first_order = backward._backward_dkdv
 
-        def spy(*args, _run=tuner.run, **kwargs):
-            seen.append(kwargs["TRANSPOSED"])
-            return _run(*args, **kwargs)
+    def spy(*args, _run=first_order.run, **kwargs):
+        seen.append(kwargs["TRANSPOSED"])
+        return _run(*args, **kwargs)
 
-        monkeypatch.setattr(tuner, "run", spy)
-    runs = {name: getattr(backward, name).run for name in tile_sweep.KEY_SIDE_TUNERS}
+    monkeypatch.setattr(first_order, "run", spy)
+    before = {name: (getattr(backward, name).run, getattr(backward, name).configs)
+              for name in tile_sweep.KEY_SIDE_TUNERS}
     with tile_sweep.laying_out_keys(setting):
         for kernel in ("backward_dkdv", "backward_dk_tangent"):
             rows = tile_sweep.sweep((1, 2, 24, 16), tile_sweep.DTYPES["fp16"], 1,
                                     kernel=kernel, check=True, auto_only=True)
             assert all(0 < row["error_vs_math"] <= 2 for row in rows), rows
+        layouts = {config.kwargs["TRANSPOSED"] for name in tile_sweep.KEY_SIDE_TUNERS
+                   for config in getattr(backward, name).configs
+                   if tile_sweep.carries_layout(getattr(backward, name))}
     assert seen and set(seen) == {setting == "transposed"}, seen
-    assert {name: getattr(backward, name).run for name in runs} == runs
+    assert layouts == {setting == "transposed"}
+    assert {name: (getattr(backward, name).run, getattr(backward, name).configs)
+            for name in tile_sweep.KEY_SIDE_TUNERS} == before
+
+
+def test_tiles_carry_the_second_order_layout() -> None:
+    """--tiles: a fifth field lays a second-order key-side tile out transposed (1) or stored
+    (0, or none); the first order's kernels take no such field."""
+    tuner = backward._backward_dk_tangent
+    tiles = tile_sweep.parse_tiles("16,32,4,2;64,16,8,2,1;64,16,8,2,0", tuner, "library")
+    assert [tile_sweep.tile_name(t) for t in tiles] == [
+        "16x32 w4 s2", "64x16 w8 s2 transposed", "64x16 w8 s2"]
+    assert [tile_sweep.tile_name(t) for t in tile_sweep.parse_tiles(
+        "16,32,4,2;64,16,8,2,0", tuner, "transposed")] == [
+        "16x32 w4 s2 transposed", "64x16 w8 s2 transposed"]
+    with pytest.raises(ValueError, match="--key-layout"):
+        tile_sweep.parse_tiles("64,16,8,2,1", backward._backward_dkdv, "library")
+    with pytest.raises(ValueError, match="M,N,warps,stages"):
+        tile_sweep.parse_tiles("64,16,8", tuner, "library")
