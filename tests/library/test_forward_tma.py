@@ -116,24 +116,26 @@ def test_forward_takes_descriptors_from_its_minimum_keys(monkeypatch, n_k: int) 
 def test_backward_takes_descriptors_when_both_loops_are_long(monkeypatch, n_q: int,
                                                             n_k: int) -> None:
     """The dQ kernel loops over the keys and the dK/dV kernel over the queries: the
-    first-order backward asks for descriptors only when both are long enough. (The call
-    stops at the question: these lengths would take minutes in the interpreter.)"""
-    asked = []
+    first-order backward reads through descriptors only when both are long enough
+    (`long_backward_rows`). (The call stops at the question: these lengths would take
+    minutes in the interpreter.)"""
+    verdicts = []
+    chosen = backward_module.long_backward_rows
 
     class Asked(Exception):
         pass
 
-    def recorded(*tensors, long_enough=True):
-        asked.append(long_enough)
+    def recorded(q, n_q, n_k):
+        verdicts.append(chosen(q, n_q, n_k))
         raise Asked
 
-    monkeypatch.setattr(backward_module, "tma_eligible", recorded)
+    monkeypatch.setattr(backward_module, "long_backward_rows", recorded)
     q = torch.randn(1, 1, n_q, 16, device=DEVICE, dtype=torch.float16)
     k = torch.randn(1, 1, n_k, 16, device=DEVICE, dtype=torch.float16)
     lse = torch.zeros(1, 1, n_q, device=DEVICE)
     with pytest.raises(Asked):
         backward_module.flash_attention_backward(q, k, k, q, lse, torch.ones_like(q))
-    assert asked == [min(n_q, n_k) >= BACKWARD_TMA_MIN_TOKENS]
+    assert verdicts == [min(n_q, n_k) >= BACKWARD_TMA_MIN_TOKENS]
 
 
 @pytest.mark.gpu
