@@ -2178,8 +2178,8 @@ def flash_attention_forward(
     if mask_tangent is not None and tangents is None:
         raise ValueError("mask_tangent is part of the tangent: pass tangents=(tq, tk, tv) too")
     scale = head_dim**-0.5 if scale is None else scale
-    long_rows = long_forward_rows(q, n_k)  # chapter 11's kernels read descriptors too
-    if (attn_mask is None and long_rows
+    # Chapter 11's kernels read descriptors too: not in a graph that takes pointers.
+    if (attn_mask is None and not graph_takes_pointers(q, n_k)
             and takes_warp_specialized(q, k, v, tangents, exact, is_causal)):
         ran = warp_specialized_forward(q, k, v, is_causal, scale, residuals,  # chapter 11
                                        tangents, jvp_operands if exact else None)
@@ -2207,7 +2207,7 @@ def flash_attention_forward(
     if carry:
         with on_device(q):
             v, tv, factors = carried_jvp_operands(q, k, v, tq, tk, tv, scale)
-    use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=long_rows)
+    use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=long_forward_rows(q, n_k))
     tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
     constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)
 

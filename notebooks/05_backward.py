@@ -1248,9 +1248,10 @@ def flash_attention_backward(
     delta = None if carry and not has_tangent else torch.empty_like(lse)
     c = torch.empty_like(lse) if has_tangent else delta
     # Chapter 12's warp-specialised kernels take unmasked first-order calls on Hopper; they
-    # read descriptors, so only on long rows.
+    # read descriptors, so not in a graph that takes pointers.
     long_rows = not has_tangent and long_backward_rows(q, n_q, n_k)
-    ws_dq, ws_dkdv = ((False, False) if attn_mask is not None or not long_rows or mask_grad
+    ws_dq, ws_dkdv = ((False, False) if attn_mask is not None or has_tangent or mask_grad
+                      or graph_takes_pointers(q, n_k)
                       else warp_specialized_backward_kernels(q, k, v, grad_out, exact))
     # Where its dK/dV kernel sums dQ as well, no dQ kernel runs.
     fused_dq = ws_dkdv and fuses_dq(head_dim, is_causal, carry)
