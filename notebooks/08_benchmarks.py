@@ -857,9 +857,14 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # N16384 $d = 128$, 248.8 at B1 H32 N16384 $d = 64$). What bounds "fast", and so
 # "accurate" above it, is the work per tile: fifteen product-sized units on the key side's
 # two passes and the dQ kernel where the first-order backward does five, and the registers
-# of the dK pass at $d = 128$, which still spills on its larger tiles (chapter 4); "accurate"
-# adds the copies' two passes over eight tensors and two multiplies of a tile and of an
-# accumulator per tile.
+# of the dK pass at $d = 128$, which still spills on its larger tiles (chapter 4), so that
+# its spill-free tiles, with key blocks of 16 or 32 keys, multiply the key gradients on
+# Ampere's `mma.sync` rather than Hopper's `wgmma`; "accurate" adds the copies' two passes
+# over eight tensors and two multiplies of a tile and of an accumulator per tile. Counted
+# for sm_90 (chapter 6, `kernel_resources_second_order_layouts_sm90.json`), the key side's
+# passes with their accumulators transposed (head dim x keys) compile onto `wgmma` alone
+# without spilling at tiles where the stored layout cannot (three for the dK pass at
+# $d = 128$, none stored): the next candidates, not yet timed.
 
 # %% [markdown]
 # ## What the numbers mean
