@@ -8,7 +8,10 @@ float16/float32 inputs. bfloat16 in accurate mode at long sequences carries exac
 copies (chapter 2): two launches more per call, the range pass and the copies, counted here
 by forcing that path on float16 inputs. Besides our launches a call may dispatch only
 allocations, views and forward AD's metadata checks: no PyTorch operation that would be a GPU
-kernel. The budgets are today's counts: lower them when a call gets leaner, never raise them
+kernel. The dispatch-mode counts see the operations around the library's operators; the
+profiler's (`test_eager_call_dispatches_only_its_launches`) see the plain eager call from
+the inside, its launchers included, and also refuse any operation that would make the host
+wait for the GPU. The budgets are today's counts: lower them when a call gets leaner, never raise them
 without a reason written here.
 """
 
@@ -250,6 +253,7 @@ def test_eager_calls_skip_the_dispatcher(monkeypatch) -> None:
     """In plain eager mode the Functions call the launchers, not the operators (whose
     dispatch costs as much host time as the kernels take at training shapes)."""
     inputs, tangents = _inputs(torch.float16)
+    assert jvp_attention.autograd  # registers the operators (the package imports it lazily)
     for name in ("forward_jvp", "backward"):
         monkeypatch.setattr(torch.ops.jvp_attention, name, _refuse)
     out, _ = torch.func.jvp(jvp_attention.attention, inputs, tangents)
@@ -330,3 +334,110 @@ def test_jvp_does_not_lift_the_function(monkeypatch) -> None:
     torch.testing.assert_close(tangent, expected[1], rtol=0, atol=0)
     out.backward(torch.ones_like(out))
     assert all(x.grad is not None for x in inputs)
+
+
+# What the plain eager call may dispatch, seen from the inside: the profiler records every
+# PyTorch operation, those of the library's own launchers included (which a dispatch mode
+# does not see: under one the library calls its operators). Allocations, views and forward
+# AD's dual bookkeeping are no GPU kernel; anything else would be a launch of its own, and
+# an operation that reads a device value on the host (`.item()`, `nonzero`, a copy to the
+# CPU) would make the call wait for the GPU.
+EAGER_NO_KERNEL = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                   "aten::alias", "aten::view", "aten::reshape", "aten::expand",
+                   "aten::as_strided", "aten::is_same_size", "aten::_has_same_storage_numel",
+                   "aten::_make_dual", "aten::_unpack_dual", "aten::_fw_primal"}
+# A learnable additive mask's own work, which no other call does: its bias and tangent
+# interleaved into one operand (`mask_operand`, chapter 2), its gradient summed in fp32
+# over the dimensions it was broadcast along and cast back (chapter 5).
+BIAS_WORK = {"aten::promote_types", "aten::to", "aten::_to_copy", "aten::copy_",
+             "aten::broadcast_tensors", "aten::stack", "aten::unsqueeze", "aten::cat",
+             "aten::narrow", "aten::slice", "aten::zeros", "aten::zeros_like", "aten::zero_",
+             "aten::fill_", "aten::sum"}
+HOST_WAITS = {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero",
+              "aten::equal", "aten::tolist", "aten::cpu"}
+
+
+def _profiled_ops(run) -> tuple[collections.Counter, collections.Counter]:
+    """(PyTorch operations outside Triton launches, Triton launches) of `run()` in plain
+    eager mode, from the profiler."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launch = InterpretedFunction.run
+
+    def marked(self, *args, **kwargs):
+        with record_function(f"launch::{self.fn.__name__}"):
+            return launch(self, *args, **kwargs)
+
+    def in_launch(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("launch::"):
+            parent = parent.cpu_parent
+        return parent is not None
+
+    with mock.patch.object(InterpretedFunction, "run", marked), \
+            profile(activities=[ProfilerActivity.CPU]) as profiler:
+        run()
+    events = profiler.events()
+    ops = collections.Counter(e.name for e in events
+                              if e.name.startswith("aten::") and not in_launch(e))
+    launches = collections.Counter(e.name.removeprefix("launch::") for e in events
+                                   if e.name.startswith("launch::"))
+    return ops, launches
+
+
+def _eager_cases():
+    """(name, call(q, k, v, bias) for torch.func.jvp, whether it carries, has a learnable
+    mask) for the ways models call attention."""
+    bool_mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(1)) > 0.3
+    return [
+        ("plain", lambda q, k, v, bias: jvp_attention.attention(q, k, v), False, False),
+        ("causal", lambda q, k, v, bias: jvp_attention.attention(q, k, v, is_causal=True),
+         False, False),
+        ("bool-mask", lambda q, k, v, bias: jvp_attention.attention(q, k, v, attn_mask=bool_mask),
+         False, False),
+        ("carried", lambda q, k, v, bias: jvp_attention.attention(q, k, v), True, False),
+        ("learnable-bias", lambda q, k, v, bias: jvp_attention.attention(q, k, v, attn_mask=bias),
+         False, True),
+    ]
+
+
+@pytest.mark.parametrize("case", _eager_cases(), ids=lambda case: case[0])
+@pytest.mark.parametrize("backward", ["primal", "both"])
+def test_eager_call_dispatches_only_its_launches(case, backward: str, monkeypatch) -> None:
+    """Inside the plain eager call (the launchers included): no PyTorch operation that is a
+    GPU kernel besides a learnable mask's own, and none that waits for the GPU, in the
+    forward with its JVP and in the backward through the primal output (MeanFlow) or through
+    both outputs (second order)."""
+    _, call, carried, learnable = case
+    if carried:
+        for module in (jvp_attention.forward, jvp_attention.backward):
+            monkeypatch.setattr(module, "carries", lambda q, n_keys: True)
+    inputs, tangents = _inputs(torch.float16)
+    bias = torch.randn(2, 1, 16, 16, dtype=torch.float16, requires_grad=learnable)
+    primals, directions = (*inputs, bias), (*tangents, torch.randn_like(bias))
+    results = {}
+
+    def jvp():
+        results["out"] = torch.func.jvp(call, primals, directions)
+
+    def grad():
+        outputs, cotangents = results["out"], results["cotangents"]
+        n = 1 if backward == "primal" else 2
+        torch.autograd.grad(outputs[:n], primals[:3 + learnable], cotangents[:n],
+                            retain_graph=True)
+
+    allowed = EAGER_NO_KERNEL | (BIAS_WORK if learnable else set())
+    for profiled in (False, True):  # the first time round warms up: autotuning, caches
+        for phase in (jvp, grad):
+            if not profiled:
+                phase()
+            else:
+                ops, launches = _profiled_ops(phase)
+                assert launches, f"{phase.__name__}: no Triton launch was profiled"
+                assert not set(ops) & HOST_WAITS, (phase.__name__, ops)
+                assert set(ops) <= allowed, (phase.__name__, set(ops) - allowed, launches)
+            if phase is jvp:
+                out, tangent_out = results["out"]
+                results["cotangents"] = (torch.ones_like(out), tangent_out.detach())
