@@ -6,6 +6,7 @@
 """
 
 import contextlib
+import functools
 import inspect
 import warnings
 from collections import Counter
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
+from torch._C._functorch import TransformType
 from torch._functorch import eager_transforms
 from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
 from torch._functorch.utils import unwrap_dead_wrappers
@@ -220,7 +222,10 @@ def _grads_by_reference(is_causal, scale, primals, tangents, mask, mask_tangent,
 
 class _ReferenceSecondOrder(torch.autograd.Function):
     """Passes the kernels' gradients through unchanged; differentiating them again (a double
-    backward) differentiates chapter 1's reference gradients instead, which PyTorch can."""
+    backward) differentiates chapter 1's reference gradients instead, which PyTorch can.
+    Under vmap (per-sample gradients, `jacrev`) functorch runs both steps batched."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(grads_of, n_inputs, *tensors):
@@ -255,6 +260,8 @@ class _ReferenceSecondOrder(torch.autograd.Function):
 
 class _RefuseThirdDerivative(torch.autograd.Function):
     """Passes second derivatives through; differentiating them again raises."""
+
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(n_anchors, *tensors):
@@ -300,25 +307,45 @@ def _second_order_by_reference(ctx, grads, primals, tangents, mask, mask_tangent
     return tuple(None if g is None else next(tied) for g in grads)
 
 
-def _fold_vmap_dim(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
-    """Merge vmap's batch dimension into the leading batch dimension of a (B, H, N, D) tensor."""
+def _fold_vmap_dim(x: Tensor | None, dim: int | None, size: int,
+                   stored: bool = False) -> Tensor | None:
+    """Merge vmap's batch dimension into the leading batch dimension of a (B, ...) tensor.
+    A tensor without it is repeated along it: as a stride-0 view, or `stored` in memory."""
     if not isinstance(x, Tensor):
         return x
-    x = x.expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
-    return x.flatten(0, 1)
+    if dim is not None:
+        return x.movedim(dim, 0).flatten(0, 1)
+    x = x.expand(size, *x.shape).flatten(0, 1)
+    return x.contiguous() if stored else x
 
 
-def _vmap_by_folding(function, info, in_dims, *args):
-    """A vmap rule for functions of (B, H, N, D) tensors: vmap's dimension joins the batch."""
-    folded = [_fold_vmap_dim(x, d, info.batch_size) for x, d in zip(args, in_dims, strict=True)]
-    outputs = function.apply(*folded)
+def _vmap_by_folding(run, info, in_dims, *args, stored: bool = False):
+    """A vmap rule for functions of (B, ...) tensors, `run`: vmap's dimension joins the
+    batch (an empty placeholder stays empty)."""
+    folded = [_fold_vmap_dim(x, d, info.batch_size, stored)
+              for x, d in zip(args, in_dims, strict=True)]
+    outputs = run(*folded)
     return tuple(o.unflatten(0, (info.batch_size, -1)) for o in outputs), (0,) * len(outputs)
+
+
+# The operators batch the same way, so that a backward under vmap (per-sample gradients,
+# `jacrev`) is one launch of each kernel rather than PyTorch's loop over the batch. Their
+# saved inputs (out, the row statistics) are read as the forward stored them, so what
+# vmap does not batch is repeated in memory.
+for _op in (_forward_op, _forward_jvp_op, _backward_op, _backward_tangent_op):
+    _op.register_vmap(functools.partial(_vmap_by_folding, _op, stored=True))
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def vmap(info, in_dims, *args):
-        return _vmap_by_folding(_Attention, info, in_dims, *args)
+    def vmap(info, in_dims, q, k, v, attn_mask, is_causal, scale, residual, precision):
+        # Folded, the inputs are seen at the level below vmap's: inside torch.func.jvp (a
+        # jvp of a vmapped function) they carry their tangents there, and `_attend` takes
+        # the fused pass.
+        folded = [_fold_vmap_dim(x, d, info.batch_size)
+                  for x, d in zip((q, k, v, attn_mask), in_dims[:4], strict=True)]
+        outputs = _attend(*folded, is_causal, scale, precision, _traced())
+        return tuple(o.unflatten(0, (info.batch_size, -1)) for o in outputs), (0,) * 3
 
     @staticmethod
     def forward(q, k, v, attn_mask, is_causal, scale, residual, precision):
@@ -355,7 +382,7 @@ def _mask_grad(d_mask: Tensor, attn_mask: Tensor | None, wanted: bool) -> Tensor
 class _FusedTangent(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, *args):
-        return _vmap_by_folding(_FusedTangent, info, in_dims, *args)
+        return _vmap_by_folding(_FusedTangent.apply, info, in_dims, *args)
 
     @staticmethod
     def forward(q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual,
@@ -587,20 +614,39 @@ def attention(
         return _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     q, k, v, mask = _as_4d(query, key, value, attn_mask)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    precision = get_precision()
-    traced = _traced()
+    out = _attend(q, k, v, mask, is_causal, scale, get_precision(), _traced())[0]
+    return out if query.dim() == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+            scale: float, precision: str, traced: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, lse, out_residual) of (B, H, N, D) inputs: the fused pass where forward-mode AD
+    gives an input a tangent at its current level (`out` then carries tO as its tangent),
+    the plain forward where none does. Under functorch's transforms in eager mode, where a
+    jvp sits beneath vmap (a jvp of a vmapped function) the inputs' tangents are out of
+    sight at vmap's level: `_Attention`'s vmap rule folds vmap's dimension into the batch
+    and comes back here below it. Where a jvp sits beneath a gradient transform (forward
+    over reverse: a jvp of `torch.func.grad`, `jacfwd` of `jacrev`, `torch.func.hessian`),
+    the tangents would have to flow forward through the kernels' backward, which has no
+    such rule: chapter 1's reference in PyTorch operations runs (empty lse and residual)."""
+    if not traced and _functorch_depth():
+        transform = _functorch_top().key()
+        if transform == TransformType.Grad and jvp_nesting():
+            return (_pytorch_attention(q, k, v, mask, is_causal, scale, True), _NO_TENSOR(q),
+                    _NO_TENSOR(q))
+        if transform == TransformType.Vmap and forward_ad._current_level >= 0:
+            return _apply(_Attention, q, k, v, mask, is_causal, scale,
+                          _wants_residual(q, k, v), precision)
     primals, tangents = _primals_and_tangents(q, k, v, mask, traced)
     if tangents is None:
-        out = _apply(_Attention, q, k, v, mask, is_causal, scale, _wants_residual(q, k, v),
-                     precision)[0]
-    else:
-        # Unpack the duals, run the fused op on primals and tangents as plain inputs, and
-        # hand forward-mode AD tO as the tangent of O: no copy, and Dynamo can trace it.
-        out, tangent_out = _apply(
-            _FusedTangent, *primals[:3], *tangents[:3], primals[3], tangents[3], is_causal,
-            scale, _wants_residual(*primals[:3], *tangents[:3]), precision)[:2]
-        out = _make_dual(out, tangent_out, traced)
-    return out if query.dim() == 4 else out.reshape(*query.shape[:-1], value.shape[-1])
+        return _apply(_Attention, q, k, v, mask, is_causal, scale, _wants_residual(q, k, v),
+                      precision)
+    # Unpack the duals, run the fused op on primals and tangents as plain inputs, and hand
+    # forward-mode AD tO as the tangent of O: no copy, and Dynamo can trace it.
+    out, tangent_out, lse, _, out_residual, _ = _apply(
+        _FusedTangent, *primals[:3], *tangents[:3], primals[3], tangents[3], is_causal,
+        scale, _wants_residual(*primals[:3], *tangents[:3]), precision)
+    return _make_dual(out, tangent_out, traced), lse, out_residual
 
 
 def attention_jvp(

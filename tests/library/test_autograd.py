@@ -239,16 +239,37 @@ def test_attention_jvp_equals_torch_func_jvp(spec: Spec) -> None:
 # --- forward over reverse ----------------------------------------------------------------
 
 
-def test_forward_over_reverse_raises() -> None:
-    """jvp of a gradient (a Hessian-vector product, forward over reverse) is not supported:
-    it must raise, not return a wrong number."""
+def test_forward_over_reverse_runs_the_reference() -> None:
+    """A jvp of a gradient (a Hessian-vector product, forward over reverse) and
+    torch.func.hessian (jacfwd of jacrev): the kernels' backward has no forward rule, so a
+    jvp beneath a gradient transform runs chapter 1's reference in PyTorch operations, with
+    float64 SDPA's answer (it raised before)."""
+    p = make_problem(Spec(batch=1, hq=2, hkv=1, nq=9, nk=12, d=16, causal=True), torch.float32)
+    opts = {"is_causal": True, "enable_gqa": True}
+
+    def hvp(attend, q, k, v, tq):
+        grad_q = torch.func.grad(lambda x: attend(x, k, v, **opts).square().sum())
+        return torch.func.jvp(grad_q, (q,), (tq,))[1]
+
+    with mock.patch.object(api, "_pytorch_attention", wraps=api._pytorch_attention) as ref:
+        got = hvp(attention, p.q, p.k, p.v, p.tangents[0])
+    assert ref.called
+    want = hvp(sdpa64, p.q.double(), p.k.double(), p.v.double(), p.tangents[0].double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    q, k, v = p.q[:, :1, :3, :4], p.k[:, :, :5, :4], p.v[:, :, :5, :4]
+    got = torch.func.hessian(lambda x: attention(x, k, v, **opts).square().sum())(q)
+    want = torch.func.hessian(lambda x: sdpa64(x, k, v, **opts).square().sum())(q.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_forward_over_reverse_with_forward_ad_raises() -> None:
+    """The same through torch.autograd.forward_ad and torch.autograd.grad(create_graph=True)
+    on a dual input: the gradient's tangent would be lost, so it raises instead."""
     p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
-
-    def grad_q(q):
-        return torch.func.grad(lambda x: attention(x, p.k, p.v).square().sum())(q)
-
-    with pytest.raises(NotImplementedError):
-        torch.func.jvp(grad_q, (p.q,), (p.tangents[0],))
+    with forward_ad.dual_level(), pytest.raises(NotImplementedError):
+        q = forward_ad.make_dual(p.q.clone().requires_grad_(), p.tangents[0])
+        loss = attention(q, p.k, p.v).square().sum()
+        torch.autograd.grad(loss, q, create_graph=True)
 
 
 # --- vmap, leading dims -------------------------------------------------------------------
@@ -300,6 +321,71 @@ def test_jvp_inside_other_transforms() -> None:
     got = torch.func.jacfwd(lambda a: attention(a, k, v))(q)
     want = torch.func.jacfwd(lambda a: sdpa64(a, k.double(), v.double()))(q.double())
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_per_sample_gradients_and_jacrev() -> None:
+    """vmap of a gradient (per-sample gradients) through GQA and a learnable bias that vmap
+    does not batch, jacrev (vmap over vjp) and the second order under vmap, causal: float64
+    SDPA's answer,
+    with one launch of each backward kernel for the whole vmap (the operators fold vmap's
+    dimension into the batch), not one per sample."""
+    torch.manual_seed(3)
+    q, tq = (torch.randn(3, 1, 4, 9, 16, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(3, 1, 2, 12, 16, device=DEVICE) for _ in range(2))
+    bias = torch.randn(1, 1, 9, 12, device=DEVICE)
+    opts = {"is_causal": True, "enable_gqa": True}
+
+    def per_sample(attend, q, k, v, bias):
+        def loss(a, b, c, m):
+            return attend(a, b, c, attn_mask=m, enable_gqa=True).square().sum()
+        return torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2, 3)),
+                               in_dims=(0, 0, 0, None))(q, k, v, bias)
+
+    with mock.patch.object(api, "flash_attention_backward",
+                           wraps=api.flash_attention_backward) as backward:
+        got = per_sample(attention, q, k, v, bias)
+    assert backward.call_count == 1
+    want = per_sample(sdpa64, q.double(), k.double(), v.double(), bias.double())
+    for ours, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(ours.double(), theirs, rtol=1e-4, atol=1e-5)
+    got = torch.func.jacrev(lambda a: attention(a, k[0], v[0], **opts).sum(-1))(q[0])
+    want = torch.func.jacrev(lambda a: sdpa64(a, k[0], v[0], **opts).sum(-1))(q[0].double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+    def tangent_loss_grads(attend, q, k, v, tq):  # second order under vmap
+        def loss(a, b, c, t):
+            return torch.func.jvp(lambda x: attend(x, b, c, **opts), (a,), (t,))[1].square().sum()
+        return torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v, tq)
+
+    got = tangent_loss_grads(attention, q, k, v, tq)
+    want = tangent_loss_grads(sdpa64, q.double(), k.double(), v.double(), tq.double())
+    for ours, theirs in zip(got, want, strict=True):
+        torch.testing.assert_close(ours.double(), theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_jvp_of_a_vmapped_function() -> None:
+    """torch.func.jvp of a vmapped function: beneath vmap the inputs carry their tangents,
+    which `attention` cannot see at vmap's level; the vmap rule folds vmap's dimension and
+    the fused forward with its JVP runs once, with float64 SDPA's output and tangent (it
+    raised before). Keys and values unbatched by vmap too."""
+    torch.manual_seed(4)
+    q, k, v, tq, tk, tv = (torch.randn(3, 1, 2, 9, 16, device=DEVICE) for _ in range(6))
+
+    def run(attend, q, k, v, tq, tk, tv, in_dims):
+        batched = torch.func.vmap(lambda a, b, c: attend(a, b, c, is_causal=True),
+                                  in_dims=in_dims)
+        return torch.func.jvp(batched, (q, k, v), (tq, tk, tv))
+
+    for in_dims in ((0, 0, 0), (0, None, None)):
+        shared = in_dims[1] is None  # keys and values (and their tangents) not batched
+        kk, vv, tkk, tvv = (x[0] if shared else x for x in (k, v, tk, tv))
+        with mock.patch.object(api, "flash_attention_forward",
+                               wraps=api.flash_attention_forward) as forward:
+            got = run(attention, q, kk, vv, tq, tkk, tvv, in_dims)
+        assert forward.call_count == 1 and forward.call_args.args[6] is not None
+        want = run(sdpa64, *(x.double() for x in (q, kk, vv, tq, tkk, tvv)), in_dims)
+        for ours, theirs in zip(got, want, strict=True):
+            torch.testing.assert_close(ours.double(), theirs, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 4, 17, 16), (4, 17, 16)], ids=["5d", "3d"])

@@ -120,6 +120,66 @@ def test_compiled_jvp_step_on_the_gpu(mode: str) -> None:
         torch.testing.assert_close(grad, results[0][1], rtol=5e-2, atol=5e-3)
 
 
+def _changing_lengths(lengths, backend: str, dtype: torch.dtype, device: str):
+    """A compiled MeanFlow-style loss (torch.func.jvp through causal GQA attention with a
+    learnable bias, then a backward through the output, the tangent a stopped target)
+    called at each of `lengths`, and the same loss in eager
+    mode: [(compiled, eager)] of (loss, grads of q, k, v and the bias) per length, and the
+    number of graphs compiled. With `dynamic=None`, PyTorch's default, the second length
+    recompiles with the sequence length symbolic, and that graph serves the lengths after
+    it."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def loss(q, k, v, tq, tk, tv, bias):
+        def attend(q, k, v):
+            return attention(q, k, v, attn_mask=bias, is_causal=True, enable_gqa=True)
+
+        out, t_out = torch.func.jvp(attend, (q, k, v), (tq, tk, tv))
+        return (out.float() - t_out.detach().float()).square().sum()
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(loss, backend=counter)
+    torch.manual_seed(0)
+    results = []
+    for n in lengths:
+        q, tq = (torch.randn(2, 4, n, 16, device=device, dtype=dtype) for _ in range(2))
+        k, v, tk, tv = (torch.randn(2, 2, n, 16, device=device, dtype=dtype) for _ in range(4))
+        bias = torch.randn(2, 1, n, n, device=device, dtype=dtype)
+        pair = []
+        for fn in (compiled, loss):
+            xs = leaves(q, k, v, bias)
+            value = fn(*xs[:3], tq, tk, tv, xs[3])
+            value.backward()
+            pair.append((value.detach(), *[x.grad for x in xs]))
+        results.append(pair)
+    return results, counter.frame_count
+
+
+def test_compiled_jvp_at_changing_lengths_matches_eager() -> None:
+    """Training at several sequence lengths (multi-resolution DiTs, video): the compiled
+    loss, static at the first length and with the length symbolic from the second, gives
+    eager mode's loss and gradients at each, and compiles two graphs for three lengths."""
+    results, graphs = _changing_lengths((16, 24, 33), "aot_eager", torch.float32, DEVICE)
+    for compiled, eager in results:
+        for got, expected in zip(compiled, eager, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert graphs == 2
+
+
+@pytest.mark.gpu
+def test_compiled_jvp_at_changing_lengths_on_the_gpu() -> None:
+    """The same under inductor on the GPU, where the graph traces the kernels' launches
+    (chapter 7) with the length symbolic, across the lengths where the launches change
+    (1024 keys: the bf16 carry; 4096: tensor descriptors)."""
+    results, graphs = _changing_lengths((256, 384, 1100, 4200), "inductor", torch.bfloat16,
+                                        "cuda")
+    for compiled, eager in results:
+        for got, expected in zip(compiled, eager, strict=True):
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    assert graphs <= 4
+
+
 # --- 2. a float mask with a tangent and a gradient -----------------------------------------
 
 MASK_SPECS = [
