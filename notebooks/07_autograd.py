@@ -146,8 +146,10 @@ def _in_compiled_graph(args) -> bool:
 def _plain_eager(args) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
-    return all(type(x) is Tensor and not _is_functorch_wrapped(x)
-               for x in args if isinstance(x, Tensor))
+    for x in args:  # a loop, not all(...): a generator's steps cost a call each
+        if isinstance(x, Tensor) and (type(x) is not Tensor or _is_functorch_wrapped(x)):
+            return False
+    return True
 
 
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor

@@ -56,9 +56,12 @@ PRIMAL_BACKWARD_OPS = 7  # with the test's own ones_like
 # the dQ kernel computing Delta (chapter 5) took a launch out of the primal backward: 147
 # and 115. Chapter 11's forward with its JVP made chapter 2's launcher ask whether a call
 # with tangents goes there (`takes_warp_specialized`, whose environment switch is read per
-# call so that it can be flipped at run time): 148 became 152.
-FORWARD_JVP_PYTHON_CALLS = 155
-PRIMAL_BACKWARD_PYTHON_CALLS = 118
+# call so that it can be flipped at run time): 148 became 152. The check that a launch's
+# tensors are plain (`_plain_eager`, chapter 7) walks them in a loop instead of a generator,
+# whose every step is a call, and `attention` hands its 4-D work to `_attend`, which the
+# vmap rule calls too: 146 and 110.
+FORWARD_JVP_PYTHON_CALLS = 146
+PRIMAL_BACKWARD_PYTHON_CALLS = 110
 # Operations that are no GPU kernel: what a call may dispatch besides our launches.
 NO_KERNEL = {"jvp_attention.forward_jvp.default", "jvp_attention.backward.default",
              "aten.alias.default", "aten.is_same_size.default", "aten.view.default",
