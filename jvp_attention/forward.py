@@ -389,9 +389,10 @@ def flash_attention_forward(
     if mask_tangent is not None and tangents is None:
         raise ValueError("mask_tangent is part of the tangent: pass tangents=(tq, tk, tv) too")
     scale = head_dim**-0.5 if scale is None else scale
-    # Chapter 11's kernels read descriptors too: not in a graph that takes pointers.
-    if (attn_mask is None and not graph_takes_pointers(q, n_k)
-            and takes_warp_specialized(q, k, v, tangents, exact, is_causal)):
+    # Chapter 11's kernels read descriptors too: not in a graph that takes pointers (asked
+    # last: short calls, most of a training step's, stop at the first two questions).
+    if (attn_mask is None and takes_warp_specialized(q, k, v, tangents, exact, is_causal)
+            and not graph_takes_pointers(q, n_k)):
         ran = warp_specialized_forward(q, k, v, is_causal, scale, residuals,  # chapter 11
                                        tangents, jvp_operands if exact else None)
         if ran is not None:
