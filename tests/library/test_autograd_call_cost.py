@@ -61,8 +61,8 @@ PRIMAL_BACKWARD_OPS = 7  # with the test's own ones_like
 # whose every step is a call, and `attention` hands its 4-D work to `_attend`, which the
 # vmap rule calls too: 146 and 110. Whether the forward's rows are long enough for tensor
 # descriptors (`long_forward_rows`, chapter 2), asked apart from whether a traced graph may
-# take them, adds three: 149.
-FORWARD_JVP_PYTHON_CALLS = 149
+# take them, adds one: 147.
+FORWARD_JVP_PYTHON_CALLS = 147
 PRIMAL_BACKWARD_PYTHON_CALLS = 110
 # Operations that are no GPU kernel: what a call may dispatch besides our launches.
 NO_KERNEL = {"jvp_attention.forward_jvp.default", "jvp_attention.backward.default",
