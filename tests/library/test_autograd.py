@@ -367,7 +367,8 @@ def test_jvp_of_a_vmapped_function() -> None:
     """torch.func.jvp of a vmapped function: beneath vmap the inputs carry their tangents,
     which `attention` cannot see at vmap's level; the vmap rule folds vmap's dimension and
     the fused forward with its JVP runs once, with float64 SDPA's output and tangent (it
-    raised before). Keys and values unbatched by vmap too."""
+    raised before). Keys and values unbatched by vmap too, and forward_ad's dual tensors
+    under vmap."""
     torch.manual_seed(4)
     q, k, v, tq, tk, tv = (torch.randn(3, 1, 2, 9, 16, device=DEVICE) for _ in range(6))
 
@@ -386,6 +387,12 @@ def test_jvp_of_a_vmapped_function() -> None:
         want = run(sdpa64, *(x.double() for x in (q, kk, vv, tq, tkk, tvv)), in_dims)
         for ours, theirs in zip(got, want, strict=True):
             torch.testing.assert_close(ours.double(), theirs, rtol=1e-4, atol=1e-5)
+    with forward_ad.dual_level():  # the same with forward_ad's dual tensors under vmap
+        duals = [forward_ad.make_dual(x, t) for x, t in zip((q, k, v), (tq, tk, tv), strict=True)]
+        out = torch.func.vmap(lambda a, b, c: attention(a, b, c, is_causal=True))(*duals)
+        tangent = forward_ad.unpack_dual(out).tangent
+    want = run(sdpa64, *(x.double() for x in (q, k, v, tq, tk, tv)), (0, 0, 0))[1]
+    torch.testing.assert_close(tangent.double(), want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 4, 17, 16), (4, 17, 16)], ids=["5d", "3d"])
