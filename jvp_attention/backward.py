@@ -252,7 +252,8 @@ def backward_shifts(maxima, do_top):
     return _with_first_order_factors(values, 4, e_q, e_k, e_v, e_o, e_ds)
 
 
-GRAD_OUT_COPY = tl.constexpr(3)  # dO is the fourth tensor `backward_operands` copies
+QUERY_COPY = tl.constexpr(0)  # q is the first tensor `backward_operands` copies
+GRAD_OUT_COPY = tl.constexpr(3)  # dO is the fourth
 
 
 @triton.jit
@@ -261,10 +262,21 @@ def _delta_of_grad_out(copy_index: tl.constexpr, d_out, rows, cols, args,
     """Delta = rowsum(dO * O) for a block of dO's rows that the copy kernel holds in fp32,
     as `_row_statistics_kernel` computes it (O with its rounding residual added back)."""
     if copy_index == GRAD_OUT_COPY:
-        out_ptr, residual_ptr, delta_ptr, n_rows, value_dim = args
+        out_ptr, residual_ptr, delta_ptr, n_rows, value_dim, _, _ = args
         delta = _delta_rows(out_ptr, residual_ptr, 0, rows, cols, n_rows, value_dim, d_out,
                             HAS_RESIDUAL)
         tl.store(delta_ptr + rows, delta, mask=rows < n_rows)
+
+
+@triton.jit
+def _zero_dq_sum(copy_index: tl.constexpr, x, rows, cols, args):
+    """Zeros over a block of q's rows in the fp32 sum that chapter 12's dK/dV kernel adds
+    dQ into (contiguous, q's shape)."""
+    if copy_index == QUERY_COPY:
+        _, _, _, n_rows, _, sum_ptr, head_dim = args
+        offsets = rows.to(tl.int64)[:, None] * head_dim + cols[None, :]
+        in_range = (rows < n_rows)[:, None] & (cols < head_dim)[None, :]
+        tl.store(sum_ptr + offsets, tl.zeros_like(x), mask=in_range)
 
 
 @triton.jit
@@ -279,40 +291,74 @@ def delta_epilogue_with_residual(copy_index: tl.constexpr, x, rows, cols, args):
     _delta_of_grad_out(copy_index, x, rows, cols, args, True)
 
 
+@triton.jit
+def delta_and_dq_sum_epilogue(copy_index: tl.constexpr, x, rows, cols, args):
+    """`delta_epilogue`, and zeros in chapter 12's dQ sum (`_zero_dq_sum`)."""
+    _delta_of_grad_out(copy_index, x, rows, cols, args, False)
+    _zero_dq_sum(copy_index, x, rows, cols, args)
+
+
+@triton.jit
+def delta_and_dq_sum_epilogue_with_residual(copy_index: tl.constexpr, x, rows, cols, args):
+    """`delta_epilogue_with_residual`, and zeros in chapter 12's dQ sum."""
+    _delta_of_grad_out(copy_index, x, rows, cols, args, True)
+    _zero_dq_sum(copy_index, x, rows, cols, args)
+
+
+# The copy kernel's epilogue by (a rounding residual of O, a dQ sum to zero).
+DELTA_EPILOGUES = {(False, False): delta_epilogue, (True, False): delta_epilogue_with_residual,
+                   (False, True): delta_and_dq_sum_epilogue,
+                   (True, True): delta_and_dq_sum_epilogue_with_residual}
+
+
 def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       grad_out: torch.Tensor, out: torch.Tensor, out_residual: torch.Tensor | None,
-                      delta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                      delta: torch.Tensor, dq_sum: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, ...]:
     """Exact fp16 copies of q, k, v, dO for the first-order backward of bf16 inputs, and the
     factors that undo their shifts (fp32, on the device): scores, Delta, dQ, dK, dV, and the
     log2 of P's shift, in the order the kernels read them. The copy kernel also writes
     `delta`, rowsum(dO * O), from the contiguous forward output `out` (plus its rounding
-    residual `out_residual`, if any), in place of the row-statistics launch."""
+    residual `out_residual`, if any), in place of the row-statistics launch, and zeros in
+    `dq_sum` (fp32, contiguous, q's shape), the sum chapter 12's dK/dV kernel adds dQ into,
+    in place of a fill launch."""
     ceil_log2_dv = next_power_of_2(v.shape[-1]).bit_length() - 1
-    epilogue = delta_epilogue if out_residual is None else delta_epilogue_with_residual
+    epilogue = DELTA_EPILOGUES[out_residual is not None, dq_sum is not None]
     n_rows, value_dim = out.shape[:3].numel(), out.shape[3]
     # max |dO| below 2**(5 - ceil(log2 d_v)) bounds |dS| by 2**14
     copies, factors = carried_operands(
         (q, k, v, grad_out), (), backward_shifts, 5 - ceil_log2_dv, 6, epilogue,
-        (out, out if out_residual is None else out_residual, delta, n_rows, value_dim))
+        (out, out if out_residual is None else out_residual, delta, n_rows, value_dim,
+         delta if dq_sum is None else dq_sum, q.shape[-1]))
     return (*copies, factors)
 
 
 def backward_operands_and_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 grad_out: torch.Tensor, out: torch.Tensor,
-                                out_residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """`backward_operands` writing a Delta of its own, returned last (as an operator must:
-    it cannot write its inputs)."""
-    delta = torch.empty(out.shape[:3], device=out.device, dtype=torch.float32)
-    return (*backward_operands(q, k, v, grad_out, out, out_residual, delta), delta)
+                                out_residual: torch.Tensor | None, zero_dq_sum: bool = False,
+                                ) -> tuple[torch.Tensor, ...]:
+    """`backward_operands` writing a Delta of its own and, with `zero_dq_sum`, a zeroed dQ
+    sum, returned last (as an operator must: it cannot write its inputs; without it an
+    empty placeholder)."""
+    delta, dq_sum = _delta_and_dq_sum(q, out, zero_dq_sum)
+    return (*backward_operands(q, k, v, grad_out, out, out_residual, delta,
+                               dq_sum if zero_dq_sum else None), delta, dq_sum)
+
+
+def _delta_and_dq_sum(q: torch.Tensor, out: torch.Tensor, dq_sum: bool,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised Delta (fp32, out's rows) and dQ sum (fp32, q's shape, or empty)."""
+    return (torch.empty(out.shape[:3], device=out.device, dtype=torch.float32),
+            torch.empty(q.shape if dq_sum else (0,), device=q.device, dtype=torch.float32))
 
 
 carried_backward_operands = graph_carry(
     "backward_operands",
-    "(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor out, Tensor? out_residual)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", backward_operands_and_delta,
-    lambda q, k, v, grad_out, out, out_residual: (
-        *carried_fakes((q, k, v, grad_out), 6),
-        torch.empty(out.shape[:3], device=out.device, dtype=torch.float32)))
+    "(Tensor q, Tensor k, Tensor v, Tensor grad_out, Tensor out, Tensor? out_residual,"
+    " bool zero_dq_sum) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    backward_operands_and_delta,
+    lambda q, k, v, grad_out, out, out_residual, zero_dq_sum: (
+        *carried_fakes((q, k, v, grad_out), 6), *_delta_and_dq_sum(q, out, zero_dq_sum)))
 
 
 @triton.jit
@@ -954,16 +1000,18 @@ def flash_attention_backward(
     # Where its dK/dV kernel sums dQ as well, no dQ kernel runs.
     fused_dq = ws_dkdv and fuses_dq(head_dim, is_causal, carry)
     grad_operand, factors = grad_out, lse  # `factors` is not read without CARRY
+    dq_sum = None  # chapter 12's fp32 dQ sum, where the copy kernel zeros it
     grad_tangent = dto  # the row statistics read the cotangents themselves
     if carry and has_tangent:
         with on_device(q):
             q, k, v, tq, tk, tv, grad_operand, dto, factors = carried_second_order_operands(
                 q, k, v, tq, tk, tv, grad_out, dto, scale)
-    elif carry:  # the copy kernel writes delta too
+    elif carry:  # the copy kernel writes delta too, and zeros chapter 12's dQ sum
         with on_device(q):
-            q, k, v, grad_operand, factors, delta = carried_backward_operands(
-                q, k, v, grad_out, out, out_residual)
+            q, k, v, grad_operand, factors, delta, dq_sum = carried_backward_operands(
+                q, k, v, grad_out, out, out_residual, fused_dq)
         tq, tk, tv, dto, c = q, k, v, grad_operand, delta
+        dq_sum = dq_sum if fused_dq else None
     meta = kernel_meta(q, head_dim, value_dim, split=exact and not carry)
     # The first-order dQ kernel cuts a padded head dim into two column tiles, as the forward
     # does. The dK/dV kernel keeps one: with two it spills on every 8-warp tile for sm_90
@@ -1000,7 +1048,7 @@ def flash_attention_backward(
                 HAS_TANGENT=has_tangent, HAS_RESIDUAL=out_residual is not None,
                 BLOCK_M=_ROW_BLOCK, BLOCK_DV=meta["BLOCK_DV"], ALIGN=switches["ALIGN"])
         fused_dq = fused_dq and launched(launch_warp_specialized_dkdv, *ws_args, dk, dv,
-                                         is_causal, scale, dq, summing=True)
+                                         is_causal, scale, dq, dq_sum, summing=True)
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
         if not (fused_dq or ws_dq and launched(launch_warp_specialized_dq, *ws_args, dq,
                                                is_causal, scale)):

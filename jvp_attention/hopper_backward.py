@@ -555,14 +555,16 @@ def _scaled_sum_kernel(total_ptr, out_ptr, factors_ptr, scale, n, CARRY: tl.cons
 
 
 def launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv,
-                                 is_causal: bool, scale: float, dq=None, *,
+                                 is_causal: bool, scale: float, dq=None, dq_sum=None, *,
                                  query_rows: int | None = None,
                                  stages: int = DKDV_STAGES) -> None:
     """Write dk and dv (contiguous, in the gradients' dtype) from the forward's `lse`
     (natural log) and `delta` = rowsum(dO ∘ O), fp32 (B, Hq, Nq); `factors` are chapter 5's
     carried factors when q, k, v, grad_out are its carried copies, else None. With `dq`
     (contiguous) the kernel sums dQ too, in 64-query tiles, and a last pass scales it into
-    `dq`. `query_rows` defaults to `dkdv_query_rows`."""
+    `dq`: into `dq_sum` (fp32, contiguous, q's shape) already zeroed, as chapter 5's copy
+    kernel leaves it, or else into a sum zeroed here. `query_rows` defaults to
+    `dkdv_query_rows`."""
     batch, n_heads, n_q, _ = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     fused = dq is not None
@@ -571,7 +573,8 @@ def launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv,
     descriptors = [_descriptor(t, rows) for t, rows in (
         (k, GROUP_ROWS), (v, GROUP_ROWS), (q, query_rows), (grad_out, query_rows),
         (dk, GROUP_ROWS), (dv, GROUP_ROWS))]
-    total = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32) if fused else None
+    total = None if not fused else dq_sum if dq_sum is not None else torch.zeros(
+        dq.shape, device=dq.device, dtype=torch.float32)
     descriptors.append(_descriptor(total, query_rows, DQ_SUM_COLS) if fused else descriptors[4])
     grid = (triton.cdiv(n_k, 2 * GROUP_ROWS), batch * n_kv_heads)
     cached(warp_specialized_dkdv_kernel)[grid](

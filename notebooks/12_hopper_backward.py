@@ -269,7 +269,10 @@ def _row_statistics(lse_ptr, delta_ptr, rows, n_q, delta_factor, p_exponent):
 # the bulk add FlashAttention-3 uses for the same sum; Shah et al., 2024): a compute group
 # stages its partial tile in shared memory and the copy engine adds it into an fp32 buffer
 # in L2, with no atomics issued by the threads. A last elementwise pass scales the sum by
-# $s$ (and the carried factor of $dQ$) and rounds it to the gradients' type.
+# $s$ (and the carried factor of $dQ$) and rounds it to the gradients' type. The sum starts
+# at zero: where "accurate" bf16 carries, chapter 5's copy kernel, which passes over $Q$'s
+# rows anyway, writes those zeros (`dq_sum`), so the call launches no fill of its own; the
+# launcher fills it otherwise.
 #
 # **The traffic decides the shape.** Each reduction is a read-add-write of fp32 in L2. If
 # each group added its own 64 keys' $dQ$ (64 × 128 fp32 per query tile), the call at
@@ -769,14 +772,16 @@ def _scaled_sum_kernel(total_ptr, out_ptr, factors_ptr, scale, n, CARRY: tl.cons
 
 
 def launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv,
-                                 is_causal: bool, scale: float, dq=None, *,
+                                 is_causal: bool, scale: float, dq=None, dq_sum=None, *,
                                  query_rows: int | None = None,
                                  stages: int = DKDV_STAGES) -> None:
     """Write dk and dv (contiguous, in the gradients' dtype) from the forward's `lse`
     (natural log) and `delta` = rowsum(dO ∘ O), fp32 (B, Hq, Nq); `factors` are chapter 5's
     carried factors when q, k, v, grad_out are its carried copies, else None. With `dq`
     (contiguous) the kernel sums dQ too, in 64-query tiles, and a last pass scales it into
-    `dq`. `query_rows` defaults to `dkdv_query_rows`."""
+    `dq`: into `dq_sum` (fp32, contiguous, q's shape) already zeroed, as chapter 5's copy
+    kernel leaves it, or else into a sum zeroed here. `query_rows` defaults to
+    `dkdv_query_rows`."""
     batch, n_heads, n_q, _ = q.shape
     n_kv_heads, n_k = k.shape[1], k.shape[2]
     fused = dq is not None
@@ -785,7 +790,8 @@ def launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv,
     descriptors = [_descriptor(t, rows) for t, rows in (
         (k, GROUP_ROWS), (v, GROUP_ROWS), (q, query_rows), (grad_out, query_rows),
         (dk, GROUP_ROWS), (dv, GROUP_ROWS))]
-    total = torch.zeros(dq.shape, device=dq.device, dtype=torch.float32) if fused else None
+    total = None if not fused else dq_sum if dq_sum is not None else torch.zeros(
+        dq.shape, device=dq.device, dtype=torch.float32)
     descriptors.append(_descriptor(total, query_rows, DQ_SUM_COLS) if fused else descriptors[4])
     grid = (triton.cdiv(n_k, 2 * GROUP_ROWS), batch * n_kv_heads)
     cached(warp_specialized_dkdv_kernel)[grid](

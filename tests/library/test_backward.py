@@ -255,6 +255,31 @@ def test_carried_copies_write_delta(layout: str, with_residual: bool) -> None:
     assert ((delta.double() - terms.sum(-1)).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("with_residual", [False, True], ids=["stored-O", "residual"])
+@pytest.mark.parametrize("layout", ["contiguous", "gqa-d40"])
+def test_carried_copies_zero_the_dq_sum(layout: str, with_residual: bool) -> None:
+    """Asked to, the copy kernel also zeros the fp32 sum that chapter 12's dK/dV kernel adds
+    dQ into (q's shape: every query row, whatever the key heads), in place of a fill
+    launch, and writes the same copies, factors and Delta as without it."""
+    torch.manual_seed(4)
+    batch, heads, kv_heads, n, d = (2, 4, 2, 37, 40) if "d40" in layout else (2, 3, 3, 45, 32)
+    q, out, grad_out = (torch.randn(batch, heads, n, d, dtype=torch.float16, device=DEVICE)
+                        for _ in range(3))
+    k, v = (torch.randn(batch, kv_heads, n, d, dtype=torch.float16, device=DEVICE)
+            for _ in range(2))
+    residual = (1e-3 * torch.randn_like(out)) if with_residual else None
+    results = []
+    for zero in (False, True):
+        delta = torch.full((batch, heads, n), float("nan"), device=DEVICE)
+        dq_sum = torch.full(q.shape, float("nan"), device=DEVICE) if zero else None
+        copies = jvp_attention.backward.backward_operands(q, k, v, grad_out, out, residual,
+                                                          delta, dq_sum)
+        results.append((*copies, delta))
+    assert (dq_sum == 0).all()
+    for without, with_zeros in zip(*results, strict=True):
+        assert torch.equal(without, with_zeros)
+
+
 # --- the gradient of an additive mask (learnable biases: dL/dB = dS; notebook 05) ----------
 # The launcher returns dS as fp32 (B, Hq, Nq, Nk); the tests sum it over the dimensions the
 # bias was broadcast along (as autograd of `expand` will) and compare with float64 autograd.

@@ -96,7 +96,8 @@ def test_backward_hands_over_unmasked_calls(monkeypatch) -> None:
 
     def recorder(name):
         def launch(q, k, v, grad_out, lse, delta, factors, *outputs_and_options):
-            fused = name == "dkdv" and len(outputs_and_options) == 5
+            fused = name == "dkdv" and len(outputs_and_options) > 4 \
+                and outputs_and_options[4] is not None
             launches.append((name + " with dq" * fused, delta.clone(), factors))
         return launch
 
@@ -130,13 +131,15 @@ def test_backward_hands_over_unmasked_calls(monkeypatch) -> None:
 
 def test_carried_operands_reach_the_kernels(monkeypatch) -> None:
     """"accurate" bf16 with long rows hands the kernels chapter 5's fp16 copies and their
-    factors, and Delta from the copy kernel: the fused dK/dV kernel alone, or both kernels
-    where it does not sum dQ."""
-    seen = []
+    factors, and Delta from the copy kernel: the fused dK/dV kernel alone, with the fp32 dQ
+    sum the copy kernel zeroed (no fill launch), or both kernels where it does not sum dQ."""
+    seen, sums = [], []
 
     def launch(q, k, v, grad_out, lse, delta, factors, *rest):
         seen.append((q.dtype, grad_out.dtype, factors.dtype, factors.numel() > 0,
                      bool(torch.isfinite(delta).all())))
+        if len(rest) > 5:  # dk, dv, is_causal, scale, dq, dq_sum
+            sums.append(rest[5])
 
     monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels",
                         lambda *args: (True, True))
@@ -149,6 +152,8 @@ def test_carried_operands_reach_the_kernels(monkeypatch) -> None:
                      device=DEVICE)
     first_order(p, "accurate")
     assert seen == [(torch.float16, torch.float16, torch.float32, True, True)]
+    assert len(sums) == 1 and sums[0].shape == p.q.shape and sums[0].dtype == torch.float32
+    assert (sums[0] == 0).all()
     monkeypatch.setattr(backward_module, "fuses_dq", lambda *args: False)
     first_order(p, "accurate")
     assert seen == [(torch.float16, torch.float16, torch.float32, True, True)] * 3

@@ -734,8 +734,8 @@ def test_carry_operators_return_what_their_functions_do(residual: bool) -> None:
     ops = torch.ops.jvp_attention
     cases = [
         (ops.jvp_operands, forward.jvp_operands, (q, k, v, tq, tk, tv, 0.25)),
-        (ops.backward_operands, backward.backward_operands_and_delta,
-         (q, k, v, grad_out, out, out_residual)),
+        *((ops.backward_operands, backward.backward_operands_and_delta,
+           (q, k, v, grad_out, out, out_residual, zero_dq_sum)) for zero_dq_sum in (False, True)),
         (ops.second_order_operands, backward.second_order_operands,
          (q, k, v, tq, tk, tv, grad_out, dto, 0.25))]
     for operator, function, args in cases:
