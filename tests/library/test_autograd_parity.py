@@ -180,6 +180,33 @@ def test_compiled_jvp_at_changing_lengths_on_the_gpu() -> None:
     assert graphs <= 4
 
 
+def test_torch_export_of_a_model_matches_eager() -> None:
+    """torch.export of a module that calls attention (inference, as deployment exports it):
+    the exported program keeps the library's operator and gives eager mode's output, with
+    static shapes and with batch and length dynamic (run at a shape it was not traced at).
+    (A torch.func.jvp inside torch.export fails in PyTorch itself: "Nested forward mode AD is
+    not supported", whatever the model.)"""
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48, device=DEVICE)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+            return attention(q, k, v, is_causal=True)
+
+    block, x = Block(), torch.randn(2, 12, 16, device=DEVICE)
+    static = torch.export.export(block, (x,))
+    assert any("jvp_attention" in str(node.target) for node in static.graph.nodes)
+    torch.testing.assert_close(static.module()(x), block(x), rtol=1e-5, atol=1e-5)
+    dims = {"x": {0: torch.export.Dim("batch"), 1: torch.export.Dim("tokens", min=2)}}
+    dynamic = torch.export.export(block, (x,), dynamic_shapes=dims)
+    other = torch.randn(3, 20, 16, device=DEVICE)
+    torch.testing.assert_close(dynamic.module()(other), block(other), rtol=1e-5, atol=1e-5)
+
+
 # --- 2. a float mask with a tangent and a gradient -----------------------------------------
 
 MASK_SPECS = [
