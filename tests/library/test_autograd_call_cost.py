@@ -11,8 +11,8 @@ allocations, views and forward AD's metadata checks: no PyTorch operation that w
 kernel. The dispatch-mode counts see the operations around the library's operators; the
 profiler's (`test_eager_call_dispatches_only_its_launches`) see the plain eager call from
 the inside, its launchers included, and also refuse any operation that would make the host
-wait for the GPU. The budgets are today's counts: lower them when a call gets leaner, never raise them
-without a reason written here.
+wait for the GPU. The budgets are today's counts: lower them when a call gets leaner, never
+raise them without a reason written here.
 """
 
 import collections

@@ -123,11 +123,10 @@ def test_compiled_jvp_step_on_the_gpu(mode: str) -> None:
 def _changing_lengths(lengths, backend: str, dtype: torch.dtype, device: str):
     """A compiled MeanFlow-style loss (torch.func.jvp through causal GQA attention with a
     learnable bias, then a backward through the output, the tangent a stopped target)
-    called at each of `lengths`, and the same loss in eager
-    mode: [(compiled, eager)] of (loss, grads of q, k, v and the bias) per length, and the
-    number of graphs compiled. With `dynamic=None`, PyTorch's default, the second length
-    recompiles with the sequence length symbolic, and that graph serves the lengths after
-    it."""
+    called at each of `lengths`, and the same loss in eager mode: [(compiled, eager)] of
+    (loss, grads of q, k, v and the bias) per length, and the number of graphs compiled.
+    With `dynamic=None`, PyTorch's default, the second length recompiles with the sequence
+    length symbolic, and that graph serves the lengths after it."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     def loss(q, k, v, tq, tk, tv, bias):
