@@ -366,7 +366,9 @@ def test_backward_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype, mode: s
         launch = getattr(backward_module, name)
         monkeypatch.setattr(backward_module, name,
                             lambda *args, _launch=launch, _name=name: (
-                                ran.append(_name + " with dq" * (len(args) == 12)),
+                                # the summing call passes dq and its fp32 sum after scale
+                                ran.append(_name + " with dq" * (len(args) > 11
+                                                                 and args[11] is not None)),
                                 _launch(*args)))
     truth, floor = expected_backward(p)
     with precision(mode):
