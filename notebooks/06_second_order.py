@@ -127,6 +127,17 @@
 # `tools/tile_sweep.py --kernel backward_dk_tangent --tiles "16,32,4,2;64,16,8,2,1"` times
 # a stored and a transposed tile side by side (a fifth field 1: transposed).
 #
+# Timed on the H200 inside the backward through both outputs at (4, 16, 4096, 128), bf16
+# "accurate" (the last two runs of `benchmarks/results/tile_sweep_h200.json`), the layouts
+# split by pass. The $dV$ pass on the transposed 64 × 32 tile, 4 warps, took 14.04 ms
+# against 16.54 ms on the stored list's best (64 × 32 on 8 warps), and the autotuner picks
+# it. The $dK$ pass keeps the stored 16 × 32 tile on 4 warps (14.69 ms): its transposed
+# tiles, on `wgmma` alone, took 18.68 ms (128 × 16, 8 warps), 19.21 ms (64 × 16, 4 warps)
+# and 29.78 ms (64 × 16, 8 warps): multiplying on `wgmma` alone does not make that pass
+# faster at these tiles (why was not profiled further). The whole backward through both outputs ran at 230 TFLOP/s in the
+# same session (17.96 ms, `benchmarks/results/tvm_step_h200.json`), against 18.10 ms in
+# the second-order run before the layouts were tuned.
+#
 # When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
 # target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward
 # runs: the second-order kernels cost nothing unless used.

@@ -819,12 +819,28 @@ def target_rows():
 TVM_SECOND_ORDER_TFLOPS = 118.0
 
 
+def one_run_steps(run):
+    """{(shape, causal): (ours ms, math ms)} of the TVM-style step where one run of
+    bench.py timed all four calls: ours and sdpa_math, fwd_jvp and bwd2."""
+    ms = {(c["impl"], c["mode"], (c["B"], c["H"], c["N"], c["d"]), c["causal"]): c["median_ms"]
+          for c in ([] if run is None else run["cases"]) if c.get("median_ms")}
+    steps = {}
+    for impl, mode, shape, causal in ms:
+        parts = [ms.get((i, m, shape, causal)) for i in ("ours", "sdpa_math")
+                 for m in ("fwd_jvp", "bwd2")]
+        if impl == "ours" and mode == "bwd2" and None not in parts:
+            steps[shape, causal] = (parts[0] + parts[1], parts[2] + parts[3])
+    return steps
+
+
 def tvm_rows(second, jvp):
     """The second-order backward against TVM's kernel, and the TVM-style step (the forward
-    with its JVP, then the backward through both outputs) against the math path's: ours
-    from chapter 11's run (`jvp`) and the second-order run (`second`), the math path's from
-    the grid run, so the ratio is between runs."""
+    with its JVP, then the backward through both outputs) against the math path's: from
+    the run that timed the whole step (`tvm_step_h200.json`) where it did, else ours from
+    chapter 11's run (`jvp`) and the second-order run (`second`) and the math path's from
+    the grid run, a ratio between runs."""
     rows = []
+    one_run = one_run_steps(saved("tvm_step_h200.json"))
     forward = {} if jvp is None else {(tuple(r["shape"]), r["causal"]): r["ms"]
                                       for r in jvp["rows"] if r["impl"] == "ours_accurate"}
     for case in second["cases"]:
@@ -836,13 +852,18 @@ def tvm_rows(second, jvp):
             rows.append(("second-order backward >= 2x TVM", shape_label(shape, causal),
                          f"{ratio:.2f}x", "2x", ratio / 2, "second_order_h200.json"))
         math = [find("sdpa_math", mode, *shape, causal) for mode in ("fwd_jvp", "bwd2")]
-        if (shape, causal) in forward and all(m and m.get("median_ms") for m in math):
+        if (shape, causal) in one_run:
+            ours_ms, math_ms = one_run[shape, causal]
+            source = "tvm_step_h200.json"
+        elif (shape, causal) in forward and all(m and m.get("median_ms") for m in math):
             ours_ms = forward[shape, causal] + case["median_ms"]
-            ratio = sum(m["median_ms"] for m in math) / ours_ms
-            rows.append(("TVM-style step >= 10x the math path", shape_label(shape, causal),
-                         f"{ratio:.1f}x", "10x", ratio / 10,
-                         f"second_order_h200.json, warp_specialized_jvp_h200.json, "
-                         f"{Path(SOURCE).name}"))
+            math_ms = sum(m["median_ms"] for m in math)
+            source = (f"second_order_h200.json, warp_specialized_jvp_h200.json, "
+                      f"{Path(SOURCE).name}")
+        else:
+            continue
+        rows.append(("TVM-style step >= 10x the math path", shape_label(shape, causal),
+                     f"{math_ms / ours_ms:.1f}x", "10x", math_ms / ours_ms / 10, source))
     return rows
 
 
@@ -896,20 +917,26 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # of the dK pass at $d = 128$, which still spills on its larger tiles (chapter 4), so that
 # its spill-free tiles, with key blocks of 16 or 32 keys, multiply the key gradients on
 # Ampere's `mma.sync` rather than Hopper's `wgmma`; "accurate" adds the copies' two passes
-# over eight tensors and two multiplies of a tile and of an accumulator per tile. Counted
-# for sm_90 (chapter 6, `kernel_resources_second_order_layouts_sm90.json`), the key side's
-# passes with their accumulators transposed (head dim x keys) compile onto `wgmma` alone
-# without spilling at tiles where the stored layout cannot (three for the dK pass at
-# $d = 128$, none stored): the next candidates, not yet timed.
+# over eight tensors and two multiplies of a tile and of an accumulator per tile. Each
+# key-side pass now tunes its accumulators' layout with its tile (chapter 6): transposed
+# (head dim x keys), they compile onto `wgmma` alone without spilling at tiles where the
+# stored layout cannot. Timed inside the backward through both outputs at B4 H16 N4096
+# $d = 128$ (`tools/tile_sweep.py`, the last two runs of `tile_sweep_h200.json`), the dV
+# pass's transposed 64 x 32 on 4 warps took 14.04 ms against 16.54 for the stored list's
+# best, and the autotuner takes it; the dK pass's transposed tiles took 18.68 to 29.78 ms
+# against 14.69 for the stored 16 x 32, which stays.
 #
 # The last two targets read the second-order backward inside what it serves. The
 # TVM-style step (the forward with its JVP, then the backward through both outputs, as
-# Terminal Velocity Matching trains) takes 20.9 ms at B4 H16 N4096 $d = 128$ in
-# "accurate" precision (2.84 + 18.10), 9.3x the math path's 193.8 ms (69.9 + 123.9), and
-# 11.6 against 200.1 ms causal, 17.2x (ours from chapter 11's run and the second-order
-# run, the math path's from the grid run: a ratio between runs; at 16384 tokens and at
-# $d = 64$ the math path's backward does not fit in memory). Without the mask, 10x needs
-# the backward at 16.5 ms, which is 250 TFLOP/s: the same line as the target above. Against
+# Terminal Velocity Matching trains), timed in one run with the math path beside it
+# (`benchmarks/bench.py --impl ours sdpa_math --mode fwd_jvp bwd2 --n 4096 --d 128
+# --causal both`, `tvm_step_h200.json`, 2026-12-05), takes 20.79 ms at B4 H16 N4096
+# $d = 128$ in "accurate" precision (2.84 + 17.96, the backward at 230 TFLOP/s with the
+# transposed dV pass), 9.3x the math path's 193.84 ms (69.89 + 123.95), and 11.59
+# against 200.15 ms causal, 17.3x; the runs before, combined between runs, had given the
+# same 9.3x and 17.2x. At 16384 tokens and at $d = 64$ the math path's backward does not
+# fit in memory. Without the mask, 10x needs the backward at 16.5 ms, which is 250
+# TFLOP/s: the same line as the target above. Against
 # lumalabs' TVM kernel, whose second-order backward ran at 118 TFLOP/s when it was timed
 # beside ours (H200, bf16, $d = 128$, 2026-11-30; its non-commercial licence keeps it out
 # of `bench.py`), ours runs 1.93x at 4096 tokens and 1.94x at 16384: 2x is 236 TFLOP/s,
@@ -1288,6 +1315,20 @@ else:
 # allocation, layout and mask checks), the launch match (a dtype and an address per tensor)
 # and one C launch per kernel. The call stays host-bound (0.43 ms of GPU work in the
 # training-shapes run) unless CUDA graphs replay it.
+#
+# At 1024 tokens the call carries (chapter 2) and reads through pointers. The same tool at
+# DiT-B/2 512 px, (32, 12, 1024, 64), ours and the floor only
+# (`benchmarks/results/host_breakdown_dit_b2_512_h200.json`, 100 steps, 2026-12-05):
+# the forward with the tangent took 1028 µs against the floor's 486, the MeanFlow call
+# 1873 against 1116. Of the forward's 781 µs in `attention`, the launcher took 520: its
+# three launches (range pass, copies, kernel) 111 µs in our cached launcher, 81 of them in
+# Triton's C launcher, and the tuned kernel's dispatch 83 µs; the carry's two launches
+# through their cached launcher 168 µs, and about 270 µs in the launcher's own Python
+# around them (checks, the carry's allocations and argument tuples), which this run does
+# not split further. Host times on this machine move by 2x
+# between runs (the floor's forward with the tangent: 486 µs here, 1052 µs in the 256 px
+# run above), so these are this run's proportions, not fixed costs; under CUDA graphs none
+# of it runs.
 
 # %% [markdown]
 # ### The autograd engine's thread
@@ -2357,11 +2398,12 @@ HTML(html_table(["target", "case", "measured", "target", "met", "what bounds it"
 # %% [markdown]
 # Read together (H200, bf16, the files named in each row):
 #
-# - **Kernels per call: met at every DiT shape.** One to three kernels for the forward
+# - **Kernels per call: met at every shape.** One to three kernels for the forward
 #   with its JVP (three where the call carries: the range pass, the copies, the kernel) and
-#   two to four for the primal backward. The video shape's primal backward launches five:
-#   chapter 12's kernel sums dQ in fp32, which takes a zero fill before it and a scaled
-#   copy after it (0.11 of its 67 ms).
+#   two to four for the primal backward. The video shape's primal backward launches four:
+#   the range pass, the copies, chapter 12's kernel, which sums dQ in fp32, and the scaled
+#   copy of that sum into dQ; the copy kernel writes the sum's zeros as it passes over
+#   Q's rows (chapter 5), where a fill launched before it until 2026-12-05.
 # - **Host time per call: missed, and PyTorch's floor alone misses it too.** The same
 #   `torch.func.jvp` and backward around `v * 1` cost the host 0.49 to 0.55 ms per forward
 #   with its JVP at the DiT shapes, over the 0.35 ms target, and 0.79 to 1.26 ms per
