@@ -1320,12 +1320,12 @@ else:
 # DiT-B/2 512 px, (32, 12, 1024, 64), ours and the floor only
 # (`benchmarks/results/host_breakdown_dit_b2_512_h200.json`, 100 steps, 2026-12-05):
 # the forward with the tangent took 1028 µs against the floor's 486, the MeanFlow call
-# 1873 against 1116. Of the forward's 781 µs in `attention`, the launcher took 520: its
-# three launches (range pass, copies, kernel) 111 µs in our cached launcher, 81 of them in
-# Triton's C launcher, and the tuned kernel's dispatch 83 µs; the carry's two launches
-# through their cached launcher 168 µs, and about 270 µs in the launcher's own Python
-# around them (checks, the carry's allocations and argument tuples), which this run does
-# not split further. Host times on this machine move by 2x
+# 1873 against 1116. Of the forward's 781 µs in `attention`, the launcher took 520: the
+# tuned kernel's dispatch 83 µs and the carry's two launches (range pass, copies) through
+# their cached launcher 168 µs, which together hold the three launches proper (111 µs, 81
+# of them in Triton's C launcher), and about 270 µs in the launcher's own Python around
+# them (checks, the carry's allocations and argument tuples), which this run does not
+# split further. Host times on this machine move by 2x
 # between runs (the floor's forward with the tangent: 486 µs here, 1052 µs in the 256 px
 # run above), so these are this run's proportions, not fixed costs; under CUDA graphs none
 # of it runs.
