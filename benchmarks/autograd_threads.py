@@ -9,7 +9,7 @@ own CUDA device thread (the default) or on the calling thread
 On CUDA the engine hands every backward to a thread of its own per device and waits for it;
 a backward written in Python (ours: an autograd.Function) then runs there. This measures
 what that costs per call, for our MeanFlow step (`torch.func.jvp` of the attention, then the
-primal backward; `training_shapes.py`'s step) and for two floors in its place: `v * 1`
+primal backward; `training_shapes.py`'s step) and for two floors in its place: `v.clone()`
 (PyTorch's own backward, in C++) and the same multiply as an autograd.Function whose
 backward is Python. The two settings alternate group by group in one process, so that the
 host's speed, which drifts between runs, cancels: each group is `--steps` steps enqueued
@@ -36,16 +36,16 @@ bench = ts.bench
 torch = ts.torch
 SCHEMA = "jvp_attention.autograd_threads/1"
 IMPLS = {"ours": "jvp_attention.attention",
-         "floor": "v * 1 (PyTorch's backward, C++)",
-         "python_floor": "v * 1 as an autograd.Function with a Python backward"}
+         "floor": "v.clone() (PyTorch's backward, C++)",
+         "python_floor": "v.clone() as an autograd.Function with a Python backward"}
 
 
 class PythonFloor(torch.autograd.Function):
-    """v * 1 with its backward (and tangent) in Python, as any custom attention has."""
+    """v.clone() with its backward (and tangent) in Python, as any custom attention has."""
 
     @staticmethod
     def forward(v):
-        return v * 1.0
+        return v.clone()
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -33,7 +33,7 @@ graphs a replay calls none of them).
 
 Each layer's time is inclusive (the layers nest in this order) and is divided by the number
 of steps: microseconds per call. Timers cost about a microsecond per wrapped call. The step
-itself is timed by the same clock over the same steps; the `floor` implementation (`v * 1`)
+itself is timed by the same clock over the same steps; the `floor` implementation (`v.clone()`)
 gives PyTorch's own cost of the step. The GPU is kept ahead of nothing here: choose shapes
 where the host is the bound (the default, DiT-B/2 at 256 px), else calls wait for the GPU.
 """
@@ -238,7 +238,7 @@ def main(argv: Iterable[str] | None = None) -> dict:
     result = {**bench.run_record(SCHEMA, args.smoke),
               "settings": {"dtype": args.dtype, "layout": args.layout, "steps": args.steps,
                            "warmup_steps": args.warmup_steps,
-                           "precision": bench.precision_mode()},
+                           "precision": bench.precision_mode(), "floor_op": ts.FLOOR_OP},
               "rows": rows, "skipped": skipped}
     if args.out is not None:
         bench.write_json(args.out, result)

@@ -18,9 +18,10 @@ Implementations (columns; see IMPL_LABELS): ours (eager jvp_attention.attention,
 default "accurate" precision), ours_fast (the same in "fast" precision), ours_compiled
 (torch.compile, default mode), ours_cudagraphs (mode="reduce-overhead"), math
 (SDPA's math backend under torch.func.jvp), jfa (jvp-flash-attention 0.14, when installed),
-floor (`v * 1` in place of attention: PyTorch's own cost of the same calls, which no
-attention called this way can go below), floor_compiled (the floor under torch.compile,
-default mode: what a compiled call costs with no attention in it).
+floor (`v.clone()` in place of attention: PyTorch's own cost of the same calls, which no
+attention called this way can go below; `settings.floor_op` in the JSON), floor_compiled
+(the floor under torch.compile, default mode: what a compiled call costs with no attention
+in it).
 
 Per case: GPU time, wall time and host time per call, kernels per call, TFLOP/s, peak memory
 beyond the inputs, first-call (compile) time; the definitions are written into the JSON's
@@ -137,10 +138,12 @@ IMPL_LABELS = {
             "torch.func.jvp (what forward-mode AD through SDPA runs), eager",
     "jfa": "jvp-flash-attention 0.14 (PyPI jvp_flash_attention): JVPAttn.fwd_dual under "
            "torch.func.jvp (its README's JVP entry point), eager",
-    "floor": "v * 1 in place of attention, eager, under the same torch.func.jvp and backward: "
-             "PyTorch's own cost per call of the transform, its dual tensors and the autograd "
-             "engine, with one elementwise product where attention's kernels would be. The "
-             "floor of any attention called this way; no FLOPs are credited (tflops None)",
+    "floor": "v.clone() in place of attention, eager, under the same torch.func.jvp and "
+             "backward: PyTorch's own cost per call of the transform, its dual tensors and the "
+             "autograd engine, with one copy where attention's kernels would be. The floor of "
+             "any attention called this way; no FLOPs are credited (tflops None). Files "
+             "without settings.floor_op timed v * 1, whose tangent meets a zero tangent for "
+             "the number (chapter 13: about 0.1 to 0.3 ms more host time per call)",
     "floor_compiled": "the floor's function under torch.compile (default mode, as "
                       "ours_compiled): the host time of a compiled call and its compiled "
                       "backward with no attention in them, against which ours_compiled's is "
@@ -148,8 +151,11 @@ IMPL_LABELS = {
 }
 COMPILE_MODES = {"ours_compiled": "default", "ours_cudagraphs": "reduce-overhead",
                  "floor_compiled": "default"}
-# The columns with `v * 1` in place of attention: no FLOPs to credit.
+# The columns with a copy of v in place of attention: no FLOPs to credit. Not `v * 1`: the
+# number has no tangent, and the zero tangent PyTorch stands in for it costs more host time
+# than the rest of the call (chapter 13).
 FLOOR_IMPLS = ("floor", "floor_compiled")
+FLOOR_OP = "v.clone()"
 # The math path's memory per entry of the (B, H, N, N) score matrix (fp32 scores):
 # bench.py's measured 22 bytes for the forward+JVP; the backward modes hold the autograd graph
 # of the forward+JVP (and the backward's temporaries): bench.py's 64 for its bwd2, used as an
@@ -338,7 +344,7 @@ def attention_function(case: Case, args: argparse.Namespace) -> Callable:
         return math
     if case.impl in FLOOR_IMPLS:
         def floor(q, k, v):
-            return v * 1.0
+            return v.clone()
 
         return floor
     if case.impl == "jfa":
@@ -746,6 +752,7 @@ def header(args: argparse.Namespace, cycles_per_ms: float | None) -> dict:
             "causal": False, "mask": None, "layout": args.layout,
             "padded_max_scores": jvp_attention.launch.PADDED_MAX_SCORES,
             "key_side_passes": 2 if jvp_attention.backward.SPLIT_KEY_SIDE else 1,
+            "floor_op": FLOOR_OP,
         },
         "shapes": {name: {"B": b, "H": h, "N": n, "d": d, "label": SHAPE_LABELS.get(name, name)}
                    for name, (b, h, n, d) in (SMOKE_SHAPES if args.smoke else SHAPES).items()},

@@ -904,6 +904,8 @@ def environment() -> dict:
     info["triton_interpret"] = os.environ.get("TRITON_INTERPRET", "0")
     with contextlib.suppress(ImportError, AttributeError):
         info["jvp_attention_precision"] = jvp_attention.get_precision()
+    lean = jvp_attention.zero_tangents.lean_zero_tangents_enabled()
+    info["zero_tangents"] = "lean" if lean else "pytorch"  # forward AD's (chapter 13)
     return info
 
 
@@ -1044,6 +1046,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="--bench: another batch at these image sizes, e.g. 128=2 keeps "
                           "the math path's O(N^2) memory in bounds at 4096 tokens")
     run.add_argument("--repeats", type=int, default=5)
+    run.add_argument("--lean-zero-tangents", action="store_true",
+                     help="forward AD's zero tangents through jvp_attention.lean_zero_tangents "
+                          "(chapter 13: the same numbers, less host time per eager step), for "
+                          "every attention; recorded in the JSON's environment")
     run.add_argument("--resume", type=Path, default=None, metavar="JSON",
                      help="--bench: keep the rows this earlier (cut) run measured or saw "
                           "fail, and run only the rest")
@@ -1084,6 +1090,8 @@ def model_config(args: argparse.Namespace) -> DiTConfig:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.lean_zero_tangents:
+        jvp_attention.lean_zero_tangents(True)
     cuda = torch.cuda.is_available()
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     if dtype == "float32":  # true fp32 everywhere, so fp32 comparisons can be tight
@@ -1123,6 +1131,10 @@ def main(argv=None) -> int:
                   "environment": environment()}
 
         previous = json.loads(args.resume.read_text()) if args.resume else {"rows": ()}
+        theirs = previous.get("environment", {}).get("zero_tangents", "pytorch")
+        if args.resume and theirs != header["environment"]["zero_tangents"]:
+            raise SystemExit(f"--resume {args.resume}: its rows used {theirs} zero tangents; "
+                             f"pass --lean-zero-tangents exactly when it did")
         if args.resume:  # the rows kept from it were measured by these
             header["earlier_commands"] = [*previous.get("earlier_commands", ()),
                                           previous["command"]]

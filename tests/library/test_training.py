@@ -295,6 +295,23 @@ def test_resumed_file_names_the_commands_behind_its_rows(tmp_path):
     assert saved["command"].endswith(f"--out {out} --steps 1")
 
 
+def test_lean_zero_tangents_flag_is_recorded_and_resumed_alike(tmp_path):
+    """--lean-zero-tangents turns the lean kernels on for the run (chapter 13) and says so in
+    the JSON; a resumed run must use the zero tangents its rows used."""
+    out = tmp_path / "out.json"
+    try:
+        with mock.patch.object(mf, "benchmark", return_value=[]):
+            mf.main(["--bench", "--lean-zero-tangents", "--out", str(out), "--steps", "1"])
+        assert jvp_attention.zero_tangents.lean_zero_tangents_enabled()
+    finally:
+        jvp_attention.lean_zero_tangents(False)
+    assert json.loads(out.read_text())["environment"]["zero_tangents"] == "lean"
+    with mock.patch.object(mf, "benchmark", return_value=[]), pytest.raises(
+            SystemExit, match="used lean zero tangents"):
+        mf.main(["--bench", "--resume", str(out), "--out", str(tmp_path / "again.json")])
+    assert mf.environment()["zero_tangents"] == "pytorch"
+
+
 @pytest.mark.parametrize("attention", ["jvp_attention", "math"])
 def test_benchmark_compiled(attention: str):
     """torch.compile over the training forward (inductor; on CPU it builds C++ with gcc). Our

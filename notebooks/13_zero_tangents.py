@@ -1,0 +1,550 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 13: zero tangents, the host's hidden share of a JVP step
+#
+# Chapters 8 and 9 found DiT training steps bound by the host at 256 and 1024 tokens: the
+# GPU waits for Python. Chapter 8 measured the attention call's share of that work, with a
+# "floor" in its place that did as little as an op can. This chapter finds that the floor
+# itself was not light, and why: a cost inside PyTorch's forward-mode AD that every model
+# pays at almost every layer, and that has nothing to do with attention. Then it removes
+# most of it.
+#
+# ## Where zero tangents come from
+#
+# Under `torch.func.jvp` (or `torch.autograd.forward_ad`) each tensor may carry a tangent,
+# and each op computes its output's tangent by its forward formula. For a product,
+#
+# $$\dot{(a\,b)} = \dot a\, b + a\, \dot b .$$
+#
+# A MeanFlow or consistency-model step gives tangents to the model's *inputs* only. The
+# parameters, buffers and Python numbers that the activations meet have none: in
+# `x * w`, `x @ W.T + bias`, `x * (1 + scale)` or `TIME_SCALE * t`, one operand has no
+# tangent. PyTorch then stands in a *zero tensor* for the missing one (a tensor with the
+# `ZeroTensor` dispatch key and no storage, so that a zero tangent costs no memory) and
+# runs the formula as written. Its kernels for zero tensors know that $0 \cdot b = 0$ and
+# $a + 0 = a$, but to return a result of the right shape and dtype, the ones for `add`,
+# `sub`, `mul` and `div` ask the op itself: they run it once more on the `meta` device,
+# where tensors have shapes but no data.
+#
+# That would cost a few microseconds, were the meta kernels of these ops PyTorch's C++
+# ones. They are not: `torch/_meta_registrations.py` registers Python reference
+# implementations (`torch._refs`, written for tracing with symbolic shapes) as the meta
+# kernels of these ops, over the C++ ones. The dispatcher's table says so:
+
+# %%
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.autograd.forward_ad as fwad
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def meta_kernel(op: str) -> str:
+    """Where the `Meta` kernel in force for `op` was registered."""
+    for line in torch._C._dispatch_dump(op).splitlines():
+        if line.startswith("Meta: "):
+            return line.split(" :: ")[0].removeprefix("Meta: registered at ").split("/torch/")[-1]
+    return "none"
+
+
+print(f"torch {torch.__version__}, device {DEVICE}")
+for op in ("aten::add.Tensor", "aten::sub.Tensor", "aten::mul.Tensor", "aten::div.Tensor"):
+    print(f"{op:18} Meta kernel: {meta_kernel(op)}")
+
+# %% [markdown]
+# ## What it costs
+#
+# The host time of common ops under forward AD, on tensors small enough that the work is
+# all host work: each op applied to a tensor with a tangent (`x`) and either another one
+# with a tangent (`y`) or a parameter, a bias or a number without one. The time is the
+# difference between chains of 9 and 1 ops inside one `dual_level`, per op, best of 5
+# repeats (the chain keeps the level's own cost out).
+
+# %%
+torch.manual_seed(0)
+WIDTH = 16
+x0, tx = torch.randn(4, WIDTH, device=DEVICE), torch.randn(4, WIDTH, device=DEVICE)
+y0, ty = torch.randn(4, WIDTH, device=DEVICE), torch.randn(4, WIDTH, device=DEVICE)
+weight = torch.randn(WIDTH, WIDTH, device=DEVICE, requires_grad=True)
+bias = torch.randn(WIDTH, device=DEVICE, requires_grad=True)
+F = torch.nn.functional
+
+# op name -> (op of the running dual x and the dual y, whether an operand has no tangent)
+OPS = {
+    "x + y": (lambda x, y: x + y, False),
+    "x * y": (lambda x, y: x * y, False),
+    "x @ weight": (lambda x, y: x @ weight, False),
+    "x + bias": (lambda x, y: x + bias, True),
+    "x * bias": (lambda x, y: x * bias, True),
+    "x + 1.0": (lambda x, y: x + 1.0, True),
+    "x * 2.0": (lambda x, y: x * 2.0, True),
+    "x / 2.0": (lambda x, y: x / 2.0, True),
+    "F.linear(x, weight)": (lambda x, y: F.linear(x, weight), False),
+    "F.linear(x, weight, bias)": (lambda x, y: F.linear(x, weight, bias), True),
+}
+
+
+def chain(op, length: int):
+    """`length` applications of `op` to a dual, in one dual level; the last output's tangent."""
+    with fwad.dual_level():
+        x, y = fwad.make_dual(x0, tx), fwad.make_dual(y0, ty)
+        for _ in range(length):
+            x = op(x, y)
+        return fwad.unpack_dual(x).tangent
+
+
+def best_seconds(fn, calls: int, repeats: int = 5) -> float:
+    """Seconds per call of `fn`: the best of `repeats` groups of `calls` calls, after one
+    call to warm up, with the GPU's queue drained at both ends of each group."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def host_us_per_op(op) -> float:
+    """Microseconds per op: chains of 9 against chains of 1."""
+    long, short = (best_seconds(lambda n=n: chain(op, n), calls=40) for n in (9, 1))
+    return (long - short) / 8 * 1e6
+
+
+def measure_ops() -> dict[str, float]:
+    return {name: host_us_per_op(op) for name, (op, _) in OPS.items()}
+
+
+pytorch_us = measure_ops()
+for name, us in pytorch_us.items():
+    print(f"{name:26} {us:7.1f} us{'   (an operand without a tangent)' if OPS[name][1] else ''}")
+
+# %% [markdown]
+# Ops whose operands both carry tangents take a few to a few tens of microseconds, as any
+# PyTorch op with its tangent does. Each op with an operand that has none takes one to two
+# orders of magnitude longer: most of its time goes to the Python meta kernels, a few
+# hundred Python calls per zero tangent met (a product's formula meets the zero tangent
+# twice: once in the product, once in the sum). A Linear layer with a bias pays it for the
+# bias alone; without one, the zero tangent of the weight goes through the matrix product,
+# whose zero-tensor rule is C++ throughout.
+#
+# A DiT block under `torch.func.jvp` has five biased Linear layers (the attention's
+# projections in and out, the MLP's two and the adaptive norm's modulation) and two
+# `x * (1 + scale)` modulations: about seven such ops per block, some 90 per DiT-B/2
+# forward once the embeddings and the final layer are counted, each taking of the order of
+# a tenth of a millisecond of host time.
+#
+# ## The shortcut
+#
+# What the zero-tensor kernels compute from the meta tensor is only its shape, dtype and
+# device, and for ordinary tensors all three follow from the operands by PyTorch's public
+# rules: the shape by broadcasting (`torch.broadcast_shapes`), the dtype by type promotion
+# (`torch.result_type`, which treats a Python number as PyTorch's ops do), the device as
+# the kernels choose it (the first operand's, unless that one is on the CPU, as a number
+# is). The values are fixed by arithmetic, as PyTorch's kernels answer them:
+#
+# | op | $a$ zero | $b$ zero | both zero |
+# |---|---|---|---|
+# | $a \cdot b$ | 0 | 0 | 0 |
+# | $a / b$ | 0 | $+\infty$ | NaN |
+# | $a + \alpha b$, $a - \alpha b$ | $\pm\alpha b$ | $a$ | 0 |
+#
+# where a sum returns a new tensor: the other operand broadcast to the result's shape and
+# cast to its dtype. So the lean kernels below read shape, dtype and device off the
+# operands and return what PyTorch's would. They keep PyTorch's own route (the op on the
+# meta device) for anything else: a tensor subclass, such as the fake tensors that
+# `torch.compile` traces with, and integer or boolean results, whose promotion rules
+# (true division, an integer `alpha`) are the op's business.
+
+# %% tags=["export"]
+"""Chapter 13: forward AD's zero tangents without the meta round trip. Under torch.func.jvp,
+PyTorch's ZeroTensor kernels of add, sub, mul and div find their result's shape and dtype by
+running the op on the meta device, where these ops have Python kernels; `lean_zero_tangents`
+registers kernels that read both off the operands and return the same tensors.
+
+`notebooks/13_zero_tangents.py` measures the cost and checks the kernels against PyTorch's.
+"""
+
+import threading
+import warnings
+from collections.abc import Callable
+from numbers import Number
+
+import torch
+
+# The ops whose ZeroTensor kernels run the op again on the meta device to shape their result.
+LEAN_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor")
+
+# A Python number stands for a scalar operand (a kernel receives one for `x * 2.0`).
+Operand = torch.Tensor | Number
+
+
+# %% tags=["export"]
+def is_zero(x: Operand) -> bool:
+    """Whether `x` is one of forward AD's zero tangents (a number never is)."""
+    return isinstance(x, torch.Tensor) and x._is_zerotensor()
+
+
+def out_device(a: Operand, b: Operand) -> torch.device:
+    """The device of a binary op's result with a zero operand, as PyTorch chooses it: `a`'s,
+    unless `a` is on the CPU (or a number), then `b`'s."""
+    if not isinstance(b, torch.Tensor):
+        return a.device
+    if not isinstance(a, torch.Tensor) or a.device.type == "cpu":
+        return b.device
+    return a.device
+
+
+def read_off(a: Operand, b: Operand) -> tuple[torch.Size, torch.dtype] | None:
+    """The broadcast shape and promoted dtype of a binary op on `a` and `b`, read off the
+    operands; None where only the op itself knows: a tensor subclass (a fake tensor, say),
+    an integer or boolean result, or a number that could promote the tensor beside it
+    (PyTorch's kernels promote it as a 0-dimensional tensor of its widest type, unlike the
+    op itself)."""
+    tensors = [x for x in (a, b) if isinstance(x, torch.Tensor)]
+    if any(type(x) is not torch.Tensor for x in tensors):
+        return None
+    if len(tensors) == 1:  # beside a number, a float tensor keeps its dtype, unless the
+        tensor = tensors[0]  # number is complex, or the tensor 0-dimensional
+        keeps = tensor.dtype.is_complex or (tensor.dtype.is_floating_point and not any(
+            isinstance(x, complex) for x in (a, b)))
+        return (tensor.shape, tensor.dtype) if keeps and tensor.dim() > 0 else None
+    dtype = torch.result_type(a, b)
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return None
+    return broadcast(a.shape, b.shape), dtype
+
+
+def broadcast(first: torch.Size, second: torch.Size) -> torch.Size:
+    """The shape two tensors broadcast to (`torch.broadcast_shapes` checks symbolic sizes
+    too, which plain tensors do not have, at ten times the cost)."""
+    if first == second:
+        return first
+    rank = max(len(first), len(second))
+    first, second = ((1,) * (rank - len(s)) + tuple(s) for s in (first, second))
+    shape = []
+    for dim, (m, n) in enumerate(zip(first, second, strict=True)):
+        if m != n and 1 not in (m, n):
+            raise RuntimeError(f"The size of tensor a ({m}) must match the size of tensor b "
+                               f"({n}) at non-singleton dimension {dim}")
+        shape.append(n if m == 1 else m)
+    return torch.Size(shape)
+
+
+def result_of(op: Callable, a: Operand, b: Operand, **keywords) -> tuple[torch.Size, torch.dtype]:
+    """The shape and dtype of `op(a, b, **keywords)`: read off the operands, or else from
+    `op` run on the meta device, as PyTorch's own kernels find them."""
+    known = read_off(a, b)
+    if known is not None:
+        return known
+    meta = op(*(on_meta(x) for x in (a, b)), **keywords)
+    return meta.shape, meta.dtype
+
+
+def on_meta(x: Operand) -> torch.Tensor:
+    """`x` on the meta device; a number as PyTorch's kernels move it there: a 0-dimensional
+    tensor of its widest type, no longer marked as a number."""
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    widest = {bool: torch.bool, int: torch.int64, float: torch.float64}
+    return torch.tensor(x, dtype=widest.get(type(x), torch.complex128), device="meta")
+
+
+def like_result(x: Operand, shape: torch.Size, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """A new tensor holding `x` broadcast to `shape`, in `dtype`, on `device`."""
+    if not isinstance(x, torch.Tensor):
+        return torch.full(shape, x, dtype=dtype, device=device)
+    return torch.ops.aten._to_copy(x.expand(shape), dtype=dtype, device=device)
+
+
+# %% tags=["export"]
+def zero_mul(a: Operand, b: Operand) -> torch.Tensor:
+    """`a * b` with a zero operand: zeros."""
+    shape, dtype = result_of(torch.ops.aten.mul.Tensor, a, b)
+    return torch._efficientzerotensor(shape, dtype=dtype, device=out_device(a, b))
+
+
+def zero_div(a: Operand, b: Operand) -> torch.Tensor:
+    """`a / b` with a zero operand: zeros for 0 / b, infinity for a / 0, NaN for 0 / 0."""
+    shape, dtype = result_of(torch.ops.aten.div.Tensor, a, b)
+    device = out_device(a, b)
+    if not is_zero(b):
+        return torch._efficientzerotensor(shape, dtype=dtype, device=device)
+    return torch.full(shape, float("nan") if is_zero(a) else float("inf"), dtype=dtype,
+                      device=device)
+
+
+def zero_add(a: Operand, b: Operand, *, alpha: Number = 1) -> torch.Tensor:
+    """`a + alpha * b` with a zero operand: the other one's share, broadcast and cast to the
+    result's dtype in a new tensor; zeros if both are zero."""
+    shape, dtype = result_of(torch.ops.aten.add.Tensor, a, b, alpha=alpha)
+    device = out_device(a, b)
+    if is_zero(a) and is_zero(b):
+        return torch._efficientzerotensor(shape, dtype=dtype, device=device)
+    if is_zero(a):
+        scaled = like_result(b, shape, dtype, device)
+        return scaled if alpha == 1 else scaled.mul(alpha)
+    return like_result(a, shape, dtype, device)
+
+
+def zero_sub(a: Operand, b: Operand, *, alpha: Number = 1) -> torch.Tensor:
+    """`a - alpha * b` with a zero operand."""
+    return zero_add(a, b, alpha=-alpha)
+
+
+LEAN_KERNELS = dict(zip(LEAN_OPS, (zero_add, zero_sub, zero_mul, zero_div), strict=True))
+
+# %% [markdown]
+# ## Turning them on
+#
+# `torch.library` registers a Python function as an op's kernel for one dispatch key,
+# here `ZeroTensor`, over PyTorch's C++ kernel, and removing the registration brings
+# PyTorch's back. `lean_zero_tangents(True)` registers the four for the whole process;
+# as a context manager it restores the previous state on leaving. Only zero tangents take
+# the new kernels: every other tensor dispatches as before, and the meta kernels that
+# `torch.compile` traces with stay PyTorch's.
+
+# %% tags=["export"]
+_lock = threading.Lock()
+_library: torch.library.Library | None = None
+
+
+def _register(enabled: bool) -> None:
+    """Register LEAN_KERNELS as the ZeroTensor kernels of LEAN_OPS, or remove them."""
+    global _library
+    with _lock:
+        if enabled and _library is None:
+            library = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():  # "Overriding a previously registered kernel"
+                warnings.simplefilter("ignore", UserWarning)
+                for name, kernel in LEAN_KERNELS.items():
+                    library.impl(name, kernel, "ZeroTensor")
+            _library = library
+        elif not enabled and _library is not None:
+            _library._destroy()
+            _library = None
+
+
+def lean_zero_tangents_enabled() -> bool:
+    """Whether the lean zero-tangent kernels of `lean_zero_tangents` are in force."""
+    return _library is not None
+
+
+class lean_zero_tangents:
+    """Forward AD's zero tangents without PyTorch's meta round trip.
+
+    Under `torch.func.jvp` or `torch.autograd.forward_ad`, an op whose operands mix a tensor
+    with a tangent and one without (a bias, a parameter, a buffer, a Python number) meets a
+    zero tangent. PyTorch's kernels for `add`, `sub`, `mul` and `div` of zero tangents
+    shape their result by running the op on the meta device, whose kernels for these ops
+    are Python: of the order of 0.1 ms of host time per op (chapter 13). The lean kernels
+    read the shape, dtype and device off the operands and return the same tensors. They
+    change no other tensor's dispatch.
+
+    Called, it turns the lean kernels on (or off) for the whole process; as a context
+    manager, it restores the previous state on leaving.
+
+    Example:
+        >>> import torch, jvp_attention
+        >>> x, w = torch.randn(3), torch.randn(3)
+        >>> with jvp_attention.lean_zero_tangents():
+        ...     out, tangent = torch.func.jvp(lambda x: x * w + 1.0, (x,), (torch.ones(3),))
+        >>> torch.equal(tangent, w)
+        True
+
+    Args:
+        enabled: True for the lean kernels, False for PyTorch's own.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.previous = lean_zero_tangents_enabled()
+        _register(enabled)
+
+    def __enter__(self) -> "lean_zero_tangents":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _register(self.previous)
+
+
+# %% [markdown]
+# ## Same tensors
+#
+# The lean kernels must return what PyTorch's return: the same values (NaN where PyTorch
+# has NaN), shape, dtype, device and strides, and a zero tensor exactly where PyTorch
+# returns one. The check calls each op directly on zero tensors (`torch._efficientzerotensor`)
+# with PyTorch's kernels and then with the lean ones, over broadcasting shapes, mixed
+# dtypes (half, bfloat16, float, double, complex, and integers, which take the meta route),
+# a Python number on either side and `alpha`.
+
+# %%
+def zero(shape, dtype, device=DEVICE):
+    return torch._efficientzerotensor(shape, dtype=dtype, device=device)
+
+
+def operand_cases():
+    """(a, b, keywords) triples in which at least one operand is a zero tensor."""
+    shapes = [((4, 1, 3), (5, 3)), ((), (2, 3)), ((2, 3), ()), ((2, 3), (4, 3))]
+    dtypes = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+              (torch.float16, torch.float64), (torch.float32, torch.complex64),
+              (torch.int64, torch.int64), (torch.int32, torch.float16)]
+    for (sa, sb) in shapes:
+        for (da, db) in dtypes:
+            real_a = torch.randn(sa, device=DEVICE).to(da)
+            real_b = (torch.randn(sb, device=DEVICE) + 3).to(db)
+            for a, b in ((zero(sa, da), real_b), (real_a, zero(sb, db)),
+                         (zero(sa, da), zero(sb, db))):
+                yield a, b, {}
+                if not da.is_complex and not db.is_complex and da.is_floating_point:
+                    yield a, b, {"alpha": 0.5}
+        yield zero(sa, torch.float32), 2.5, {}  # a Python number as the other operand
+        yield zero(sa, torch.bfloat16), 3, {}
+
+
+def described(result: torch.Tensor) -> tuple:
+    """What must agree: shape, dtype, device, strides, zero-tensor-ness and the values."""
+    values = torch.zeros(result.shape, dtype=result.dtype) if result._is_zerotensor() else result
+    return (result.shape, result.dtype, result.device, result.stride(),
+            result._is_zerotensor(), values.cpu())
+
+
+def same(first: tuple, second: tuple) -> bool:
+    *meta1, v1 = first
+    *meta2, v2 = second
+    return meta1 == meta2 and torch.equal(v1.isnan(), v2.isnan()) and torch.equal(
+        torch.nan_to_num(v1), torch.nan_to_num(v2))
+
+
+def outcome(op, a, b, keywords):
+    try:
+        return described(op(a, b, **keywords))
+    except RuntimeError as error:
+        return ("raises", type(error))
+
+
+OPS_TO_CHECK = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+cases = list(operand_cases())
+checked = mismatches = 0
+for name, op in OPS_TO_CHECK.items():
+    for a, b, keywords in cases:
+        if name in ("mul", "div") and keywords:
+            continue
+        with lean_zero_tangents(False):
+            theirs = outcome(op, a, b, keywords)
+        with lean_zero_tangents():
+            ours = outcome(op, a, b, keywords)
+        agree = ours == theirs if theirs[0] == "raises" else (
+            ours[0] != "raises" and same(ours, theirs))
+        checked += 1
+        if not agree:
+            mismatches += 1
+            print(f"{name}{tuple(getattr(x, 'shape', x) for x in (a, b))} {keywords}: "
+                  f"PyTorch {theirs[:5]}, lean {ours[:5]}")
+print(f"{checked} calls checked against PyTorch's kernels, {mismatches} differ")
+assert mismatches == 0
+
+# %% [markdown]
+# And on a model: chapter 9's DiT (a small one here) under the MeanFlow loss, which takes
+# `torch.func.jvp` through the whole network and a backward through its primal output.
+# The loss and every parameter's gradient must come out bit for bit the same: the lean
+# kernels change which Python runs, not one number.
+
+# %%
+# examples/ beside notebooks/, as the notebooks run from their own folder (chapter 9).
+sys.path.insert(0, str(Path.cwd().parent / "examples"))
+import meanflow_dit as mf  # noqa: E402
+
+# On a GPU, the model calls this library's attention; on a CPU, PyTorch's math path (the
+# interpreter would run our kernels far slower than the host work being timed).
+ATTENTION = "jvp_attention" if DEVICE == "cuda" else "math"
+config = mf.DiTConfig(image_size=8, patch_size=2, width=64, depth=4, heads=4)
+torch.manual_seed(0)
+model = mf.MeanFlow(config).to(DEVICE)
+batch = [torch.randn(8, config.channels, 8, 8, device=DEVICE) for _ in range(2)]
+times = torch.rand(8, device=DEVICE)
+batch += [times, times * torch.rand(8, device=DEVICE)]
+
+
+def meanflow_step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One MeanFlow loss and backward: the loss and the parameters' gradients."""
+    model.zero_grad(set_to_none=True)
+    with mf.attention_context(ATTENTION):
+        loss, _ = model(*batch)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+with lean_zero_tangents(False):
+    loss_theirs, grads_theirs = meanflow_step()
+with lean_zero_tangents():
+    loss_ours, grads_ours = meanflow_step()
+identical = torch.equal(loss_ours, loss_theirs) and all(
+    torch.equal(g1, g2) for g1, g2 in zip(grads_ours, grads_theirs, strict=True))
+print(f"loss {loss_ours.item():.6f}; loss and {len(grads_ours)} gradients bit for bit "
+      f"the same: {identical}")
+assert identical
+
+# %% [markdown]
+# ## What it saves
+#
+# The same ops timed again with the lean kernels, then the small DiT's whole MeanFlow
+# step (forward with its JVP and backward), best of five groups of steps.
+
+# %%
+with lean_zero_tangents():
+    lean_us = measure_ops()
+print(f"{'op':26} {'PyTorch':>9} {'lean':>9}")
+for name in OPS:
+    print(f"{name:26} {pytorch_us[name]:7.1f} us {lean_us[name]:7.1f} us")
+
+
+with lean_zero_tangents(False):
+    step_pytorch = best_seconds(meanflow_step, calls=5) * 1e3
+with lean_zero_tangents():
+    step_lean = best_seconds(meanflow_step, calls=5) * 1e3
+print(f"small DiT MeanFlow step ({ATTENTION} attention, {DEVICE}): PyTorch's zero tangents "
+      f"{step_pytorch:.1f} ms, lean {step_lean:.1f} ms ({step_pytorch / step_lean:.2f}x)")
+
+# %% [markdown]
+# The lean kernels are Python too, so each zero tangent still costs a Python call through
+# the dispatcher, a few tens of microseconds: several times less than PyTorch's route
+# rather than nothing. With the meta kernels in C++, as they are for other ops, the same
+# ops would take a few microseconds; that is PyTorch's to change.
+#
+# ## Using it
+#
+# ```python
+# import jvp_attention
+#
+# jvp_attention.lean_zero_tangents(True)     # for the whole process, or
+# with jvp_attention.lean_zero_tangents():   # for a block
+#     loss = meanflow_loss(model, batch)
+# ```
+#
+# It helps any eager step that runs `torch.func.jvp` or `torch.autograd.forward_ad`
+# through a model with parameters, whichever attention the model calls, and costs nothing
+# where no zero tangent appears. Under `torch.compile` the traced graph has no zero
+# tensors (they exist only in eager forward AD), so compiled steps neither gain nor lose;
+# with CUDA graphs the host's work is gone anyway. It does not change
+# `jvp_attention.attention`, whose own calls meet no zero tangents (chapter 7 unpacks the
+# duals and runs one fused kernel).

@@ -1,0 +1,210 @@
+"""jvp_attention.lean_zero_tangents (chapter 13): the lean ZeroTensor kernels of add, sub, mul
+and div return what PyTorch's return, on single ops, through torch.func.jvp and a backward,
+and under torch.compile; turning them on and off restores PyTorch's kernels."""
+
+import itertools
+
+import pytest
+import torch
+from helpers import DEVICE
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import jvp_attention
+from jvp_attention import zero_tangents as zt
+
+OPS = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+SHAPES = [((3, 1, 4), (5, 4)), ((), (2, 4)), ((2, 4), ()), ((2, 4), (2, 4)), ((2, 4), (3, 4))]
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+          (torch.float16, torch.float64), (torch.complex64, torch.float32),
+          (torch.int64, torch.int32), (torch.bool, torch.float16)]
+
+
+def operand(shape, dtype, zero: bool, device=DEVICE):
+    if zero:
+        return torch._efficientzerotensor(shape, dtype=dtype, device=device)
+    return (torch.randn(shape, device=device) * 3 + 1).to(dtype)
+
+
+def run(op, a, b, keywords):
+    """The op's result as everything that must agree (values with NaN made comparable), or
+    the type of error it raised."""
+    try:
+        out = op(a, b, **keywords)
+    except (RuntimeError, ValueError, TypeError) as error:
+        return type(error)
+    values = torch.zeros(out.shape, dtype=out.dtype) if out._is_zerotensor() else out.cpu()
+    nan = values.isnan() if values.is_floating_point() or values.is_complex() else None
+    return (out.shape, out.dtype, out.device, out.stride(), out._is_zerotensor(),
+            values if nan is None else torch.where(nan, 0, values), nan)
+
+
+def agree(first, second) -> bool:
+    if not isinstance(first, tuple) or not isinstance(second, tuple):
+        return first == second
+    return first[:5] == second[:5] and all(
+        (x is None and y is None) or torch.equal(x, y) for x, y in zip(first[5:], second[5:], strict=True))
+
+
+def pytorch_and_lean(op, a, b, keywords):
+    with jvp_attention.lean_zero_tangents(False):
+        theirs = run(op, a, b, keywords)
+    with jvp_attention.lean_zero_tangents():
+        ours = run(op, a, b, keywords)
+    return theirs, ours
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("shapes", SHAPES, ids=str)
+@pytest.mark.parametrize("dtypes", DTYPES, ids=str)
+@pytest.mark.parametrize("zeros", [(True, False), (False, True), (True, True)], ids=str)
+def test_lean_kernels_return_what_pytorch_returns(name, shapes, dtypes, zeros) -> None:
+    torch.manual_seed(0)
+    a, b = (operand(s, d, z) for s, d, z in zip(shapes, dtypes, zeros, strict=True))
+    alphas = [{}] + ([{"alpha": 0.5}, {"alpha": 2}] if name in ("add", "sub") else [])
+    for keywords in alphas:
+        theirs, ours = pytorch_and_lean(OPS[name], a, b, keywords)
+        assert agree(theirs, ours), (name, shapes, dtypes, zeros, keywords, theirs, ours)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("number", [2.5, 3, True, 1 + 2j], ids=repr)
+@pytest.mark.parametrize("shape", [(), (2, 3)], ids=str)
+def test_a_number_beside_a_zero_tangent(name, number, shape) -> None:
+    """`x * 2.0` passes the number to the kernel as a Python number; beside a 0-dim tensor
+    PyTorch's kernels promote it as a 0-dim tensor of its widest type, and so must ours."""
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        a = operand(shape, dtype, zero=True)
+        theirs, ours = pytorch_and_lean(OPS[name], a, number, {})
+        assert agree(theirs, ours), (name, number, shape, dtype, theirs, ours)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU: a CPU scalar beside it")
+@pytest.mark.parametrize("name", OPS)
+def test_the_result_goes_where_pytorch_puts_it(name) -> None:
+    """A 0-dim CPU tensor beside a CUDA one: PyTorch's kernels put the result on the GPU."""
+    for zeros in ((True, False), (False, True), (True, True)):
+        a = operand((), torch.float32, zeros[0], device="cpu")
+        b = operand((2, 3), torch.float32, zeros[1])
+        for first, second in ((a, b), (b, a)):
+            theirs, ours = pytorch_and_lean(OPS[name], first, second, {})
+            assert agree(theirs, ours), (name, zeros, theirs, ours)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_fake_tensors_take_pytorch_route(name) -> None:
+    """Tensor subclasses (the fake tensors torch.compile traces with) are shaped by the op on
+    the meta device, as PyTorch's kernels do."""
+    kernel = zt.LEAN_KERNELS[f"{name}.Tensor"]
+    with FakeTensorMode() as mode:
+        a = mode.from_tensor(torch._efficientzerotensor((3, 1), dtype=torch.float16))
+        b = mode.from_tensor(torch.randn(4, dtype=torch.float32))
+        out = kernel(a, b)
+    assert out.shape == (3, 4) and out.dtype == torch.float32
+
+
+class Block(torch.nn.Module):
+    """A DiT-like block: biased Linear layers, a LayerNorm, modulation by a conditioning
+    input, Python numbers, a division, and this library's attention."""
+
+    def __init__(self, width: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+        self.modulation = torch.nn.Linear(width, 2 * width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.register_buffer("offset", torch.linspace(-1, 1, width))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.modulation(torch.nn.functional.silu(c))[:, None].chunk(2, -1)
+        h = self.norm(x) * (1 + scale) + shift + self.offset
+        b, n, width = h.shape
+        q, k, v = self.qkv(h).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        out = jvp_attention.attention(q, k, v).transpose(1, 2).reshape(b, n, width)
+        return x + self.proj(out) / 2.0 - 0.5 * x
+
+
+def meanflow_like_step(block: Block, x, c, tx, tc):
+    """torch.func.jvp through the block, a loss on the primal and a stop-gradient tangent,
+    and a backward: the output, its tangent and the parameters' gradients."""
+    block.zero_grad(set_to_none=True)
+    out, tangent = torch.func.jvp(block, (x, c), (tx, tc))
+    ((out - tangent.detach()) ** 2).mean().backward()
+    return [out.detach(), tangent.detach()] + [p.grad for p in block.parameters()]
+
+
+def test_a_jvp_step_is_bit_for_bit_the_same() -> None:
+    torch.manual_seed(0)
+    block = Block().to(DEVICE)
+    x, c, tx = (torch.randn(s, device=DEVICE) for s in ((2, 8, 16), (2, 16), (2, 8, 16)))
+    tc = torch.randn(2, 16, device=DEVICE)
+    with jvp_attention.lean_zero_tangents(False):
+        theirs = meanflow_like_step(block, x, c, tx, tc)
+    with jvp_attention.lean_zero_tangents():
+        ours = meanflow_like_step(block, x, c, tx, tc)
+    assert len(ours) == 2 + len(list(block.parameters()))
+    for mine, pytorch in zip(ours, theirs, strict=True):
+        assert torch.equal(mine, pytorch)
+    assert all(torch.isfinite(t).all() for t in ours)
+
+
+def test_compiled_jvp_is_unchanged() -> None:
+    """torch.compile traces with fake tensors: with the lean kernels on, a compiled JVP
+    through biases and numbers gives the eager answer."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(4, 4), torch.randn(4)
+
+    def f(x):
+        return torch.nn.functional.linear(x, weight, bias) * 2.0 + 1.0
+
+    x, tx = torch.randn(3, 4), torch.randn(3, 4)
+    expected = torch.func.jvp(f, (x,), (tx,))
+    with jvp_attention.lean_zero_tangents():
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, tx: torch.func.jvp(f, (x,), (tx,)),
+                                 backend="aot_eager", fullgraph=True)
+        got = compiled(x, tx)
+    for mine, eager in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, eager, rtol=0, atol=0)
+
+
+def registered_zero_tensor_kernels() -> set[str]:
+    """The ops of LEAN_OPS whose ZeroTensor kernel in force is the lean one."""
+    return {name for name in zt.LEAN_OPS
+            if "zero_tangents" in next(line for line in torch._C._dispatch_dump(
+                f"aten::{name}").splitlines() if line.startswith("ZeroTensor:"))}
+
+
+def test_on_off_and_context_restore_pytorch_kernels() -> None:
+    assert not zt.lean_zero_tangents_enabled()
+    assert registered_zero_tensor_kernels() == set()
+    with jvp_attention.lean_zero_tangents():
+        assert zt.lean_zero_tangents_enabled()
+        assert registered_zero_tensor_kernels() == set(zt.LEAN_OPS)
+        with jvp_attention.lean_zero_tangents(False):
+            assert registered_zero_tensor_kernels() == set()
+        assert registered_zero_tensor_kernels() == set(zt.LEAN_OPS)
+    assert registered_zero_tensor_kernels() == set()
+    jvp_attention.lean_zero_tangents(True)
+    jvp_attention.lean_zero_tangents(True)  # twice: still one registration
+    try:
+        assert registered_zero_tensor_kernels() == set(zt.LEAN_OPS)
+    finally:
+        jvp_attention.lean_zero_tangents(False)
+    assert registered_zero_tensor_kernels() == set()
+
+
+def test_the_docstring_example() -> None:
+    x, w = torch.randn(3), torch.randn(3)
+    with jvp_attention.lean_zero_tangents():
+        _, tangent = torch.func.jvp(lambda x: x * w + 1.0, (x,), (torch.ones(3),))
+    assert torch.equal(tangent, w)
+
+
+@pytest.mark.parametrize("first, second", list(itertools.product([(), (1,), (3, 1)],
+                                                                  [(4,), (2, 1, 4)])), ids=str)
+def test_broadcast_agrees_with_torch(first, second) -> None:
+    assert zt.broadcast(torch.Size(first), torch.Size(second)) == torch.broadcast_shapes(
+        first, second)
+    with pytest.raises(RuntimeError, match="must match"):
+        zt.broadcast(torch.Size(first) + (3,), torch.Size(second))
