@@ -83,19 +83,21 @@ def result_of(op: Callable, a: Operand, b: Operand, **keywords) -> tuple[torch.S
 
 
 def on_meta(x: Operand) -> torch.Tensor:
-    """`x` on the meta device; a number as PyTorch's kernels move it there: a 0-dimensional
-    tensor of its widest type, no longer marked as a number."""
-    if isinstance(x, torch.Tensor):
-        return x.to("meta")
+    """`x` on the meta device, a number as PyTorch's kernels move it there: a 0-dimensional
+    tensor no longer marked as a number."""
+    return (x if isinstance(x, torch.Tensor) else as_tensor(x)).to("meta")
+
+
+def as_tensor(x: Number) -> torch.Tensor:
+    """A number as PyTorch's ops hold one: a 0-dimensional CPU tensor of its widest type."""
     widest = {bool: torch.bool, int: torch.int64, float: torch.float64}
-    return torch.tensor(x, dtype=widest.get(type(x), torch.complex128), device="meta")
+    return torch.tensor(x, dtype=widest.get(type(x), torch.complex128))
 
 
 def like_result(x: Operand, shape: torch.Size, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
     """A new tensor holding `x` broadcast to `shape`, in `dtype`, on `device`."""
-    if not isinstance(x, torch.Tensor):
-        return torch.full(shape, x, dtype=dtype, device=device)
+    x = x if isinstance(x, torch.Tensor) else as_tensor(x)
     return torch.ops.aten._to_copy(x.expand(shape), dtype=dtype, device=device)
 
 
