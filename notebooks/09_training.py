@@ -470,6 +470,12 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   at 4096 tokens, so about 110 ms of each eager step is Python, and our two precisions,
 #   whose host work is nearly the same, differ by 42 ms at 256 tokens. So the eager rows
 #   do not rank the attentions against jvp-flash-attention either; the compiled rows do.
+#   Part of that Python is PyTorch's own zero tangents: one MeanFlow step of this
+#   12-block DiT meets 124 of them (a bias, a buffer or a number beside a dual tensor),
+#   each shaped by Python meta kernels at about 0.1 ms of host time on the repository's
+#   CPU machine. Chapter 13 measures them and removes most of that cost
+#   (`jvp_attention.lean_zero_tangents`, `--lean-zero-tangents` here); the eager rows above
+#   were measured without it.
 # - **Against jvp-flash-attention, compiled.** Under `torch.compile` with CUDA graphs its
 #   step takes 161.5 ms at 256 tokens, 211.4 at 1024 and 188.6 at 4096: slower than its
 #   own eager steps (132.5, 148.7, 143.8 ms). `torch.compile` records three graph breaks in
