@@ -98,6 +98,9 @@ OPS = {
     "x / 2.0": (lambda x, y: x / 2.0, True),
     "F.linear(x, weight)": (lambda x, y: F.linear(x, weight), False),
     "F.linear(x, weight, bias)": (lambda x, y: F.linear(x, weight, bias), True),
+    "F.layer_norm(x)": (lambda x, y: F.layer_norm(x, (WIDTH,)), False),
+    "F.layer_norm(x, bias, bias)": (lambda x, y: F.layer_norm(x, (WIDTH,), bias, bias), True),
+    "F.rms_norm(x, bias)": (lambda x, y: F.rms_norm(x, (WIDTH,), bias), True),
 }
 
 
@@ -148,7 +151,8 @@ for name, us in pytorch_us.items():
 # hundred Python calls per zero tangent met (a product's formula meets the zero tangent
 # twice: once in the product, once in the sum). A Linear layer with a bias pays it for the
 # bias alone; without one, the zero tangent of the weight goes through the matrix product,
-# whose zero-tensor rule is C++ throughout.
+# whose zero-tensor rule is C++ throughout. A norm with learned weights (LayerNorm's
+# affine, RMSNorm's scale, as in the query-key norms of recent DiTs) meets several.
 #
 # A DiT block under `torch.func.jvp` has five biased Linear layers (the attention's
 # projections in and out, the MLP's two and the adaptive norm's modulation) and two
