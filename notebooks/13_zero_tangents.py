@@ -204,6 +204,10 @@ LEAN_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor")
 # A Python number stands for a scalar operand (a kernel receives one for `x * 2.0`).
 Operand = torch.Tensor | Number
 
+# Tensors whose shape and dtype are what they say: not a subclass with rules of its own
+# (a parameter is a plain tensor that autograd treats as a leaf).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
 
 # %% tags=["export"]
 def is_zero(x: Operand) -> bool:
@@ -228,7 +232,7 @@ def read_off(a: Operand, b: Operand) -> tuple[torch.Size, torch.dtype] | None:
     (PyTorch's kernels promote it as a 0-dimensional tensor of its widest type, unlike the
     op itself)."""
     tensors = [x for x in (a, b) if isinstance(x, torch.Tensor)]
-    if any(type(x) is not torch.Tensor for x in tensors):
+    if any(type(x) not in PLAIN_TENSORS for x in tensors):
         return None
     if len(tensors) == 1:  # beside a number, a float tensor keeps its dtype, unless the
         tensor = tensors[0]  # number is complex, or the tensor 0-dimensional

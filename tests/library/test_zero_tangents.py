@@ -93,6 +93,17 @@ def test_the_result_goes_where_pytorch_puts_it(name) -> None:
 
 
 @pytest.mark.parametrize("name", OPS)
+def test_a_parameter_is_read_off_like_a_tensor(name) -> None:
+    """A parameter beside a zero tangent (`x * weight`) takes the lean route, and agrees."""
+    weight = torch.nn.Parameter(torch.randn(4, device=DEVICE))
+    zero = operand((3, 4), torch.bfloat16, zero=True)
+    assert zt.read_off(zero, weight) == (torch.Size([3, 4]), torch.float32)
+    for a, b in ((zero, weight), (weight, zero)):
+        theirs, ours = pytorch_and_lean(OPS[name], a, b, {})
+        assert agree(theirs, ours), (name, theirs, ours)
+
+
+@pytest.mark.parametrize("name", OPS)
 def test_fake_tensors_take_pytorch_route(name) -> None:
     """Tensor subclasses (the fake tensors torch.compile traces with) are shaped by the op on
     the meta device, as PyTorch's kernels do."""
