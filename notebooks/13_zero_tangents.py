@@ -227,12 +227,12 @@ def out_device(a: Operand, b: Operand) -> torch.device:
 
 def read_off(a: Operand, b: Operand) -> tuple[torch.Size, torch.dtype] | None:
     """The broadcast shape and promoted dtype of a binary op on `a` and `b`, read off the
-    operands; None where only the op itself knows: a tensor subclass (a fake tensor, say),
-    an integer or boolean result, or a number that could promote the tensor beside it
-    (PyTorch's kernels promote it as a 0-dimensional tensor of its widest type, unlike the
-    op itself)."""
+    operands; None where only the op itself knows: a tensor subclass (a fake tensor, say)
+    or layout (sparse), an integer or boolean result, or a number that could promote the
+    tensor beside it (PyTorch's kernels promote it as a 0-dimensional tensor of its widest
+    type, unlike the op itself)."""
     tensors = [x for x in (a, b) if isinstance(x, torch.Tensor)]
-    if any(type(x) not in PLAIN_TENSORS for x in tensors):
+    if any(type(x) not in PLAIN_TENSORS or x.layout != torch.strided for x in tensors):
         return None
     if len(tensors) == 1:  # beside a number, a float tensor keeps its dtype, unless the
         tensor = tensors[0]  # number is complex, or the tensor 0-dimensional
