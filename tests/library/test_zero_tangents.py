@@ -2,7 +2,9 @@
 and div return what PyTorch's return, on single ops, through torch.func.jvp and a backward,
 and under torch.compile; turning them on and off restores PyTorch's kernels."""
 
+import contextlib
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -181,6 +183,13 @@ def test_compiled_jvp_is_unchanged() -> None:
         torch.testing.assert_close(mine, eager, rtol=0, atol=0)
 
 
+@contextlib.contextmanager
+def fwad_dual(x: torch.Tensor):
+    """`x` as a dual tensor with a random tangent, inside a dual level."""
+    with torch.autograd.forward_ad.dual_level():
+        yield torch.autograd.forward_ad.make_dual(x.detach(), torch.randn_like(x))
+
+
 def registered_zero_tensor_kernels() -> set[str]:
     """The ops of LEAN_OPS whose ZeroTensor kernel in force is the lean one."""
     return {name for name in zt.LEAN_OPS
@@ -221,3 +230,47 @@ def test_broadcast_agrees_with_torch(first, second) -> None:
         first, second)
     with pytest.raises(RuntimeError, match="must match"):
         zt.broadcast(torch.Size(first) + (3,), torch.Size(second))
+
+
+@pytest.fixture
+def zero_tangent_count():
+    """A Counter of the zero tangents that add, sub, mul and div meet while the test runs
+    (PyTorch's kernels, wrapped to count)."""
+    counts = {}
+    library = torch.library.Library("aten", "IMPL")
+
+    def counted(name, kernel):
+        def run(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return kernel(*args, **kwargs)
+        return run
+
+    with jvp_attention.lean_zero_tangents(False), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for name, kernel in zt.LEAN_KERNELS.items():
+            library.impl(name, counted(name, kernel), "ZeroTensor")
+        try:
+            yield counts
+        finally:
+            library._destroy()
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "additive"])
+def test_attention_meets_no_zero_tangent(zero_tangent_count, mask) -> None:
+    """`attention` under torch.func.jvp and a backward meets no zero tangent (chapter 8 reads
+    its host time against a floor that meets none), even with a mask that has no tangent."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 32, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(2, 2, 32, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    attn_mask = {None: None, "bool": torch.rand(32, 32, device=DEVICE) > 0.2,
+                 "additive": torch.randn(32, 32, device=DEVICE)}[mask]
+
+    def f(q, k, v):
+        return jvp_attention.attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+
+    out, tangent = torch.func.jvp(f, (q, k, v), tuple(torch.randn_like(x) for x in (q, k, v)))
+    (out.sum() + tangent.detach().sum()).backward()
+    assert zero_tangent_count == {}
+    with fwad_dual(q) as dual:  # and the counter counts: a bias without a tangent meets one
+        dual + torch.randn(16, device=DEVICE)
+    assert zero_tangent_count == {"add.Tensor": 1}
