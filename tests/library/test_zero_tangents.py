@@ -190,6 +190,29 @@ def fwad_dual(x: torch.Tensor):
         yield torch.autograd.forward_ad.make_dual(x.detach(), torch.randn_like(x))
 
 
+def test_under_vmap_and_forward_over_reverse() -> None:
+    """Zero tangents met inside torch.func.vmap, and by a jvp of a gradient: the same."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(4, 4), torch.randn(4)
+
+    def f(x):
+        return torch.nn.functional.linear(x, weight, bias) * 2.0 + 1.0
+
+    x, tx = torch.randn(5, 3, 4), torch.randn(5, 3, 4)
+    calls = {
+        "vmap of jvp": lambda: torch.func.vmap(lambda a, b: torch.func.jvp(f, (a,), (b,)))(x, tx),
+        "jvp of vmap": lambda: torch.func.jvp(torch.func.vmap(f), (x,), (tx,)),
+        "jvp of grad": lambda: torch.func.jvp(torch.func.grad(lambda a: f(a).pow(2).sum()),
+                                              (x,), (tx,)),
+    }
+    for name, call in calls.items():
+        with jvp_attention.lean_zero_tangents(False):
+            theirs = call()
+        with jvp_attention.lean_zero_tangents():
+            ours = call()
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), name
+
+
 def registered_zero_tensor_kernels() -> set[str]:
     """The ops of LEAN_OPS whose ZeroTensor kernel in force is the lean one."""
     return {name for name in zt.LEAN_OPS
