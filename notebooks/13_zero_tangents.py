@@ -84,6 +84,7 @@ x0, tx = torch.randn(4, WIDTH, device=DEVICE), torch.randn(4, WIDTH, device=DEVI
 y0, ty = torch.randn(4, WIDTH, device=DEVICE), torch.randn(4, WIDTH, device=DEVICE)
 weight = torch.randn(WIDTH, WIDTH, device=DEVICE, requires_grad=True)
 bias = torch.randn(WIDTH, device=DEVICE, requires_grad=True)
+linear = torch.nn.Linear(WIDTH, WIDTH, device=DEVICE)  # its weight and bias are parameters
 F = torch.nn.functional
 
 # op name -> (op of the running dual x and the dual y, whether an operand has no tangent)
@@ -98,6 +99,7 @@ OPS = {
     "x / 2.0": (lambda x, y: x / 2.0, True),
     "F.linear(x, weight)": (lambda x, y: F.linear(x, weight), False),
     "F.linear(x, weight, bias)": (lambda x, y: F.linear(x, weight, bias), True),
+    "nn.Linear(x)": (lambda x, y: linear(x), True),
     "F.layer_norm(x)": (lambda x, y: F.layer_norm(x, (WIDTH,)), False),
     "F.layer_norm(x, bias, bias)": (lambda x, y: F.layer_norm(x, (WIDTH,), bias, bias), True),
     "F.rms_norm(x, bias)": (lambda x, y: F.rms_norm(x, (WIDTH,), bias), True),
