@@ -14,8 +14,8 @@
 # # Chapter 13: zero tangents, the host's hidden share of a JVP step
 #
 # Chapters 8 and 9 found DiT training steps bound by the host at 256 and 1024 tokens: the
-# GPU waits for Python. Chapter 8 measured the attention call's share of that work, with a
-# "floor" in its place that did as little as an op can. This chapter finds that the floor
+# GPU waits for Python. Chapter 8 measured the attention call's share of that work against
+# a "floor" in its place, `v * 1`, meant to do as little as an op can. This chapter finds that the floor
 # itself was not light, and why: a cost inside PyTorch's forward-mode AD that every model
 # pays at almost every layer, and that has nothing to do with attention. Then it removes
 # most of it.
@@ -166,10 +166,10 @@ for name, us in pytorch_us.items():
 #
 # What the zero-tensor kernels compute from the meta tensor is only its shape, dtype and
 # device, and for ordinary tensors all three follow from the operands by PyTorch's public
-# rules: the shape by broadcasting (`torch.broadcast_shapes`), the dtype by type promotion
-# (`torch.result_type`, which treats a Python number as PyTorch's ops do), the device as
-# the kernels choose it (the first operand's, unless that one is on the CPU, as a number
-# is). The values are fixed by arithmetic, as PyTorch's kernels answer them:
+# rules: the shape by broadcasting (as `torch.broadcast_shapes` does, without its checks
+# for symbolic sizes, which ordinary tensors do not have), the dtype by type promotion
+# (`torch.result_type`), the device as the kernels choose it (the first operand's, unless
+# that one is on the CPU, as a number is). The values are fixed by arithmetic, as PyTorch's kernels answer them:
 #
 # | op | $a$ zero | $b$ zero | both zero |
 # |---|---|---|---|
@@ -181,8 +181,11 @@ for name, us in pytorch_us.items():
 # cast to its dtype. So the lean kernels below read shape, dtype and device off the
 # operands and return what PyTorch's would. They keep PyTorch's own route (the op on the
 # meta device) for anything else: a tensor subclass, such as the fake tensors that
-# `torch.compile` traces with, and integer or boolean results, whose promotion rules
-# (true division, an integer `alpha`) are the op's business.
+# `torch.compile` traces with, or a sparse one; integer or boolean results, whose
+# promotion rules (true division, an integer `alpha`) are the op's business; and a number
+# that could promote the tensor beside it, which PyTorch's kernels, unlike the op, promote
+# as a 0-dimensional tensor of its widest type (a float32 scalar tensor times `2.5` gives
+# float64 there).
 
 # %% tags=["export"]
 """Chapter 13: forward AD's zero tangents without the meta round trip. Under torch.func.jvp,
@@ -603,8 +606,8 @@ print(f"one MeanFlow step of a 12-block DiT meets {met.total()} zero tangents "
 #
 # It helps any eager step that runs `torch.func.jvp` or `torch.autograd.forward_ad`
 # through a model with parameters, whichever attention the model calls, and costs nothing
-# where no zero tangent appears. Under `torch.compile` the traced graph has no zero
-# tensors (they exist only in eager forward AD), so compiled steps neither gain nor lose;
-# with CUDA graphs the host's work is gone anyway. It does not change
+# where no zero tangent appears. A compiled step runs no Python per op, so it has little
+# to gain; tracing one with the lean kernels on gives the same graph's results (the tests
+# check it), and with CUDA graphs the host's work is gone anyway. It does not change
 # `jvp_attention.attention`, whose own calls meet no zero tangents (chapter 7 unpacks the
-# duals and runs one fused kernel).
+# duals and runs one fused kernel; a test counts them).
