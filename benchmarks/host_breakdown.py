@@ -144,7 +144,32 @@ def call_layers() -> list[tuple[str, object, str]]:
     return layers
 
 
-def breakdown(case: ts.Case, args: argparse.Namespace, timers: LayerTimers) -> dict:
+def helper_layers() -> list[tuple[str, object, str]]:
+    """(label, owner, attribute) of the helpers that the launchers call between their
+    launches (`--helpers`): not layers of one nest but pieces of the launchers' own time,
+    each inclusive of what it calls. `torch.empty` and `torch.empty_like` count every caller
+    during the step (PyTorch's Python too), and `torch.cuda.device`'s enter and exit every
+    device switch."""
+    import jvp_attention.autograd as autograd
+    import jvp_attention.launch as launch
+
+    helpers = [("argument checks (check_arguments)", autograd, "check_arguments"),
+               ("the carry (carried_operands: range pass and copies)", launch,
+                "carried_operands"),
+               ("tma_eligible", launch, "tma_eligible"),
+               ("prepare_descriptors", launch, "prepare_descriptors"),
+               ("row_strides", launch, "row_strides"),
+               ("row_alignment", launch, "row_alignment"),
+               ("torch.empty (every caller)", torch, "empty"),
+               ("torch.empty_like (every caller)", torch, "empty_like")]
+    if ts.HAS_CUDA:
+        helpers += [("torch.cuda.device enter", torch.cuda.device, "__enter__"),
+                    ("torch.cuda.device exit", torch.cuda.device, "__exit__")]
+    return helpers
+
+
+def breakdown(case: ts.Case, args: argparse.Namespace, timers: LayerTimers,
+              helpers: frozenset[str] = frozenset()) -> dict:
     """Warm the case's step up, then time `args.steps` steps: per call, the step and each
     layer."""
     step = ts.make_step(case, "cuda" if ts.HAS_CUDA else "cpu", args)
@@ -165,16 +190,21 @@ def breakdown(case: ts.Case, args: argparse.Namespace, timers: LayerTimers) -> d
     per_call = {label: {"us": round(seconds / args.steps * 1e6, 2),
                         "calls": round(timers.calls[label] / args.steps, 3)}
                 for label, seconds in timers.seconds.items() if timers.calls[label]}
-    return {"shape": case.shape, "impl": case.impl, "mode": case.mode,
-            "B": case.B, "H": case.H, "N": case.N, "d": case.d, "dtype": case.dtype,
-            "steps": args.steps, "step_us": round(step_s / args.steps * 1e6, 2),
-            "layers": per_call}
+    row = {"shape": case.shape, "impl": case.impl, "mode": case.mode,
+           "B": case.B, "H": case.H, "N": case.N, "d": case.d, "dtype": case.dtype,
+           "steps": args.steps, "step_us": round(step_s / args.steps * 1e6, 2),
+           "layers": {label: part for label, part in per_call.items() if label not in helpers}}
+    if helpers:
+        row["helpers"] = {label: part for label, part in per_call.items() if label in helpers}
+    return row
 
 
 def print_row(row: dict) -> None:
     print(f"{row['shape']:11} {row['impl']:15} {row['mode']:12} step {row['step_us']:9.1f} µs")
     for label, part in row["layers"].items():
         print(f"    {label:38} {part['us']:9.1f} µs  {part['calls']:6.2f} calls")
+    for label, part in row.get("helpers", {}).items():
+        print(f"      helper: {label:52} {part['us']:9.1f} µs  {part['calls']:6.2f} calls")
 
 
 def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
@@ -197,6 +227,10 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                              "(plumbing)")
     parser.add_argument("--layout", choices=list(ts.LAYOUTS), default="contiguous",
                         help="the inputs' layout, as in training_shapes.py")
+    parser.add_argument("--helpers", action="store_true",
+                        help="also time the helpers the launchers call between their launches "
+                             "(allocations, the carry, descriptor checks, device switches): "
+                             "each row's `helpers`, apart from its nested `layers`")
     parser.add_argument("--out", type=Path, help="the JSON file to write")
     args = parser.parse_args(None if argv is None else list(argv))
     if args.dtype is None:
@@ -216,6 +250,9 @@ def main(argv: Iterable[str] | None = None) -> dict:
     timers = LayerTimers()
     for label, owner, name in call_layers():
         timers.wrap(label, owner, name)
+    helpers = frozenset(label for label, _, _ in helper_layers()) if args.helpers else frozenset()
+    for label, owner, name in helper_layers() if args.helpers else ():
+        timers.wrap(label, owner, name)
     rows, skipped = [], {}
     try:
         for shape, (b, h, n, d) in shapes.items():
@@ -230,7 +267,7 @@ def main(argv: Iterable[str] | None = None) -> dict:
                         timers.unwrap(label)
                 for mode in args.mode:
                     row = breakdown(ts.Case(shape, impl, mode, b, h, n, d, args.dtype), args,
-                                    timers)
+                                    timers, helpers)
                     print_row(row)
                     rows.append(row)
     finally:
@@ -238,7 +275,8 @@ def main(argv: Iterable[str] | None = None) -> dict:
     result = {**bench.run_record(SCHEMA, args.smoke),
               "settings": {"dtype": args.dtype, "layout": args.layout, "steps": args.steps,
                            "warmup_steps": args.warmup_steps,
-                           "precision": bench.precision_mode(), "floor_op": ts.FLOOR_OP},
+                           "precision": bench.precision_mode(), "floor_op": ts.FLOOR_OP,
+                           "helpers": args.helpers},
               "rows": rows, "skipped": skipped}
     if args.out is not None:
         bench.write_json(args.out, result)

@@ -69,3 +69,22 @@ def test_smoke_run_times_each_layer(tmp_path: Path):
     for row in data["rows"]:
         assert all(0 < part["us"] <= row["step_us"] for part in row["layers"].values()), row
     assert rows["floor", "meanflow"]["layers"] == {}  # none of our layers runs
+
+
+@pytest.mark.skipif(hb.ts.HAS_CUDA, reason="the smoke run is the CPU path")
+def test_helpers_are_timed_apart_from_the_layers(tmp_path: Path):
+    """--helpers times the launchers' helpers (allocations, checks) in each row's `helpers`,
+    leaving the nested `layers` as they are."""
+    out = tmp_path / "helpers.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--impl", "ours", "--mode",
+                           "fwd_jvp", "--helpers", "--out", str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    [row] = data["rows"]
+    assert data["settings"]["helpers"] is True
+    helpers = {label for label, _, _ in hb.helper_layers()}
+    assert set(row["helpers"]) <= helpers and not set(row["layers"]) & helpers
+    assert row["helpers"]["argument checks (check_arguments)"]["calls"] == 1
+    assert row["helpers"]["torch.empty (every caller)"]["us"] > 0
+    assert "forward launcher" in row["layers"]
