@@ -485,7 +485,9 @@ assert mismatches == 0
 # And on a model: chapter 9's DiT (a small one here) under the MeanFlow loss, which takes
 # `torch.func.jvp` through the whole network and a backward through its primal output.
 # The loss and every parameter's gradient must come out bit for bit the same: the lean
-# kernels change which Python runs, not one number.
+# kernels change which Python runs, not one number (on a GPU, whose kernels may sum in
+# another order from one run to the next, no further apart than PyTorch's step from
+# itself).
 
 # %%
 # examples/ beside notebooks/, as the notebooks run from their own folder (chapter 9).
@@ -512,15 +514,24 @@ def meanflow_step() -> tuple[torch.Tensor, list[torch.Tensor]]:
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+def largest_difference(first, second) -> float:
+    """The largest absolute difference between two steps' loss and gradients."""
+    return max((a - b).abs().max().item() for a, b in zip(
+        (first[0], *first[1]), (second[0], *second[1]), strict=True))
+
+
 with lean_zero_tangents(False):
-    loss_theirs, grads_theirs = meanflow_step()
+    theirs, theirs_again = meanflow_step(), meanflow_step()
 with lean_zero_tangents():
-    loss_ours, grads_ours = meanflow_step()
-identical = torch.equal(loss_ours, loss_theirs) and all(
-    torch.equal(g1, g2) for g1, g2 in zip(grads_ours, grads_theirs, strict=True))
-print(f"loss {loss_ours.item():.6f}; loss and {len(grads_ours)} gradients bit for bit "
-      f"the same: {identical}")
-assert identical
+    ours = meanflow_step()
+# A GPU's kernels may sum in another order from run to run (atomics); then the lean step
+# must differ from PyTorch's by no more than PyTorch's step differs from itself.
+spread = largest_difference(theirs, theirs_again)
+difference = largest_difference(ours, theirs)
+print(f"loss {ours[0].item():.6f}; loss and {len(ours[1])} gradients: largest difference "
+      f"from PyTorch's zero tangents {difference:.3g} (PyTorch's step against itself: "
+      f"{spread:.3g}){'; bit for bit the same' if difference == 0 else ''}")
+assert difference <= spread
 
 # %% [markdown]
 # ## What it saves

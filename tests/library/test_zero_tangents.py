@@ -155,12 +155,17 @@ def test_a_jvp_step_is_bit_for_bit_the_same() -> None:
     tc = torch.randn(2, 16, device=DEVICE)
     with jvp_attention.lean_zero_tangents(False):
         theirs = meanflow_like_step(block, x, c, tx, tc)
+        again = meanflow_like_step(block, x, c, tx, tc)
     with jvp_attention.lean_zero_tangents():
         ours = meanflow_like_step(block, x, c, tx, tc)
     assert len(ours) == 2 + len(list(block.parameters()))
-    for mine, pytorch in zip(ours, theirs, strict=True):
-        assert torch.equal(mine, pytorch)
     assert all(torch.isfinite(t).all() for t in ours)
+    for mine, pytorch, pytorch_again in zip(ours, theirs, again, strict=True):
+        # Bit for bit, unless PyTorch's own step differs from itself (a GPU's atomics)
+        spread = (pytorch - pytorch_again).abs().max()
+        assert (mine - pytorch).abs().max() <= spread
+        if DEVICE == "cpu":
+            assert torch.equal(mine, pytorch)
 
 
 def test_compiled_jvp_is_unchanged() -> None:
