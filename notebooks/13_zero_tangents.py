@@ -18,7 +18,8 @@
 # a "floor" in its place, `v * 1`, meant to do as little as an op can. This chapter finds that the floor
 # itself was not light, and why: a cost inside PyTorch's forward-mode AD that every model
 # pays at almost every layer, and that has nothing to do with attention. Then it removes
-# most of it.
+# most of it, and with it a cost on the device that the same zero tangents bring: every
+# linear layer's JVP multiplies by a tensor of zeros.
 #
 # ## Where zero tangents come from
 #
@@ -91,13 +92,13 @@ F = torch.nn.functional
 OPS = {
     "x + y": (lambda x, y: x + y, False),
     "x * y": (lambda x, y: x * y, False),
-    "x @ weight": (lambda x, y: x @ weight, False),
+    "x @ weight": (lambda x, y: x @ weight, True),
     "x + bias": (lambda x, y: x + bias, True),
     "x * bias": (lambda x, y: x * bias, True),
     "x + 1.0": (lambda x, y: x + 1.0, True),
     "x * 2.0": (lambda x, y: x * 2.0, True),
     "x / 2.0": (lambda x, y: x / 2.0, True),
-    "F.linear(x, weight)": (lambda x, y: F.linear(x, weight), False),
+    "F.linear(x, weight)": (lambda x, y: F.linear(x, weight), True),
     "F.linear(x, weight, bias)": (lambda x, y: F.linear(x, weight, bias), True),
     "nn.Linear(x)": (lambda x, y: linear(x), True),
     "F.layer_norm(x)": (lambda x, y: F.layer_norm(x, (WIDTH,)), False),
@@ -148,13 +149,14 @@ for name, us in pytorch_us.items():
 
 # %% [markdown]
 # Ops whose operands both carry tangents take a few to a few tens of microseconds, as any
-# PyTorch op with its tangent does. Each op with an operand that has none takes one to two
-# orders of magnitude longer: most of its time goes to the Python meta kernels, a few
-# hundred Python calls per zero tangent met (a product's formula meets the zero tangent
-# twice: once in the product, once in the sum). A Linear layer with a bias pays it for the
-# bias alone; without one, the zero tangent of the weight goes through the matrix product,
-# whose zero-tensor rule is C++ throughout. A norm with learned weights (LayerNorm's
-# affine, RMSNorm's scale, as in the query-key norms of recent DiTs) meets several.
+# PyTorch op with its tangent does. An elementwise op with an operand that has none takes
+# one to two orders of magnitude longer: most of its time goes to the Python meta kernels,
+# a few hundred Python calls per zero tangent met (a product's formula meets the zero
+# tangent twice: once in the product, once in the sum). A Linear layer with a bias pays it
+# for the bias alone; the weight's zero tangent goes through a matrix product, which costs
+# the host little and the device a whole product ("Zero factors in products" below). A
+# norm with learned weights (LayerNorm's affine, RMSNorm's scale, as in the query-key norms
+# of recent DiTs) meets several.
 #
 # A DiT block under `torch.func.jvp` has five biased Linear layers (the attention's
 # projections in and out, the MLP's two and the adaptive norm's modulation) and two
@@ -188,23 +190,26 @@ for name, us in pytorch_us.items():
 # float64 there).
 
 # %% tags=["export"]
-"""Chapter 13: forward AD's zero tangents without the meta round trip. Under torch.func.jvp,
-PyTorch's ZeroTensor kernels of add, sub, mul and div find their result's shape and dtype by
-running the op on the meta device, where these ops have Python kernels; `lean_zero_tangents`
-registers kernels that read both off the operands and return the same tensors.
+"""Chapter 13: forward AD's zero tangents without the meta round trip or products of zeros.
+Under torch.func.jvp, PyTorch's ZeroTensor kernels of add, sub, mul and div find their
+result's shape and dtype by running the op on the meta device, where these ops have Python
+kernels, and ops without such a kernel (mm, bmm, convolution, sum) run on zeros filled in
+memory; `lean_zero_tangents` registers kernels that read shape and dtype off the operands
+and return the same values, a product with a zero factor as a zero tensor.
 
 `notebooks/13_zero_tangents.py` measures the cost and checks the kernels against PyTorch's.
 """
 
+import functools
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from numbers import Number
 
 import torch
 
 # The ops whose ZeroTensor kernels run the op again on the meta device to shape their result.
-LEAN_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor")
+ARITHMETIC_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor")
 
 # A Python number stands for a scalar operand (a kernel receives one for `x * 2.0`).
 Operand = torch.Tensor | Number
@@ -244,10 +249,26 @@ def read_off(a: Operand, b: Operand) -> tuple[torch.Size, torch.dtype] | None:
         keeps = tensor.dtype.is_complex or (tensor.dtype.is_floating_point and not any(
             isinstance(x, complex) for x in (a, b)))
         return (tensor.shape, tensor.dtype) if keeps and tensor.dim() > 0 else None
-    dtype = torch.result_type(a, b)
+    dtype = promoted(a, b)
     if not (dtype.is_floating_point or dtype.is_complex):
         return None
     return broadcast(a.shape, b.shape), dtype
+
+
+def promoted(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    """`torch.result_type(a, b)`, from what it reads: each tensor's dtype and whether it is
+    0-dimensional (a number arrives as a number, not as a tensor). Asked of a zero tensor
+    inside a ZeroTensor kernel, `torch.result_type` would fill it with zeros in memory first."""
+    return promoted_dtypes((a.dtype, a.dim() == 0), (b.dtype, b.dim() == 0))
+
+
+@functools.cache
+def promoted_dtypes(first: tuple[torch.dtype, bool], second: tuple[torch.dtype, bool]
+                    ) -> torch.dtype:
+    """`torch.result_type` of two empty meta tensors of these dtypes and ranks (0 or 1),
+    once per combination."""
+    return torch.result_type(*(torch.empty(() if scalar else (0,), dtype=dtype, device="meta")
+                               for dtype, scalar in (first, second)))
 
 
 def broadcast(first: torch.Size, second: torch.Size) -> torch.Size:
@@ -330,14 +351,181 @@ def zero_sub(a: Operand, b: Operand, *, alpha: Number = 1) -> torch.Tensor:
     return zero_add(a, b, alpha=-alpha)
 
 
-LEAN_KERNELS = dict(zip(LEAN_OPS, (zero_add, zero_sub, zero_mul, zero_div), strict=True))
+ARITHMETIC_KERNELS = dict(zip(ARITHMETIC_OPS, (zero_add, zero_sub, zero_mul, zero_div),
+                              strict=True))
+
+# %% [markdown]
+# ## Zero factors in products
+#
+# These four ops have zero-tensor kernels of their own. Most ops have none, and for them
+# PyTorch's *fallback* for the `ZeroTensor` key (`aten/src/ATen/ZeroTensorFallback.cpp`)
+# fills each zero tensor with zeros in memory and runs the op on them. For an elementwise op
+# on a small tensor that costs little. For a product it costs the product. The tangent of
+# a linear layer,
+#
+# $$\frac{d}{d\epsilon}\big(x W^\top + b\big) = \dot x\, W^\top + x\, \dot W^\top + \dot b ,$$
+#
+# has $\dot W = 0$ and $\dot b = 0$ when the weights carry no tangent, and PyTorch's formula
+# for the product (`addmm`, or `mm` without a bias) runs $x\,\dot W^\top$ all the same: a
+# weight-sized tensor of zeros, then a matrix product as large as the layer's forward, to
+# add nothing. The same happens in a batched product (`bmm`) with an operand that has no
+# tangent, in a convolution with a learned kernel (a DiT's patch embedding), and in the
+# sums that a norm's formula takes of its weight's tangent.
+#
+# The profiler counts what one `torch.func.jvp` of a linear layer runs: DiT-B/2's first MLP
+# layer (width 768 to 3072) on a batch of 32 images of 256 tokens in bf16 on a GPU, on
+# 1024 tokens in float32 on a CPU. Beside it, the time of the two products the tangent
+# needs, the layer's own and its tangent's:
+
+# %%
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+MLP_IN, MLP_OUT = 768, 3072
+TOKENS, MLP_DTYPE = (32 * 256, torch.bfloat16) if DEVICE == "cuda" else (1024, torch.float32)
+mlp = torch.nn.Linear(MLP_IN, MLP_OUT, device=DEVICE, dtype=MLP_DTYPE)
+tokens = torch.randn(TOKENS, MLP_IN, device=DEVICE, dtype=MLP_DTYPE)
+token_tangents = torch.randn_like(tokens)
+
+
+def linear_jvp() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.func.jvp(mlp, (tokens,), (token_tangents,))
+
+
+def zeros_filled(fn) -> int:
+    """Tensors of zeros made in memory during one call of `fn` (the fallback's)."""
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        fn()
+    return sum(event.name == "aten::zeros" for event in trace.events())
+
+
+def linear_jvp_ms() -> float:
+    return best_seconds(linear_jvp, calls=5) * 1e3
+
+
+def needed_products_ms() -> float:
+    """The two products the tangent needs: x W^T + b and its tangent's."""
+    weight_t = mlp.weight.t()
+    with torch.no_grad():
+        return best_seconds(lambda: (torch.addmm(mlp.bias, tokens, weight_t),
+                                     token_tangents @ weight_t), calls=5) * 1e3
+
+
+def report_linear(label: str, ms: float, filled: int) -> None:
+    print(f"{label:26} {ms:7.2f} ms, {filled} tensors of zeros filled")
+
+
+needed_ms = needed_products_ms()
+pytorch_linear = linear_jvp_ms(), zeros_filled(linear_jvp)
+print(f"torch.func.jvp of Linear({MLP_IN}, {MLP_OUT}) on {TOKENS} tokens ({DEVICE}, "
+      f"{str(MLP_DTYPE).removeprefix('torch.')})")
+report_linear("PyTorch's zero tangents", *pytorch_linear)
+print(f"{'the two products needed':26} {needed_ms:7.2f} ms")
+
+# %% [markdown]
+# The difference is the third product, on zeros filled for it (`addmm`'s formula calls
+# `mm` for each factor's tangent). The lean kernels answer a product with a zero factor
+# with a zero tensor of the product's shape, computing nothing:
+#
+# | op | a zero operand gives |
+# |---|---|
+# | `mm`, `bmm` | a zero tensor $(\dots, n, p)$ |
+# | `convolution` | the bias broadcast over the output (a zero tensor without a bias); the convolution without its bias where the bias alone is zero |
+# | `sum` | a zero tensor of the reduced shape |
+#
+# The shape comes from the operands (a matrix product's) or from the op on empty meta
+# tensors (a convolution's, a sum's: a few tens of microseconds of Python against a
+# kernel). Anything PyTorch must judge itself, such as operands of different dtypes or
+# devices, mismatched shapes, integer products or tensor subclasses, takes PyTorch's route:
+# zeros in memory, then the op, which raises what it raises.
+
+# %% tags=["export"]
+def plain(*tensors: torch.Tensor) -> bool:
+    """Whether these are plain strided tensors of one floating dtype, on one device."""
+    first = tensors[0]
+    return (first.dtype.is_floating_point or first.dtype.is_complex) and all(
+        type(x) in PLAIN_TENSORS and x.layout == torch.strided and x.dtype == first.dtype
+        and x.device == first.device for x in tensors)
+
+
+def meta_like(x: torch.Tensor) -> torch.Tensor:
+    """An empty tensor on the meta device with `x`'s shape, strides and dtype (made, not
+    moved: moving a zero tensor would dispatch on it)."""
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+
+
+def zeros_in_memory(op: Callable, *arguments: object, **keywords: object) -> torch.Tensor:
+    """`op` with each zero tensor among `arguments` filled with zeros in memory: PyTorch's
+    own route for an op without a zero-tensor kernel."""
+    filled = [torch.zeros(x.shape, dtype=x.dtype, device=x.device) if is_zero(x) else x
+              for x in arguments]
+    return op(*filled, **keywords)
+
+
+def matrix_product(op: Callable, a: torch.Tensor, b: torch.Tensor, rank: int) -> torch.Tensor:
+    """`op(a, b)`, a product of (..., n, m) and (..., m, p) matrices of rank `rank`, with a
+    zero operand: a zero tensor (..., n, p)."""
+    if not (plain(a, b) and a.dim() == b.dim() == rank and a.shape[:-2] == b.shape[:-2]
+            and a.shape[-1] == b.shape[-2]):
+        return zeros_in_memory(op, a, b)
+    return torch._efficientzerotensor((*a.shape[:-1], b.shape[-1]), dtype=a.dtype,
+                                      device=a.device)
+
+
+def zero_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` of matrices with a zero operand: zeros."""
+    return matrix_product(torch.ops.aten.mm.default, a, b, rank=2)
+
+
+def zero_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` of batches of matrices with a zero operand: zeros."""
+    return matrix_product(torch.ops.aten.bmm.default, a, b, rank=3)
+
+
+def zero_convolution(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     *geometry: object) -> torch.Tensor:
+    """A convolution with a zero operand. Its input or weight zero: the bias broadcast over
+    the output, or zeros without one (or with a zero one). Its bias alone zero: the
+    convolution without a bias. `geometry` is the op's stride, padding, dilation,
+    transposed, output padding and groups."""
+    convolution = torch.ops.aten.convolution.default
+    if not plain(*(x for x in (input, weight, bias) if x is not None)):
+        return zeros_in_memory(convolution, input, weight, bias, *geometry)
+    if not (is_zero(input) or is_zero(weight)):
+        return convolution(input, weight, None, *geometry)
+    out = convolution(meta_like(input), meta_like(weight), None, *geometry)
+    if bias is None or is_zero(bias):
+        return torch._efficientzerotensor(out.shape, dtype=out.dtype, device=input.device)
+    per_channel = bias.view(-1, *(1,) * (out.dim() - 2))
+    return like_result(per_channel, out.shape, out.dtype, input.device)
+
+
+def zero_sum(x: torch.Tensor, dim: Sequence[int] | None = None, keepdim: bool = False, *,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A sum of a zero tensor over `dim`: zeros of the reduced shape."""
+    sum_over = torch.ops.aten.sum.dim_IntList
+    if type(x) not in PLAIN_TENSORS or x.layout != torch.strided:
+        return zeros_in_memory(sum_over, x, dim, keepdim, dtype=dtype)
+    out = sum_over(meta_like(x), dim, keepdim, dtype=dtype)
+    return torch._efficientzerotensor(out.shape, dtype=out.dtype, device=x.device)
+
+
+def zero_sum_all(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The sum of all of a zero tensor: a 0-dimensional zero."""
+    return zero_sum(x, None, False, dtype=dtype)
+
+
+# Keyed as torch.library names them: an op's default overload by the op's name alone.
+PRODUCT_KERNELS = {"mm": zero_mm, "bmm": zero_bmm, "convolution": zero_convolution,
+                   "sum.dim_IntList": zero_sum, "sum": zero_sum_all}
+LEAN_KERNELS = ARITHMETIC_KERNELS | PRODUCT_KERNELS
 
 # %% [markdown]
 # ## Turning them on
 #
 # `torch.library` registers a Python function as an op's kernel for one dispatch key,
-# here `ZeroTensor`, over PyTorch's C++ kernel, and removing the registration brings
-# PyTorch's back. `lean_zero_tangents(True)` registers the four for the whole process;
+# here `ZeroTensor`, over PyTorch's C++ kernel or fallback, and removing the registration
+# brings PyTorch's back. `lean_zero_tangents(True)` registers all of the above for the
+# whole process;
 # as a context manager it restores the previous state on leaving. Only zero tangents take
 # the new kernels: every other tensor dispatches as before, and the meta kernels that
 # `torch.compile` traces with stay PyTorch's.
@@ -348,7 +536,7 @@ _library: torch.library.Library | None = None
 
 
 def _register(enabled: bool) -> None:
-    """Register LEAN_KERNELS as the ZeroTensor kernels of LEAN_OPS, or remove them."""
+    """Register LEAN_KERNELS as their ops' ZeroTensor kernels, or remove them."""
     global _library
     with _lock:
         if enabled and _library is None:
@@ -376,8 +564,11 @@ class lean_zero_tangents:
     zero tangent. PyTorch's kernels for `add`, `sub`, `mul` and `div` of zero tangents
     shape their result by running the op on the meta device, whose kernels for these ops
     are Python: of the order of 0.1 ms of host time per op (chapter 13). The lean kernels
-    read the shape, dtype and device off the operands and return the same tensors. They
-    change no other tensor's dispatch.
+    read the shape, dtype and device off the operands and return the same tensors. Matrix
+    products, convolutions and sums, which PyTorch runs on zeros filled in memory (a
+    linear layer's JVP multiplies by its weight's zero tangent), return a zero tensor of
+    the result's shape instead (a convolution, its bias broadcast). They change no other
+    tensor's dispatch.
 
     Called, it turns the lean kernels on (or off) for the whole process; as a context
     manager, it restores the previous state on leaving.
@@ -536,15 +727,21 @@ assert difference <= spread
 # %% [markdown]
 # ## What it saves
 #
-# The same ops timed again with the lean kernels, then the small DiT's whole MeanFlow
-# step (forward with its JVP and backward), best of five groups of five steps each way.
+# The same ops timed again with the lean kernels, the linear layer's JVP of "Zero factors
+# in products", then the small DiT's whole MeanFlow step (forward with its JVP and
+# backward), best of five groups of five steps each way.
 
 # %%
 with lean_zero_tangents():
     lean_us = measure_ops()
+    lean_linear = linear_jvp_ms(), zeros_filled(linear_jvp)
 print(f"{'op':26} {'PyTorch':>9} {'lean':>9}")
 for name in OPS:
     print(f"{name:26} {pytorch_us[name]:7.1f} us {lean_us[name]:7.1f} us")
+print(f"\ntorch.func.jvp of Linear({MLP_IN}, {MLP_OUT}) on {TOKENS} tokens")
+report_linear("PyTorch's zero tangents", *pytorch_linear)
+report_linear("lean_zero_tangents", *lean_linear)
+print(f"{'the two products needed':26} {needed_ms:7.2f} ms")
 
 
 # %% tags=["hide_input"]
@@ -590,12 +787,18 @@ print(f"small DiT MeanFlow step ({ATTENTION} attention, {DEVICE}): PyTorch's zer
 # The lean kernels are Python too, so each zero tangent still costs a Python call through
 # the dispatcher, a few tens of microseconds: several times less than PyTorch's route
 # rather than nothing. With the meta kernels in C++, as they are for other ops, the same
-# ops would take a few microseconds; that is PyTorch's to change.
+# ops would take a few microseconds; that is PyTorch's to change. For the products the
+# trade runs the other way: PyTorch's route is C++ and quick for the host, the lean one a
+# Python call (`x @ weight` and `F.linear(x, weight)` above take longer on tiny tensors),
+# but it takes a whole product, and the tensor of zeros, off the device, and the linear
+# layer's JVP now costs about its two products.
 #
 # How many zero tangents does a real step meet? The count depends on the layers, not on
 # their width, so a DiT with DiT-B/2's twelve blocks but a small width answers for DiT-B/2:
-# the lean kernels, wrapped to count their calls, run one MeanFlow step. One zero tangent
-# costs about what `x + bias` costs over `x + y` (its formula meets exactly one).
+# the lean kernels, wrapped to count their calls, run one MeanFlow step, first those of
+# `add`, `sub`, `mul` and `div` alone (the products on PyTorch's route, as without the
+# lean kernels), then the products'. One zero tangent in an elementwise op costs about
+# what `x + bias` costs over `x + y` (its formula meets exactly one).
 
 # %%
 def counting(name: str, kernel, counts: Counter):
@@ -605,13 +808,14 @@ def counting(name: str, kernel, counts: Counter):
     return run
 
 
-def zero_tangents_per_step(depth: int) -> Counter:
-    """Zero tangents met by one MeanFlow step of a small DiT with `depth` blocks, by op."""
+def zero_tangents_per_step(depth: int, kernels: dict[str, Callable]) -> Counter:
+    """Zero tangents that these lean kernels meet in one MeanFlow step of a small DiT with
+    `depth` blocks, by op."""
     counts = Counter()
     library = torch.library.Library("aten", "IMPL")
     with lean_zero_tangents(False), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        for name, kernel in LEAN_KERNELS.items():
+        for name, kernel in kernels.items():
             library.impl(name, counting(name, kernel, counts), "ZeroTensor")
         try:
             torch.manual_seed(0)
@@ -624,12 +828,18 @@ def zero_tangents_per_step(depth: int) -> Counter:
     return counts
 
 
-met = zero_tangents_per_step(depth=12)
+def by_op(counts: Counter) -> str:
+    return ", ".join(f"{n} in {op}" for op, n in counts.most_common())
+
+
+met = zero_tangents_per_step(12, ARITHMETIC_KERNELS)
+products = zero_tangents_per_step(12, PRODUCT_KERNELS)
 one_pytorch, one_lean = (us["x + bias"] - us["x + y"] for us in (pytorch_us, lean_us))
-print(f"one MeanFlow step of a 12-block DiT meets {met.total()} zero tangents "
-      f"({', '.join(f'{n} in {op}' for op, n in met.most_common())}): about "
-      f"{met.total() * one_pytorch / 1e3:.1f} ms of host time per step with PyTorch's "
-      f"kernels, {met.total() * one_lean / 1e3:.1f} ms with the lean ones")
+print(f"one MeanFlow step of a 12-block DiT meets {met.total()} zero tangents in elementwise "
+      f"ops ({by_op(met)}): about {met.total() * one_pytorch / 1e3:.1f} ms of host time per "
+      f"step with PyTorch's kernels, {met.total() * one_lean / 1e3:.1f} ms with the lean ones; "
+      f"and {products.total()} in products ({by_op(products)}), each a product of zeros "
+      f"on the device with PyTorch's kernels")
 
 # %% [markdown]
 # ## Using it

@@ -1,6 +1,8 @@
 """jvp_attention.lean_zero_tangents (chapter 13): the lean ZeroTensor kernels of add, sub, mul
-and div return what PyTorch's return, on single ops, through torch.func.jvp and a backward,
-and under torch.compile; turning them on and off restores PyTorch's kernels."""
+and div return what PyTorch's return, and those of the products (mm, bmm, convolution, sum)
+the same values without computing a product of zeros, on single ops, through torch.func.jvp
+and a backward, and under torch.compile; turning them on and off restores PyTorch's
+kernels."""
 
 import contextlib
 import itertools
@@ -177,7 +179,12 @@ def test_compiled_jvp_is_unchanged() -> None:
     def f(x):
         return torch.nn.functional.linear(x, weight, bias) * 2.0 + 1.0
 
-    x, tx = torch.randn(3, 4), torch.randn(3, 4)
+    assert_compiled_jvp_is_eagers(f, torch.randn(3, 4), torch.randn(3, 4))
+
+
+def assert_compiled_jvp_is_eagers(f, x: torch.Tensor, tx: torch.Tensor) -> None:
+    """torch.func.jvp of `f`, compiled (aot_eager) with the lean kernels on, gives eager's
+    results with PyTorch's kernels exactly."""
     expected = torch.func.jvp(f, (x,), (tx,))
     with jvp_attention.lean_zero_tangents():
         torch._dynamo.reset()
@@ -219,10 +226,10 @@ def test_under_vmap_and_forward_over_reverse() -> None:
 
 
 def registered_zero_tensor_kernels() -> set[str]:
-    """The ops of LEAN_OPS whose ZeroTensor kernel in force is the lean one."""
-    return {name for name in zt.LEAN_OPS
-            if "zero_tangents" in next(line for line in torch._C._dispatch_dump(
-                f"aten::{name}").splitlines() if line.startswith("ZeroTensor:"))}
+    """The ops of LEAN_KERNELS whose ZeroTensor kernel in force is the lean one."""
+    return {name for name in zt.LEAN_KERNELS
+            if "zero_tangents" in next((line for line in torch._C._dispatch_dump(
+                f"aten::{name}").splitlines() if line.startswith("ZeroTensor:")), "")}
 
 
 def test_on_off_and_context_restore_pytorch_kernels() -> None:
@@ -230,15 +237,15 @@ def test_on_off_and_context_restore_pytorch_kernels() -> None:
     assert registered_zero_tensor_kernels() == set()
     with jvp_attention.lean_zero_tangents():
         assert zt.lean_zero_tangents_enabled()
-        assert registered_zero_tensor_kernels() == set(zt.LEAN_OPS)
+        assert registered_zero_tensor_kernels() == set(zt.LEAN_KERNELS)
         with jvp_attention.lean_zero_tangents(False):
             assert registered_zero_tensor_kernels() == set()
-        assert registered_zero_tensor_kernels() == set(zt.LEAN_OPS)
+        assert registered_zero_tensor_kernels() == set(zt.LEAN_KERNELS)
     assert registered_zero_tensor_kernels() == set()
     jvp_attention.lean_zero_tangents(True)
     jvp_attention.lean_zero_tangents(True)  # twice: still one registration
     try:
-        assert registered_zero_tensor_kernels() == set(zt.LEAN_OPS)
+        assert registered_zero_tensor_kernels() == set(zt.LEAN_KERNELS)
     finally:
         jvp_attention.lean_zero_tangents(False)
     assert registered_zero_tensor_kernels() == set()
@@ -262,8 +269,8 @@ def test_broadcast_agrees_with_torch(first, second) -> None:
 
 @pytest.fixture
 def zero_tangent_count():
-    """A Counter of the zero tangents that add, sub, mul and div meet while the test runs
-    (PyTorch's kernels, wrapped to count)."""
+    """A Counter of the zero tangents that the ops of LEAN_KERNELS meet while the test runs
+    (the lean kernels, wrapped to count)."""
     counts = {}
     library = torch.library.Library("aten", "IMPL")
 
@@ -302,3 +309,201 @@ def test_attention_meets_no_zero_tangent(zero_tangent_count, mask) -> None:
     with fwad_dual(q) as dual:  # and the counter counts: a bias without a tangent meets one
         dual + torch.randn(16, device=DEVICE)
     assert zero_tangent_count == {"add.Tensor": 1}
+
+
+# Products: each call is (op, arguments), with at least one zero tensor among the arguments.
+def zero(shape, dtype=torch.float32, device=DEVICE):
+    return torch._efficientzerotensor(shape, dtype=dtype, device=device)
+
+
+def real(shape, dtype=torch.float32, device=DEVICE):
+    return torch.randn(shape, device=device).to(dtype)
+
+
+CONV_2D = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+PRODUCT_CALLS = {
+    "mm a": (torch.ops.aten.mm.default, lambda: (zero((3, 4)), real((4, 5)))),
+    "mm b": (torch.ops.aten.mm.default, lambda: (real((3, 4)), zero((4, 5)))),
+    "mm both bf16": (torch.ops.aten.mm.default,
+                     lambda: (zero((3, 4), torch.bfloat16), zero((4, 5), torch.bfloat16))),
+    "mm complex": (torch.ops.aten.mm.default,
+                   lambda: (zero((3, 4), torch.complex64), real((4, 5), torch.complex64))),
+    "mm integers": (torch.ops.aten.mm.default,
+                    lambda: (zero((3, 4), torch.int64), real((4, 5), torch.int64))),
+    "mm shapes differ": (torch.ops.aten.mm.default, lambda: (zero((3, 4)), real((5, 5)))),
+    "mm dtypes differ": (torch.ops.aten.mm.default,
+                         lambda: (zero((3, 4)), real((4, 5), torch.float64))),
+    "mm not matrices": (torch.ops.aten.mm.default, lambda: (zero((2, 3, 4)), real((4, 5)))),
+    "bmm a": (torch.ops.aten.bmm.default, lambda: (zero((2, 3, 4)), real((2, 4, 5)))),
+    "bmm b fp16": (torch.ops.aten.bmm.default,
+                   lambda: (real((2, 3, 4), torch.float16), zero((2, 4, 5), torch.float16))),
+    "bmm batches differ": (torch.ops.aten.bmm.default,
+                           lambda: (zero((2, 3, 4)), real((3, 4, 5)))),
+    "conv input, bias": (torch.ops.aten.convolution.default,
+                         lambda: (zero((2, 3, 5, 5)), real((4, 3, 3, 3)), real(4), *CONV_2D)),
+    "conv weight, no bias": (torch.ops.aten.convolution.default,
+                             lambda: (real((2, 3, 5, 5)), zero((4, 3, 3, 3)), None, *CONV_2D)),
+    "conv weight, zero bias": (torch.ops.aten.convolution.default,
+                               lambda: (real((2, 3, 5, 5)), zero((4, 3, 3, 3)), zero(4),
+                                        *CONV_2D)),
+    "conv bias alone": (torch.ops.aten.convolution.default,
+                        lambda: (real((2, 3, 5, 5)), real((4, 3, 3, 3)), zero(4), *CONV_2D)),
+    "conv 1d strided grouped": (torch.ops.aten.convolution.default,
+                                lambda: (zero((2, 4, 9)), real((6, 2, 3)), real(6), [2], [0],
+                                         [2], False, [0], 2)),
+    "conv transposed": (torch.ops.aten.convolution.default,
+                        lambda: (real((2, 4, 3, 3)), zero((4, 3, 2, 2)), real(3), [2, 2],
+                                 [0, 0], [1, 1], True, [1, 1], 1)),
+    "conv channels differ": (torch.ops.aten.convolution.default,
+                             lambda: (zero((2, 5, 5, 5)), real((4, 3, 3, 3)), None, *CONV_2D)),
+    "sum dim": (torch.ops.aten.sum.dim_IntList, lambda: (zero((2, 3, 4)), [0, -1])),
+    "sum keepdim": (torch.ops.aten.sum.dim_IntList, lambda: (zero((2, 3, 4)), [1], True)),
+    "sum all dims": (torch.ops.aten.sum.dim_IntList, lambda: (zero((2, 3)), None)),
+    "sum integers": (torch.ops.aten.sum.dim_IntList, lambda: (zero((2, 3), torch.int32), [1])),
+    "sum dim out of range": (torch.ops.aten.sum.dim_IntList, lambda: (zero((2, 3)), [2])),
+    "sum": (torch.ops.aten.sum.default, lambda: (zero((2, 3), torch.bfloat16),)),
+}
+
+
+# Calls whose result is a tensor in memory: a bias broadcast, a convolution without its zero
+# bias, and an integer product (PyTorch's route: the lean kernels take floating dtypes).
+COMPUTED = {"conv input, bias", "conv 1d strided grouped", "conv transposed", "conv bias alone",
+            "mm integers"}
+
+
+def product_outcome(op, arguments):
+    """Shape, dtype, device and values of `op(*arguments)`, or the type of error raised."""
+    try:
+        out = op(*arguments)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        return type(error)
+    values = torch.zeros(out.shape, dtype=out.dtype) if out._is_zerotensor() else out.cpu()
+    return out.shape, out.dtype, out.device, values
+
+
+@pytest.mark.parametrize("name", PRODUCT_CALLS)
+def test_products_return_pytorchs_values(name) -> None:
+    """A product with a zero factor: PyTorch's values, shape, dtype and device (or its error),
+    as a zero tensor where the product is zero (PyTorch's fallback returns zeros in memory)."""
+    torch.manual_seed(0)
+    op, make = PRODUCT_CALLS[name]
+    arguments = make()
+    with jvp_attention.lean_zero_tangents(False):
+        theirs = product_outcome(op, arguments)
+    with jvp_attention.lean_zero_tangents():
+        ours = product_outcome(op, arguments)
+        out = None if isinstance(ours, type) else op(*arguments)
+    if isinstance(theirs, type) or isinstance(ours, type):
+        assert theirs == ours, (name, theirs, ours)
+        return
+    assert ours[:3] == theirs[:3] and torch.equal(ours[3], theirs[3]), (name, theirs, ours)
+    assert out._is_zerotensor() != (name in COMPUTED), name
+
+
+def conv_block() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.GroupNorm(2, 4),
+                               torch.nn.ConvTranspose2d(4, 2, 2, stride=2, groups=2))
+
+
+MODULES = {
+    "Linear 1-D": (lambda: torch.nn.Linear(8, 6), (8,)),
+    "Linear 3-D": (lambda: torch.nn.Linear(8, 6), (2, 5, 8)),
+    "Linear without bias": (lambda: torch.nn.Linear(8, 6, bias=False), (2, 5, 8)),
+    "Conv, GroupNorm, ConvTranspose": (conv_block, (2, 3, 6, 6)),
+    "Conv1d strided": (lambda: torch.nn.Conv1d(4, 6, 3, stride=2, groups=2), (2, 4, 9)),
+    "LayerNorm, RMSNorm": (lambda: torch.nn.Sequential(torch.nn.LayerNorm(8),
+                                                       torch.nn.RMSNorm(8)), (2, 5, 8)),
+    "matmul by a constant": (lambda: MatmulByConstant(), (2, 3, 5, 8)),
+}
+
+
+class MatmulByConstant(torch.nn.Module):
+    """`x @ w` with a 4-D `x` (bmm after broadcasting) and `w @ x^T` (a constant on the left)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("left", torch.randn(3, 5, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.left @ (x @ self.w)
+
+
+def module_calls(module: torch.nn.Module, x: torch.Tensor, tx: torch.Tensor) -> list:
+    """A jvp with a backward through both outputs, a Hessian-vector product over the
+    parameters (jvp of grad) and a vmap of jvp: every tensor they return."""
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    tangents = {name: torch.randn_like(p) for name, p in params.items()}
+
+    def loss(params, x):
+        return torch.func.functional_call(module, params, (x,)).square().sum()
+
+    x = x.detach().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out, tangent = torch.func.jvp(module, (x,), (tx,))
+    (out.square().sum() + tangent.square().sum()).backward()
+    grads, hvp = torch.func.jvp(lambda p: torch.func.grad(loss)(p, x.detach()),
+                                (params,), (tangents,))
+    batched = torch.func.vmap(lambda t: torch.func.jvp(module, (x.detach(),), (t,))[1])(
+        torch.stack([tx, -2 * tx]))
+    return [out, tangent, x.grad, *[p.grad for p in module.parameters()], *grads.values(),
+            *hvp.values(), batched]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_products_in_modules_give_the_same_numbers(name) -> None:
+    """First and second order through layers whose weights meet zero tangents: the same
+    tensors with the lean kernels as with PyTorch's (bit for bit on a CPU; on a GPU, no
+    further apart than PyTorch's own results from one run to the next)."""
+    make, shape = MODULES[name]
+    torch.manual_seed(0)
+    module = make().to(DEVICE)
+    x, tx = torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)
+    runs = {}
+    for label, lean in (("theirs", False), ("again", False), ("ours", True)):
+        torch.manual_seed(1)
+        with jvp_attention.lean_zero_tangents(lean):
+            runs[label] = module_calls(module, x, tx)
+    for mine, pytorch, pytorch_again in zip(runs["ours"], runs["theirs"], runs["again"],
+                                            strict=True):
+        spread = (pytorch - pytorch_again).abs().max()
+        assert (mine - pytorch).abs().max() <= spread, name
+        if DEVICE == "cpu":
+            assert torch.equal(mine, pytorch), name
+
+
+def zeros_filled(fn) -> int:
+    """Tensors of zeros made while `fn` runs (PyTorch's fallback fills each zero tangent that
+    meets an op without a zero-tensor kernel)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+        fn()
+    return sum(event.name == "aten::zeros" for event in trace.events())
+
+
+@pytest.mark.parametrize("name", ["Linear 3-D", "Linear without bias",
+                                  "Conv, GroupNorm, ConvTranspose", "LayerNorm, RMSNorm",
+                                  "matmul by a constant"])
+def test_no_product_of_zeros(name) -> None:
+    """With PyTorch's kernels, the jvp of a layer whose weights have no tangent fills their
+    zero tangents with zeros in memory and multiplies by them; with the lean ones, nothing
+    is filled."""
+    make, shape = MODULES[name]
+    module = make().to(DEVICE)
+    x, tx = torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE)
+    with jvp_attention.lean_zero_tangents(False):
+        assert zeros_filled(lambda: torch.func.jvp(module, (x,), (tx,))) > 0
+    with jvp_attention.lean_zero_tangents():
+        assert zeros_filled(lambda: torch.func.jvp(module, (x,), (tx,))) == 0
+
+
+def test_compiled_jvp_through_products_is_unchanged() -> None:
+    """The products' kernels under torch.compile's fake tensors: PyTorch's route, the same
+    answer as eager."""
+    torch.manual_seed(0)
+    weight, kernel, bias = torch.randn(4, 4), torch.randn(2, 3, 3, 3), torch.randn(2)
+
+    def f(x):
+        image = torch.nn.functional.linear(x, weight).view(1, 3, 4, 4)
+        return torch.nn.functional.conv2d(image, kernel, bias).sum(dim=(2, 3))
+
+    assert_compiled_jvp_is_eagers(f, torch.randn(12, 4), torch.randn(12, 4))
