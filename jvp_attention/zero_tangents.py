@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from numbers import Number
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 # The ops whose ZeroTensor kernels run the op again on the meta device to shape their result.
 ARITHMETIC_OPS = ("add.Tensor", "sub.Tensor", "mul.Tensor", "div.Tensor")
@@ -26,6 +28,9 @@ Operand = torch.Tensor | Number
 # Tensors whose shape and dtype are what they say: not a subclass with rules of its own
 # (a parameter is a plain tensor that autograd treats as a leaf).
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+# The tensors torch.compile traces a step with: their shapes, dtypes and devices are those of
+# the plain tensors they stand for, and what a kernel returns for them becomes the graph.
+TRACED_TENSORS = (FakeTensor, FunctionalTensor)
 
 
 def is_zero(x: Operand) -> bool:
@@ -163,11 +168,17 @@ ARITHMETIC_KERNELS = dict(zip(ARITHMETIC_OPS, (zero_add, zero_sub, zero_mul, zer
 
 
 def plain(*tensors: torch.Tensor) -> bool:
-    """Whether these are plain strided tensors of one floating dtype, on one device."""
+    """Whether these are plain strided tensors (or torch.compile's stand-ins for them) of
+    one floating dtype, on one device."""
     first = tensors[0]
     return (first.dtype.is_floating_point or first.dtype.is_complex) and all(
-        type(x) in PLAIN_TENSORS and x.layout == torch.strided and x.dtype == first.dtype
-        and x.device == first.device for x in tensors)
+        stands_for_plain(x) and x.dtype == first.dtype and x.device == first.device
+        for x in tensors)
+
+
+def stands_for_plain(x: torch.Tensor) -> bool:
+    """A plain strided tensor, or a traced one standing for it."""
+    return type(x) in PLAIN_TENSORS + TRACED_TENSORS and x.layout == torch.strided
 
 
 def meta_like(x: torch.Tensor) -> torch.Tensor:
@@ -226,7 +237,7 @@ def zero_sum(x: torch.Tensor, dim: Sequence[int] | None = None, keepdim: bool = 
              dtype: torch.dtype | None = None) -> torch.Tensor:
     """A sum of a zero tensor over `dim`: zeros of the reduced shape."""
     sum_over = torch.ops.aten.sum.dim_IntList
-    if type(x) not in PLAIN_TENSORS or x.layout != torch.strided:
+    if not stands_for_plain(x):
         return zeros_in_memory(sum_over, x, dim, keepdim, dtype=dtype)
     out = sum_over(meta_like(x), dim, keepdim, dtype=dtype)
     return torch._efficientzerotensor(out.shape, dtype=out.dtype, device=x.device)
