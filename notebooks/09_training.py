@@ -475,7 +475,10 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   each shaped by Python meta kernels at about 0.1 ms of host time on the repository's
 #   CPU machine. Chapter 13 measures them and removes most of that cost
 #   (`jvp_attention.lean_zero_tangents`, `--lean-zero-tangents` here); the eager rows above
-#   were measured without it.
+#   were measured without it. The same zero tangents cost the device too, eager and
+#   compiled alike: each of the step's 66 linear layers multiplies its input by a tensor of
+#   zeros in its JVP (a fifth of the step's matrix products), which the lean kernels also
+#   remove, from compiled graphs as well when they are on before the step is traced.
 # - **Against jvp-flash-attention, compiled.** Under `torch.compile` with CUDA graphs its
 #   step takes 161.5 ms at 256 tokens, 211.4 at 1024 and 188.6 at 4096: slower than its
 #   own eager steps (132.5, 148.7, 143.8 ms). `torch.compile` records three graph breaks in
