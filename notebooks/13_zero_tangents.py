@@ -378,10 +378,10 @@ ARITHMETIC_KERNELS = dict(zip(ARITHMETIC_OPS, (zero_add, zero_sub, zero_mul, zer
 # tangent, in a convolution with a learned kernel (a DiT's patch embedding), and in the
 # sums that a norm's formula takes of its weight's tangent.
 #
-# The profiler counts what one `torch.func.jvp` of a linear layer runs: DiT-B/2's first MLP
-# layer (width 768 to 3072) on a batch of 32 images of 256 tokens in bf16 on a GPU, on
-# 1024 tokens in float32 on a CPU. Beside it, the time of the two products the tangent
-# needs, the layer's own and its tangent's:
+# One `torch.func.jvp` of a linear layer, timed, with the tensors of zeros it fills counted
+# by the profiler: DiT-B/2's first MLP layer (width 768 to 3072) on a batch of 32 images
+# of 256 tokens in bf16 on a GPU, on 1024 tokens in float32 on a CPU. Beside it, the time
+# of the two products the JVP needs, the layer's own and its tangent's:
 
 # %%
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
