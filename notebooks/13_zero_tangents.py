@@ -11,7 +11,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 13: zero tangents, the host's hidden share of a JVP step
+# # Chapter 13: zero tangents, a hidden share of every JVP step
 #
 # Chapters 8 and 9 found DiT training steps bound by the host at 256 and 1024 tokens: the
 # GPU waits for Python. Chapter 8 measured the attention call's share of that work against
@@ -619,7 +619,9 @@ class lean_zero_tangents:
 # returns one. The check calls each op directly on zero tensors (`torch._efficientzerotensor`)
 # with PyTorch's kernels and then with the lean ones, over broadcasting shapes, mixed
 # dtypes (half, bfloat16, float, double, complex, and integers, which take the meta route),
-# a Python number on either side and `alpha`.
+# a Python number on either side and `alpha`. The products come after: the same values,
+# shape, dtype and device as PyTorch's fallback gives, as a zero tensor where that one
+# fills zeros in memory.
 
 # %%
 def zero(shape, dtype, device=DEVICE):
@@ -686,6 +688,56 @@ for name, op in OPS_TO_CHECK.items():
                   f"PyTorch {theirs[:5]}, lean {ours[:5]}")
 print(f"{checked} calls checked against PyTorch's kernels, {mismatches} differ")
 assert mismatches == 0
+
+
+def zero_operand_products():
+    """(name, op, arguments) of products with a zero operand, as forward-AD formulas call
+    them, and a few that PyTorch must judge (dtypes or shapes that do not match)."""
+    bf16, stride_pad = torch.bfloat16, ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    image, kernel, bias = (torch.randn(s, device=DEVICE) for s in ((2, 3, 8, 8), (4, 3, 3, 3), (4,)))
+    mm, bmm = torch.ops.aten.mm.default, torch.ops.aten.bmm.default
+    convolution, sum_over = torch.ops.aten.convolution.default, torch.ops.aten.sum.dim_IntList
+    return [
+        ("x @ 0", mm, (torch.randn(5, 4, device=DEVICE), zero((4, 3), torch.float32))),
+        ("0 @ w, bf16", mm, (zero((5, 4), bf16), torch.randn(4, 3, device=DEVICE).to(bf16))),
+        ("dtypes differ", mm, (zero((5, 4), torch.float32), torch.randn(4, 3, device=DEVICE,
+                                                                        dtype=torch.float64))),
+        ("shapes differ", mm, (zero((5, 4), torch.float32), torch.randn(3, 3, device=DEVICE))),
+        ("batched", bmm, (torch.randn(2, 5, 4, device=DEVICE), zero((2, 4, 3), torch.float32))),
+        ("conv, zero kernel", convolution, (image, zero(kernel.shape, torch.float32), bias,
+                                            *stride_pad)),
+        ("conv, zero input", convolution, (zero(image.shape, torch.float32), kernel, bias,
+                                           *stride_pad)),
+        ("conv, zero bias", convolution, (image, kernel, zero((4,), torch.float32),
+                                          *stride_pad)),
+        ("sum", sum_over, (zero((2, 3, 4), torch.float32), [0, 2], True)),
+    ]
+
+
+def product_outcome(op, arguments) -> tuple:
+    """What must agree: shape, dtype, device and the values (or the error raised), and
+    whether the result is a zero tensor."""
+    try:
+        out = op(*arguments)
+    except RuntimeError as error:
+        return ("raises", type(error)), None
+    values = torch.zeros(out.shape, dtype=out.dtype) if out._is_zerotensor() else out.cpu()
+    return (out.shape, out.dtype, out.device, values), out._is_zerotensor()
+
+
+product_mismatches = 0
+for name, op, arguments in zero_operand_products():
+    with lean_zero_tangents(False):
+        (theirs, _) = product_outcome(op, arguments)
+    with lean_zero_tangents():
+        (ours, zero_tensor) = product_outcome(op, arguments)
+    agree = (ours == theirs if theirs[0] == "raises" else ours[0] != "raises"
+             and ours[:3] == theirs[:3] and torch.allclose(ours[3], theirs[3], rtol=0, atol=0))
+    product_mismatches += not agree
+    print(f"{name:18} {'agrees' if agree else 'DIFFERS'}"
+          f"{'' if zero_tensor is None else ', a zero tensor' if zero_tensor else ', in memory'}"
+          f"{'' if theirs[0] != 'raises' else ' (both raise)'}")
+assert product_mismatches == 0
 
 # %% [markdown]
 # And on a model: chapter 9's DiT (a small one here) under the MeanFlow loss, which takes
