@@ -572,3 +572,25 @@ def test_a_compiled_meanflow_like_step_is_unchanged() -> None:
                                       backend="aot_eager", fullgraph=True))
     for mine, expected in zip(compiled, eager, strict=True):
         torch.testing.assert_close(mine, expected, rtol=0, atol=0)
+
+
+def test_a_compiled_jvp_with_dynamic_shapes() -> None:
+    """Traced with symbolic sizes (torch.compile's dynamic=True), the products' zero tensors
+    take symbolic shapes: eager's numbers at every length."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                              torch.nn.Linear(16, 8, bias=False))
+    conv = torch.nn.Conv1d(8, 8, 3, padding=1)
+
+    def f(x):
+        return conv(mlp(x).transpose(1, 2)).sum(dim=-1)
+
+    torch._dynamo.reset()
+    with jvp_attention.lean_zero_tangents():
+        compiled = torch.compile(lambda x, tx: torch.func.jvp(f, (x,), (tx,)), dynamic=True,
+                                 backend="aot_eager", fullgraph=True)
+        for length in (5, 7, 11):
+            x, tx = torch.randn(2, length, 8), torch.randn(2, length, 8)
+            got, expected = compiled(x, tx), torch.func.jvp(f, (x,), (tx,))
+            for mine, eager in zip(got, expected, strict=True):
+                torch.testing.assert_close(mine, eager, rtol=0, atol=0)
