@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -786,9 +787,13 @@ def benchmark(dit: DiTConfig, batch_size: int | dict[int, int], device: torch.de
               repeats: int = 5, attentions=ATTENTIONS, compile_modes=("eager",),
               profile: bool = True,
               on_row: Callable[[list[dict]], None] | None = None,
-              compiled_attentions=None, previous: list[dict] = ()) -> list[dict]:
-    """`benchmark_step` for every image size, compile mode and attention; jvp-flash-attention
-    is skipped with a note when it does not import.
+              compiled_attentions=None, previous: list[dict] = (),
+              zero_tangents=("pytorch",)) -> list[dict]:
+    """`benchmark_step` for every image size, compile mode and attention, and each of
+    `zero_tangents` ("pytorch": PyTorch's kernels for forward AD's zero tangents; "lean":
+    `jvp_attention.lean_zero_tangents`, chapter 13), one after the other for each row so
+    that a drift in the machine's speed falls on both; jvp-flash-attention is skipped with
+    a note when it does not import.
 
     `batch_size` is one batch for every size, or a batch per image size (so that the math
     path's O(N^2) memory fits at the largest). `on_row(rows)` runs after each row, e.g. to
@@ -815,18 +820,21 @@ def benchmark(dit: DiTConfig, batch_size: int | dict[int, int], device: torch.de
                 if compile_mode != "eager" and attention not in (compiled_attentions
                                                                  or attentions):
                     continue
-                head = {"attention": attention, "compile": compile_mode,
-                        "tokens": config.tokens, "batch": batch}
                 missing = (jvp_flash_attention_available()
                            if attention == "jvp_flash_attention" else None)
-                if _row_key(head) in done:
-                    add({**done[_row_key(head)], "resumed": True})
-                elif missing is not None:
-                    add({**head, "image_size": size, "dtype": dtype,
-                         "skipped": f"not importable ({missing})"})
-                else:
-                    add(benchmark_step(config, batch, attention, device, dtype, warmup,
-                                       repeats, compile_mode, profile))
+                for zeros in zero_tangents:
+                    head = {"attention": attention, "compile": compile_mode,
+                            "tokens": config.tokens, "batch": batch, "zero_tangents": zeros}
+                    if _row_key(head) in done:
+                        add({**done[_row_key(head)], "zero_tangents": zeros, "resumed": True})
+                    elif missing is not None:
+                        add({**head, "image_size": size, "dtype": dtype,
+                             "skipped": f"not importable ({missing})"})
+                    else:
+                        with jvp_attention.lean_zero_tangents(zeros == "lean"):
+                            row = benchmark_step(config, batch, attention, device, dtype,
+                                                 warmup, repeats, compile_mode, profile)
+                        add({**row, "zero_tangents": zeros})
     planned = {_row_key(row) for row in rows}
     for key, row in done.items():
         if key not in planned:
@@ -834,21 +842,34 @@ def benchmark(dit: DiTConfig, batch_size: int | dict[int, int], device: torch.de
     return rows
 
 
+# Forward AD's zero tangents: PyTorch's kernels, or jvp_attention.lean_zero_tangents'
+# (chapter 13). A row without the key (runs before 2026-12-05) used PyTorch's.
+ZERO_TANGENTS = ("pytorch", "lean")
+
+
+def _zero_tangents(row: dict) -> str:
+    return row.get("zero_tangents", "pytorch")
+
+
 def _row_key(row: dict) -> tuple:
-    return row["tokens"], row["batch"], row.get("compile", "eager"), row["attention"]
+    return (row["tokens"], row["batch"], row.get("compile", "eager"), row["attention"],
+            _zero_tangents(row))
 
 
 def _row_order(row: dict) -> tuple:
-    """Tokens, then compile mode, then attention, each in the order the benchmark runs them."""
+    """Tokens, then compile mode, then attention, then zero tangents, each in the order the
+    benchmark runs them."""
     compile_mode, attention = row.get("compile", "eager"), row["attention"]
     return (row["tokens"], row["batch"],
             COMPILE_MODES.index(compile_mode) if compile_mode in COMPILE_MODES else 99,
-            ATTENTIONS.index(attention) if attention in ATTENTIONS else 99)
+            ATTENTIONS.index(attention) if attention in ATTENTIONS else 99,
+            ZERO_TANGENTS.index(_zero_tangents(row)))
 
 
 def format_row(row: dict) -> str:
     head = (f"{row['tokens']:>6} tokens  batch {row['batch']:>3}  "
-            f"{row.get('compile', 'eager'):<15} {row['attention']:<20}")
+            f"{row.get('compile', 'eager'):<15} {row['attention']:<20} "
+            f"{_zero_tangents(row):<7}")
     if "step_ms" not in row:
         return f"{head} {row.get('error') or row.get('skipped')}"
     memory = row.get("peak_memory_gb")
@@ -864,19 +885,20 @@ def format_row(row: dict) -> str:
 def summary_table(rows: list[dict]) -> str:
     """Markdown table: step time, peak memory and the attention's share of the step per token
     count and compile mode, and the speed-up over the math path in the same mode."""
-    by_key = {(r["tokens"], r.get("compile", "eager"), r["attention"]): r for r in rows}
+    by_key = {(r["tokens"], r.get("compile", "eager"), r["attention"], _zero_tangents(r)): r
+              for r in rows}
     modes = [m for m in COMPILE_MODES if any(r.get("compile", "eager") == m for r in rows)]
-    lines = ["| tokens | compile | attention | step (ms) | peak memory (GB) | math / this "
-             "| attention (ms) | attention share |",
-             "|---:|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| tokens | compile | attention | zero tangents | step (ms) | peak memory (GB) "
+             "| math / this | attention (ms) | attention share |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for tokens in sorted({r["tokens"] for r in rows}):
         for mode in modes:
-            math_row = by_key.get((tokens, mode, "math"), {})
-            for attention in ATTENTIONS:
-                row = by_key.get((tokens, mode, attention))
+            for attention, zeros in itertools.product(ATTENTIONS, ZERO_TANGENTS):
+                row = by_key.get((tokens, mode, attention, zeros))
                 if row is None:
                     continue
-                head = f"| {tokens} | {mode} | {attention} |"
+                math_row = by_key.get((tokens, mode, "math", zeros), {})
+                head = f"| {tokens} | {mode} | {attention} | {zeros} |"
                 if "step_ms" not in row:
                     lines.append(f"{head} {row.get('error') or row.get('skipped')} | | | | |")
                     continue
@@ -1046,10 +1068,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="--bench: another batch at these image sizes, e.g. 128=2 keeps "
                           "the math path's O(N^2) memory in bounds at 4096 tokens")
     run.add_argument("--repeats", type=int, default=5)
-    run.add_argument("--lean-zero-tangents", action="store_true",
-                     help="forward AD's zero tangents through jvp_attention.lean_zero_tangents "
-                          "(chapter 13: the same numbers, less host time per eager step), for "
-                          "every attention; recorded in the JSON's environment")
+    run.add_argument("--zero-tangents", nargs="+", choices=ZERO_TANGENTS, default=["pytorch"],
+                     help="forward AD's zero tangents: PyTorch's kernels, or "
+                          "jvp_attention.lean_zero_tangents (chapter 13: the same numbers, "
+                          "less host time and no products of zeros), for every attention; "
+                          "--bench runs each row with each given, one after the other, and "
+                          "records it in the row")
     run.add_argument("--resume", type=Path, default=None, metavar="JSON",
                      help="--bench: keep the rows this earlier (cut) run measured or saw "
                           "fail, and run only the rest")
@@ -1090,8 +1114,11 @@ def model_config(args: argparse.Namespace) -> DiTConfig:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.lean_zero_tangents:
-        jvp_attention.lean_zero_tangents(True)
+    if not args.bench:
+        if len(args.zero_tangents) > 1:
+            raise SystemExit("--zero-tangents takes one setting outside --bench, which runs "
+                             "each row with each")
+        jvp_attention.lean_zero_tangents(args.zero_tangents == ["lean"])
     cuda = torch.cuda.is_available()
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     if dtype == "float32":  # true fp32 everywhere, so fp32 comparisons can be tight
@@ -1128,13 +1155,11 @@ def main(argv=None) -> int:
         header = {"model": asdict(dit), "preset": args.preset, "parameters": parameters,
                   "argv": argv,
                   "command": shlex.join(["python", "examples/meanflow_dit.py", *argv]),
-                  "environment": environment()}
+                  # each row says which zero tangents it ran with (`zero_tangents`)
+                  "environment": {key: value for key, value in environment().items()
+                                  if key != "zero_tangents"}}
 
         previous = json.loads(args.resume.read_text()) if args.resume else {"rows": ()}
-        theirs = previous.get("environment", {}).get("zero_tangents", "pytorch")
-        if args.resume and theirs != header["environment"]["zero_tangents"]:
-            raise SystemExit(f"--resume {args.resume}: its rows used {theirs} zero tangents; "
-                             f"pass --lean-zero-tangents exactly when it did")
         if args.resume:  # the rows kept from it were measured by these
             header["earlier_commands"] = [*previous.get("earlier_commands", ()),
                                           previous["command"]]
@@ -1145,7 +1170,7 @@ def main(argv=None) -> int:
         rows = benchmark(dit, batches, device, dtype, tuple(args.bench_sizes),
                          repeats=args.repeats, compile_modes=tuple(args.compile), on_row=save,
                          compiled_attentions=args.compile_attentions,
-                         previous=previous["rows"])
+                         previous=previous["rows"], zero_tangents=tuple(args.zero_tangents))
         save(rows, complete=True)
         print(summary_table(rows))
         print(f"wrote {out}")

@@ -474,7 +474,7 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   12-block DiT meets 124 of them (a bias, a buffer or a number beside a dual tensor),
 #   each shaped by Python meta kernels at about 0.1 ms of host time on the repository's
 #   CPU machine. Chapter 13 measures them and removes most of that cost
-#   (`jvp_attention.lean_zero_tangents`, `--lean-zero-tangents` here); the eager rows above
+#   (`jvp_attention.lean_zero_tangents`, `--zero-tangents lean` here); the eager rows above
 #   were measured without it. The same zero tangents cost the device too, eager and
 #   compiled alike: each of the step's 66 linear layers multiplies its input by a tensor of
 #   zeros in its JVP (a fifth of the step's matrix products), which the lean kernels also

@@ -257,11 +257,14 @@ def precision_table(bench: Benchmark | None = None) -> str:
 
 def _run_rows(path: Path, failed: bool) -> dict[tuple[int, int, str, str], dict]:
     """One run's measured rows (and with `failed` its failed ones) by (tokens, batch,
-    attention, compile mode)."""
+    attention, compile mode), with PyTorch's own zero tangents: a row run with
+    `lean_zero_tangents` (chapter 13) is another model step, not a cell of this table."""
     if not path.is_file():
         return {}
     return {(r["tokens"], r["batch"], r["attention"], r.get("compile", "eager")): r
-            for r in _load(path)["rows"] if "step_ms" in r or (failed and "error" in r)}
+            for r in _load(path)["rows"]
+            if r.get("zero_tangents", "pytorch") == "pytorch"
+            and ("step_ms" in r or (failed and "error" in r))}
 
 
 def training_rows(paths: tuple[Path, ...] = TRAINING_RUNS, failed: bool = False,

@@ -295,20 +295,43 @@ def test_resumed_file_names_the_commands_behind_its_rows(tmp_path):
     assert saved["command"].endswith(f"--out {out} --steps 1")
 
 
-def test_lean_zero_tangents_flag_is_recorded_and_resumed_alike(tmp_path):
-    """--lean-zero-tangents turns the lean kernels on for the run (chapter 13) and says so in
-    the JSON; a resumed run must use the zero tangents its rows used."""
+def _lean_state_step(config, batch, attention, device, dtype, warmup, repeats, compile_mode,
+                     profile):
+    """Stands in for `mf.benchmark_step`: a row that says whether the lean zero-tangent
+    kernels were on while it ran."""
+    lean = jvp_attention.zero_tangents.lean_zero_tangents_enabled()
+    return {**_measured_step(config, batch, attention, device, dtype, warmup, repeats,
+                             compile_mode, profile), "lean_was_on": lean}
+
+
+def test_each_row_runs_with_each_zero_tangents_setting(tmp_path):
+    """--zero-tangents pytorch lean runs every row both ways, one after the other, the lean
+    kernels on only for the lean rows (chapter 13), and says so in each row; a resumed run
+    keeps rows by their setting too (rows from before the setting was recorded used
+    PyTorch's)."""
+    earlier = [{"attention": "math", "compile": "eager", "tokens": 16, "batch": 2,
+                "step_ms": 9.0}]
+    with mock.patch.object(mf, "benchmark_step", side_effect=_lean_state_step) as run:
+        rows = mf.benchmark(BENCH_TINY, 2, DEVICE, "float32", image_sizes=(8,),
+                            attentions=("jvp_attention", "math"), previous=earlier,
+                            zero_tangents=("pytorch", "lean"))
+    assert [(r["attention"], r["zero_tangents"], r.get("lean_was_on")) for r in rows] == [
+        ("jvp_attention", "pytorch", False), ("jvp_attention", "lean", True),
+        ("math", "pytorch", None), ("math", "lean", True)]
+    assert run.call_count == 3 and rows[2]["resumed"]
+    assert not jvp_attention.zero_tangents.lean_zero_tangents_enabled()
+    table = mf.summary_table(rows)
+    assert "| 16 | eager | jvp_attention | lean | 1.0 |" in table
     out = tmp_path / "out.json"
-    try:
-        with mock.patch.object(mf, "benchmark", return_value=[]):
-            mf.main(["--bench", "--lean-zero-tangents", "--out", str(out), "--steps", "1"])
-        assert jvp_attention.zero_tangents.lean_zero_tangents_enabled()
-    finally:
-        jvp_attention.lean_zero_tangents(False)
-    assert json.loads(out.read_text())["environment"]["zero_tangents"] == "lean"
-    with mock.patch.object(mf, "benchmark", return_value=[]), pytest.raises(
-            SystemExit, match="used lean zero tangents"):
-        mf.main(["--bench", "--resume", str(out), "--out", str(tmp_path / "again.json")])
+    with mock.patch.object(mf, "benchmark", return_value=rows) as bench:
+        mf.main(["--bench", "--zero-tangents", "pytorch", "lean", "--out", str(out)])
+    assert bench.call_args.kwargs["zero_tangents"] == ("pytorch", "lean")
+    assert "zero_tangents" not in json.loads(out.read_text())["environment"]
+
+
+def test_zero_tangents_outside_the_benchmark_is_one_setting():
+    with pytest.raises(SystemExit, match="one setting"):
+        mf.main(["--zero-tangents", "pytorch", "lean", "--steps", "1"])
     assert mf.environment()["zero_tangents"] == "pytorch"
 
 

@@ -118,3 +118,18 @@ def test_training_table_takes_each_cell_from_the_newest_run_beside_math(tmp_path
     assert "| 256 (32²), 32 | 40 ms [2] | 16 ms [2] (**2.50x**) | 25 ms [1] (**1.20x**) |" \
         in table
     assert "[1] `" in table and "[2] `" in table
+
+
+def test_training_table_takes_pytorchs_zero_tangents_only(tmp_path: Path) -> None:
+    """A run with rows both ways (examples/meanflow_dit.py --zero-tangents pytorch lean):
+    the table's cells are the rows with PyTorch's own zero tangents."""
+    rows = [{"tokens": 256, "attention": attention, "compile": "eager", "step_ms": ms,
+             "image_size": 32, "batch": 32, "dtype": "bfloat16", "zero_tangents": zeros}
+            for attention, zeros, ms in (("math", "pytorch", 30.0), ("math", "lean", 20.0),
+                                         ("jvp_attention", "pytorch", 15.0),
+                                         ("jvp_attention", "lean", 10.0))]
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps({"rows": rows}))
+    chosen = bench_tables.training_rows((path,))
+    assert chosen[256, "jvp_attention", "eager"]["step_ms"] == 15.0
+    assert chosen[256, "jvp_attention", "eager"]["math_row"]["step_ms"] == 30.0
