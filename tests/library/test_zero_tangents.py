@@ -594,3 +594,13 @@ def test_a_compiled_jvp_with_dynamic_shapes() -> None:
             got, expected = compiled(x, tx), torch.func.jvp(f, (x,), (tx,))
             for mine, eager in zip(got, expected, strict=True):
                 torch.testing.assert_close(mine, eager, rtol=0, atol=0)
+
+
+def test_a_compiled_jvp_through_rmsnorm_weights() -> None:
+    """RMSNorm's weight meets zero tangents in a sum and a product: compiled with the lean
+    kernels on, eager's numbers. (With PyTorch's kernels alone torch 2.13 fails to compile
+    it, an internal assert; torch 2.14 and 2.15 compile it both ways.)"""
+    torch.manual_seed(0)
+    norm = torch.nn.RMSNorm(8)
+    torch.nn.init.normal_(norm.weight)
+    assert_compiled_jvp_is_eagers(norm, torch.randn(2, 5, 8), torch.randn(2, 5, 8))
