@@ -949,7 +949,7 @@ for lean, label in ((False, "PyTorch's zero tangents"), (True, "lean_zero_tangen
 # lean kernels' Python costs nothing per step (the tests check that a compiled step gives
 # the same results with them as without). One more difference shows in the trace: with
 # torch 2.13, a JVP through RMSNorm's weight (the query-key norms of recent DiTs) fails to
-# compile with PyTorch's kernels alone, an internal assert in its fallback's trace, and
+# compile with PyTorch's kernels alone (an internal assert while tracing), and
 # compiles with the lean ones (torch 2.14 and 2.15 compile it both ways).
 
 # %% [markdown]
