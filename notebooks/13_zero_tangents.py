@@ -404,32 +404,52 @@ def zeros_filled(fn) -> int:
     return sum(event.name == "aten::zeros" for event in trace.events())
 
 
-def linear_jvp_ms() -> float:
-    return best_seconds(linear_jvp, calls=5) * 1e3
+def kernel_ms(fn, calls: int = 10) -> float | None:
+    """The GPU's time in `fn`'s kernels and copies per call, from the profiler (a call may
+    take longer on the host than on the GPU, and then its wall time is the host's); None on
+    a CPU, where the wall time is the work's."""
+    if DEVICE != "cuda":
+        return None
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    on_gpu = [e for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in on_gpu) / calls / 1e3
 
 
-def needed_products_ms() -> float:
+def timed(fn) -> tuple[float, float | None]:
+    """Wall time per call (ms, best of five groups) and the GPU's time in its kernels."""
+    return best_seconds(fn, calls=5) * 1e3, kernel_ms(fn)
+
+
+def needed_products() -> tuple[torch.Tensor, torch.Tensor]:
     """The two products the tangent needs: x W^T + b and its tangent's."""
     weight_t = mlp.weight.t()
     with torch.no_grad():
-        return best_seconds(lambda: (torch.addmm(mlp.bias, tokens, weight_t),
-                                     token_tangents @ weight_t), calls=5) * 1e3
+        return torch.addmm(mlp.bias, tokens, weight_t), token_tangents @ weight_t
 
 
-def report_linear(label: str, ms: float, filled: int) -> None:
-    print(f"{label:26} {ms:7.2f} ms, {filled} tensors of zeros filled")
+def report_linear(label: str, times: tuple[float, float | None], note: str = "") -> None:
+    wall, gpu = times
+    on_gpu = "" if gpu is None else f", {gpu:.3f} ms on the GPU"
+    print(f"{label:26} {wall:7.2f} ms per call{on_gpu}{note}")
 
 
-needed_ms = needed_products_ms()
-pytorch_linear = linear_jvp_ms(), zeros_filled(linear_jvp)
+needed = timed(needed_products)
+pytorch_linear = timed(linear_jvp), zeros_filled(linear_jvp)
 print(f"torch.func.jvp of Linear({MLP_IN}, {MLP_OUT}) on {TOKENS} tokens ({DEVICE}, "
       f"{str(MLP_DTYPE).removeprefix('torch.')})")
-report_linear("PyTorch's zero tangents", *pytorch_linear)
-print(f"{'the two products needed':26} {needed_ms:7.2f} ms")
+report_linear("PyTorch's zero tangents", pytorch_linear[0],
+              f"; {pytorch_linear[1]} tensors of zeros filled")
+report_linear("the two products needed", needed)
 
 # %% [markdown]
 # The difference is the third product, on zeros filled for it (`addmm`'s formula calls
-# `mm` for each factor's tangent). The lean kernels answer a product with a zero factor
+# `mm` for each factor's tangent), and the sums around it. On a GPU the profiler's time in
+# kernels shows it best: a call this size spends longer on the host than on the GPU. The lean kernels answer a product with a zero factor
 # with a zero tensor of the product's shape, computing nothing:
 #
 # | op | a zero operand gives |
@@ -801,14 +821,15 @@ assert difference <= spread
 # %%
 with lean_zero_tangents():
     lean_us = measure_ops()
-    lean_linear = linear_jvp_ms(), zeros_filled(linear_jvp)
+    lean_linear = timed(linear_jvp), zeros_filled(linear_jvp)
 print(f"{'op':26} {'PyTorch':>9} {'lean':>9}")
 for name in OPS:
     print(f"{name:26} {pytorch_us[name]:7.1f} us {lean_us[name]:7.1f} us")
 print(f"\ntorch.func.jvp of Linear({MLP_IN}, {MLP_OUT}) on {TOKENS} tokens")
-report_linear("PyTorch's zero tangents", *pytorch_linear)
-report_linear("lean_zero_tangents", *lean_linear)
-print(f"{'the two products needed':26} {needed_ms:7.2f} ms")
+for label, (times, filled) in (("PyTorch's zero tangents", pytorch_linear),
+                               ("lean_zero_tangents", lean_linear)):
+    report_linear(label, times, f"; {filled} tensors of zeros filled")
+report_linear("the two products needed", needed)
 
 
 # %% tags=["hide_input"]
@@ -917,7 +938,8 @@ print(f"one MeanFlow step of a 12-block DiT meets {met.total()} zero tangents in
 # product. Inductor keeps both. With the lean kernels on while the step is traced, the
 # trace records the zero tensor instead, and the sums around it become copies, elementwise
 # work that Inductor can fuse with its neighbours. The linear layer's JVP once more, compiled
-# both ways, with the matrix products in Inductor's generated code counted:
+# both ways, with the matrix products in Inductor's generated code counted (on a GPU, the
+# time in kernels again tells the work; a compiled call this small still waits on the host):
 
 # %%
 from torch._inductor.utils import run_and_get_code  # noqa: E402
@@ -925,21 +947,21 @@ from torch._inductor.utils import run_and_get_code  # noqa: E402
 PRODUCT_CALL = re.compile(r"extern_kernels\.(?:mm|addmm|bmm|convolution)\(")
 
 
-def compiled_linear_jvp(lean: bool) -> tuple[int, float]:
-    """Matrix products in the compiled code of the linear layer's JVP, and its time (ms)."""
+def compiled_linear_jvp(lean: bool) -> tuple[int, tuple[float, float | None]]:
+    """Matrix products in the compiled code of the linear layer's JVP, and its times."""
     torch._dynamo.reset()
     with lean_zero_tangents(lean):
         compiled = torch.compile(lambda x, t: torch.func.jvp(mlp, (x,), (t,)))
         _, sources = run_and_get_code(compiled, tokens, token_tangents)
     products = sum(len(PRODUCT_CALL.findall(source)) for source in sources)
-    return products, best_seconds(lambda: compiled(tokens, token_tangents), calls=5) * 1e3
+    return products, timed(lambda: compiled(tokens, token_tangents))
 
 
 print(f"torch.compile of torch.func.jvp of Linear({MLP_IN}, {MLP_OUT}) on {TOKENS} tokens "
       f"({DEVICE})")
 for lean, label in ((False, "PyTorch's zero tangents"), (True, "lean_zero_tangents")):
-    count, ms = compiled_linear_jvp(lean)
-    print(f"{label:26} {count} matrix products, {ms:7.2f} ms")
+    count, times = compiled_linear_jvp(lean)
+    report_linear(label, times, f"; {count} matrix products")
 
 # %% [markdown]
 # In a MeanFlow step each linear layer's JVP loses its product of zeros this way: a fifth
