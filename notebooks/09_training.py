@@ -483,10 +483,11 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   PyTorch's zero tangents and then with the lean kernels, one run), the eager steps'
 #   host time before the backward fell in five of six pairs (114.6 to 86.3 ms for ours at
 #   256 tokens, 152.5 to 104.3 ms for the math path at 1024), but the steps themselves moved
-#   by -24 to +10 ms, as much as adjacent runs of one row differ on that host; compiled
-#   (default mode) at 1024 tokens the step was bound by the host there too (55 to 57 of 61
-#   to 64 ms), so the products it no longer computes do not show in its time (61.2 and
-#   63.8 ms with ours, 84.7 and 81.6 ms with the math path).
+#   by -24 to +10 ms, within eager steps' spread from run to run (ours at 256 tokens:
+#   114 and 138 ms in the two H200 runs above); compiled (default mode) at 1024 tokens
+#   the step was bound by the host there too (55 to 57 of 61 to 64 ms), so the products
+#   it no longer computes do not show in its time (61.2 and 63.8 ms with ours, 84.7 and
+#   81.6 ms with the math path).
 # - **Against jvp-flash-attention, compiled.** Under `torch.compile` with CUDA graphs its
 #   step takes 161.5 ms at 256 tokens, 211.4 at 1024 and 188.6 at 4096: slower than its
 #   own eager steps (132.5, 148.7, 143.8 ms). `torch.compile` records three graph breaks in
