@@ -484,7 +484,7 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   host time before the backward fell in five of six pairs (114.6 to 86.3 ms for ours at
 #   256 tokens, 152.5 to 104.3 ms for the math path at 1024), but the steps themselves moved
 #   by -24 to +10 ms, within eager steps' spread from run to run (ours at 256 tokens:
-#   114 and 138 ms in the two H200 runs above); compiled (default mode) at 1024 tokens
+#   175 and 138 ms in the two H200 runs above); compiled (default mode) at 1024 tokens
 #   the step was bound by the host there too (55 to 57 of 61 to 64 ms), so the products
 #   it no longer computes do not show in its time (61.2 and 63.8 ms with ours, 84.7 and
 #   81.6 ms with the math path).
