@@ -1155,8 +1155,11 @@ SPLIT_KEY_SIDE = True
 _backward_dq = autotuned(_attention_backward_dq_kernel, [
     (128, 32, 8, 2), (64, 64, 8, 2), (128, 16, 8, 2), (64, 32, 8, 2), (128, 64, 8, 2),
     (64, 64, 4, 2), (32, 32, 4, 1)])
+# 64 x 64 on 4 warps: at d = 64 the dQ kernel through the tangent took 2.33 ms against 3.29
+# ms for the best tile before it (H100, bf16 "accurate", (4, 16, 4096, 64), tools/tile_sweep.py
+# --kernel backward_dq_tangent); at d = 128 it loses (10.1 against 5.9 ms for 128 x 32).
 _backward_dq_tangent = autotuned(_attention_backward_dq_kernel, [
-    (32, 32, 8, 2), (128, 16, 8, 2), (32, 32, 4, 1), (128, 32, 8, 2)])
+    (32, 32, 8, 2), (128, 16, 8, 2), (32, 32, 4, 1), (128, 32, 8, 2), (64, 64, 4, 2)])
 _ROW_BLOCK = 64
 # The first-order kernels read through tensor descriptors (chapter 4) only when both loops
 # are long: the dQ kernel's runs over the keys, the dK/dV kernel's over the queries, and

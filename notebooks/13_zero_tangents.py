@@ -878,8 +878,9 @@ print(f"small DiT MeanFlow step ({ATTENTION} attention, {DEVICE}): PyTorch's zer
 # ops would take a few microseconds; that is PyTorch's to change. For the products the
 # trade runs the other way: PyTorch's route is C++ and quick for the host, the lean one a
 # Python call (`x @ weight` and `F.linear(x, weight)` above take longer on tiny tensors),
-# but it takes a whole product, and the tensor of zeros, off the device, and the linear
-# layer's JVP now costs about its two products.
+# but it takes a whole product, and the tensor of zeros, off the device: the linear
+# layer's JVP is left with its two products and a copy of the tangent where the bias's zero
+# tangent is added to it (an add returns a new tensor, as PyTorch's own zero tensors do).
 #
 # How many zero tangents does a real step meet? The count depends on the layers, not on
 # their width, so a DiT with DiT-B/2's twelve blocks but a small width answers for DiT-B/2:
