@@ -138,6 +138,20 @@
 # same session (17.96 ms, `benchmarks/results/tvm_step_h200.json`), against 18.10 ms in
 # the second-order run before the layouts were tuned.
 #
+# The $dQ$ kernel's list was tuned at $d = 128$ and missed $d = 64$'s best. Timed on an H100
+# at (4, 16, 4096, 64), bf16 "accurate" (`tools/tile_sweep.py --kernel backward_dq_tangent`,
+# `benchmarks/results/tile_sweep_second_order_h100.json`), 64 × 64 on 4 warps took 2.32 ms
+# against 3.29 ms for the list's choice, and joined the list (at $d = 128$ it took 10.1 ms
+# against 128 × 32's 5.9, so the autotuner keeps that one there). The GPU time of the whole
+# call (forward with the tangent, then the backward through both outputs) fell from 11.25
+# to 10.45 ms at $d = 64$ ("fast": 9.83 to 9.24) and stayed 20.7 ms at $d = 128$; the
+# backward through both outputs then ran at 239 TFLOP/s at $d = 64$ and 234 at $d = 128$
+# on that H100 (273 and 258 "fast"; `benchmarks/results/second_order_h100.json`, 4096
+# tokens, $B \cdot H \cdot d$ the same at both head dims). In the same calls the key side's
+# two passes took 11.5 ms at $d = 128$, the $dQ$ kernel 5.9, the forward with the tangent
+# 2.4 and accurate precision's range pass and copies 0.8: the key side is where the rest of
+# the time is.
+#
 # When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
 # target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward
 # runs: the second-order kernels cost nothing unless used.
