@@ -2457,10 +2457,11 @@ HTML(html_table(["target", "case", "measured", "target", "met", "what bounds it"
 #   tokens with CUDA graphs, our attention kernels take 14.0 of 56.3 ms and 18.1 of
 #   42.7 ms: even an attention that cost nothing would bring the step to only 1.70x and
 #   3.15x the math path's, below the 2.5x and 4x targets. Part of the rest is not the
-#   model's own work: every linear layer's JVP also multiplies by its weight's zero tangent,
-#   a fifth of the step's matrix products, in eager and compiled steps alike, and the eager
-#   step's host work includes PyTorch's Python for zero tangents; chapter 13's
-#   `lean_zero_tangents` removes both, for ours and the math path alike (not yet timed on
-#   the H200, and none of the saved rows used it). Every cell of ours is now from
+#   model's own work: in the eager step every linear layer's JVP also multiplies by its
+#   weight's zero tangent, a fifth of the step's matrix products, and the host's work
+#   includes PyTorch's Python for zero tangents; chapter 13's `lean_zero_tangents` removes
+#   both, for ours and the math path alike (not yet timed on the H200, and none of the
+#   saved rows used it). A step compiled for the GPU ran no products of zeros either way
+#   (chapter 13, on an H100), so the compiled rows hold none of that. Every cell of ours is now from
 #   a run with the lean call path and the traced twins; only jvp-flash-attention's are
 #   still from the first run of chapter 9.
