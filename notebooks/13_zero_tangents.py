@@ -979,12 +979,13 @@ for lean, label in ((False, "PyTorch's zero tangents"), (True, "lean_zero_tangen
 # (torch 2.11, bf16 autocast), a MeanFlow step of a 2-block DiT of DiT-B/2's width at 1024
 # tokens, batch 16, compiled with its backward, ran the same 82 GEMM kernels (3.57 ms) with
 # PyTorch's zero tangents as with the lean ones, and 11.2 against 10.8 ms of GPU time in
-# all; on this book's CPU machine the same step compiled at width 64 runs 97 matrix
-# products (the profiler's `mm`, `addmm` and `bmm`) with PyTorch's kernels and 82 with the
-# lean ones. So on the GPU the compiled training step ran
-# no products of zeros either way (what removed them there was not traced further), and
-# DiT-B/2's MeanFlow step compiled with CUDA graphs at 1024 tokens took 57.7 ms with
-# PyTorch's kernels and 58.0 with the lean ones
+# all (a diagnostic profile, not saved; `benchmarks/compiled_products.py` repeats it and
+# saves what it finds). On this book's CPU machine the same step at width 64 runs 97 matrix
+# products with PyTorch's kernels and 82 with the lean ones in bf16 autocast, 80 and 64 in
+# float32 (the script's smoke run). So on the GPU the compiled training step ran as many
+# products with PyTorch's kernels as the lean ones leave (what removed the others there was
+# not traced further), and DiT-B/2's MeanFlow step compiled with CUDA graphs at 1024 tokens
+# took 57.7 ms with PyTorch's kernels and 58.0 with the lean ones
 # (`examples/results/bench_dit_b2_zero_tangents_h100.json`). The products of zeros that the
 # lean kernels take out of compiled code are those of graphs without a backward, like the
 # linear layer's above, and of steps compiled for the CPU.

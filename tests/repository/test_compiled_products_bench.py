@@ -1,0 +1,35 @@
+"""benchmarks/compiled_products.py: a smoke run as a user runs it (a tiny DiT's MeanFlow step
+compiled twice on the CPU, about 40 s): the lean zero tangents take the products of zeros
+out of the compiled step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "compiled_products.py"
+
+
+def test_smoke_run_counts_fewer_products_with_lean_zero_tangents(tmp_path) -> None:
+    out = tmp_path / "compiled_products.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], env=env,
+                   check=True, capture_output=True, text=True, timeout=600)
+    data = json.loads(out.read_text())
+    assert data["schema"] == "jvp_attention.compiled_products/1" and data["smoke"] is True
+    assert data["command"] and data["git"] and data["versions"]["torch"]
+    rows = {row["zero_tangents"]: row for row in data["rows"]}
+    assert set(rows) == {"pytorch", "lean"}
+    pytorch, lean = rows["pytorch"], rows["lean"]
+    assert sum(pytorch["products_by_op"].values()) == pytorch["products"] > 0
+    # Each linear layer's JVP loses its product with the weight's zero tangent, and the
+    # patch embedding's convolution its convolution of zeros: fewer products, none more.
+    assert lean["products"] < pytorch["products"], rows
+    for op, count in lean["products_by_op"].items():
+        assert count <= pytorch["products_by_op"].get(op, 0), rows
+    assert lean["products_by_op"]["aten::convolution"] < pytorch["products_by_op"][
+        "aten::convolution"], rows
