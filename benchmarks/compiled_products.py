@@ -12,9 +12,12 @@ lean kernels answer such a product with a zero tensor, and when they are on whil
 traced, the compiled graph holds the zero tensor instead of the product. Whether a compiled
 training step (the DiT's forward with its JVP, the loss, its backward) still runs those
 products with PyTorch's kernels is what this measures: for each setting the step is
-compiled anew (`torch._dynamo.reset()`), run a few times, then profiled for one step.
+compiled anew (`torch._dynamo.reset()`, Inductor's caches off: a graph cached from the other
+setting would otherwise stand in for it), run a few times, then profiled for one step.
 
-Counted per step: the profiler's `aten::mm`, `aten::addmm`, `aten::bmm` and
+Counted: the products in the code Inductor writes for the step (`products_in_code`: calls
+of `extern_kernels.mm`, `addmm`, `bmm`, `convolution`, forward and backward graphs); per
+step, the profiler's `aten::mm`, `aten::addmm`, `aten::bmm` and
 `aten::convolution` calls (Inductor calls these for the products it does not generate
 itself: all of them in the default mode), and on a GPU the time of all kernels and of the
 kernels named like cuBLAS's GEMMs. The model is `examples/meanflow_dit.py`'s DiT with
@@ -39,6 +42,7 @@ for folder in (HERE, REPO / "examples"):
 import bench  # noqa: E402  (the run record: device, versions, commit)
 import meanflow_dit as md  # noqa: E402
 import torch  # noqa: E402
+from torch._inductor.utils import run_and_get_code  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import jvp_attention  # noqa: E402
@@ -47,6 +51,8 @@ SCHEMA = "jvp_attention.compiled_products/1"
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::convolution")
 # cuBLAS's and CUTLASS's GEMM kernels by name (Hopper's cuBLAS names its own nvjet_*).
 GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|sm90_xmma", re.IGNORECASE)
+# The products in Inductor's code for the graphs (forward and backward).
+PRODUCT_CALL = re.compile(r"extern_kernels\.(?:mm|addmm|bmm|convolution)\(")
 ZERO_TANGENTS = ("pytorch", "lean")
 
 
@@ -75,9 +81,12 @@ def step_products(prof: profile) -> dict:
     return row
 
 
+@torch._inductor.config.patch(force_disable_caches=True)
 def measure(dit: md.DiTConfig, batch: int, attention: str, dtype: str, zeros: str,
             warmup: int) -> dict:
-    """One compiled MeanFlow step's products with `zeros` ("pytorch" or "lean")."""
+    """One compiled MeanFlow step's products with `zeros` ("pytorch" or "lean"), compiled
+    without Inductor's caches: the lean kernels change the graph below what a cache may key
+    on, so a graph cached from the other setting must not stand in for this one."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = md.TrainConfig(batch_size=batch, attention=attention, dtype=dtype)
     torch._dynamo.reset()
@@ -92,11 +101,13 @@ def measure(dit: md.DiTConfig, batch: int, attention: str, dtype: str, zeros: st
             md.training_step(compiled, optimizer, data, config, device)
 
         start = time.perf_counter()
-        for _ in range(warmup):
+        _, sources = run_and_get_code(step)  # compiles: the code Inductor wrote
+        for _ in range(warmup - 1):
             step()
         bench.synchronize()
         warmup_s = time.perf_counter() - start
         row = {"zero_tangents": zeros, "warmup_s": round(warmup_s, 1),
+               "products_in_code": sum(len(PRODUCT_CALL.findall(code)) for code in sources),
                **step_products(profiled_step(step))}
     torch._dynamo.reset()
     return row
@@ -134,7 +145,8 @@ def main(argv=None) -> dict:
              "step": "examples/meanflow_dit.py's MeanFlow training step (torch.func.jvp through "
                      "the DiT, the loss, its backward, Adam), the model under torch.compile "
                      "(default mode)",
-             "counted": f"profiler calls of {', '.join(PRODUCT_OPS)} in one step; on a GPU "
+             "counted": f"products_in_code: {PRODUCT_CALL.pattern} in Inductor's code; "
+                        f"profiler calls of {', '.join(PRODUCT_OPS)} in one step; on a GPU "
                         f"also every kernel's time (gpu_ms) and the kernels named like GEMMs "
                         f"(gemm_kernels, gemm_ms: {GEMM_KERNEL.pattern})",
              "rows": []}

@@ -477,9 +477,9 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   (`jvp_attention.lean_zero_tangents`, `--zero-tangents lean` here); the eager rows above
 #   were measured without it. The same zero tangents cost the device too in eager steps:
 #   each of the step's 66 linear layers multiplies its input by a tensor of zeros in its
-#   JVP (a fifth of the step's matrix products), which the lean kernels also remove. A
-#   step compiled for the GPU ran no such products either way (chapter 13: the same GEMM
-#   kernels with PyTorch's zero tangents as with the lean ones, on an H100). On an
+#   JVP (a fifth of the step's matrix products), which the lean kernels also remove; in a
+#   step compiled for the GPU they have not yet (chapter 13: on an H100 it ran the same GEMM
+#   kernels with PyTorch's zero tangents as with the lean ones). On an
 #   H100 machine (`examples/results/bench_dit_b2_zero_tangents_h100.json`, each row run with
 #   PyTorch's zero tangents and then with the lean kernels, one run), the eager steps'
 #   host time before the backward fell in five of six pairs (114.6 to 86.3 ms for ours at

@@ -975,20 +975,24 @@ for lean, label in ((False, "PyTorch's zero tangents"), (True, "lean_zero_tangen
 # compile with PyTorch's kernels alone (an internal assert while tracing), and
 # compiles with the lean ones (torch 2.14 and 2.15 compile it both ways).
 #
-# A whole training step compiled for a GPU gained nothing from it, though. On an H100
+# A whole training step compiled for a GPU has not gained from it yet, though. On an H100
 # (torch 2.11, bf16 autocast), a MeanFlow step of a 2-block DiT of DiT-B/2's width at 1024
 # tokens, batch 16, compiled with its backward, ran the same 82 GEMM kernels (3.57 ms) with
-# PyTorch's zero tangents as with the lean ones, and 11.2 against 10.8 ms of GPU time in
-# all (a diagnostic profile, not saved; `benchmarks/compiled_products.py` repeats it and
-# saves what it finds). On this book's CPU machine the same step at width 64 runs 97 matrix
-# products with PyTorch's kernels and 82 with the lean ones in bf16 autocast, 80 and 64 in
-# float32 (the script's smoke run). So on the GPU the compiled training step ran as many
-# products with PyTorch's kernels as the lean ones leave (what removed the others there was
-# not traced further), and DiT-B/2's MeanFlow step compiled with CUDA graphs at 1024 tokens
-# took 57.7 ms with PyTorch's kernels and 58.0 with the lean ones
-# (`examples/results/bench_dit_b2_zero_tangents_h100.json`). The products of zeros that the
-# lean kernels take out of compiled code are those of graphs without a backward, like the
-# linear layer's above, and of steps compiled for the CPU.
+# PyTorch's zero tangents as with the lean ones, 11.2 against 10.8 ms of GPU time in all (a
+# diagnostic profile, not saved), and the lean setting's step compiled in 3.4 s after the
+# first setting's 59 s, as if Inductor had found the same graph in its cache, which keys on
+# the traced graph. On this book's CPU machine the same step at width 64 compiles to 80
+# products with PyTorch's kernels and 64 with the lean ones (float32; 97 and 82 in bf16
+# autocast). So there the lean kernels did not reach the graph, and the 82 GEMMs look like
+# PyTorch's count, products of zeros included; why is open (a CPU machine cannot trace for
+# CUDA devices). DiT-B/2's MeanFlow step compiled with CUDA graphs at 1024 tokens took 57.7
+# ms with PyTorch's kernels and 58.0 with the lean ones
+# (`examples/results/bench_dit_b2_zero_tangents_h100.json`), its lean rows again compiled in
+# seconds. `benchmarks/compiled_products.py` compiles each setting without Inductor's caches
+# and counts the products in the code it writes: run on a GPU, it will say which graph the
+# lean kernels give there. Until then, the products of zeros they are known to take out of
+# compiled code are those of the linear layer's JVP above, compiled for the GPU, and of
+# steps compiled for the CPU.
 
 # %% [markdown]
 # ## Using it
@@ -1005,6 +1009,6 @@ for lean, label in ((False, "PyTorch's zero tangents"), (True, "lean_zero_tangen
 # model with parameters, whichever attention the model calls: an eager step in host time
 # and in the device's products of zeros, a compiled graph without a backward (turned on
 # before it is traced) in the products alone; a training step compiled for a GPU, measured
-# above, not at all. It costs nothing where no zero tangent appears. It does not change
+# above, not yet. It costs nothing where no zero tangent appears. It does not change
 # `jvp_attention.attention`, whose own calls meet no zero tangents (chapter 7 unpacks the
 # duals and runs one fused kernel; a test counts them).
