@@ -21,7 +21,8 @@ step, the profiler's `aten::mm`, `aten::addmm`, `aten::bmm` and
 `aten::convolution` calls (Inductor calls these for the products it does not generate
 itself: all of them in the default mode), and on a GPU the time of all kernels and of the
 kernels named like cuBLAS's GEMMs. The model is `examples/meanflow_dit.py`'s DiT with
-DiT-B/2's width and heads, fewer blocks (the count scales with the depth), bf16 autocast.
+DiT-B/2's width and heads, fewer blocks (the count scales with the depth), bf16 autocast
+(`--dtype float32`: none).
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--attention", choices=("jvp_attention", "math"),
                         default="jvp_attention")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the step's autocast dtype (float32: no autocast)")
     parser.add_argument("--warmup", type=int, default=3,
                         help="steps before the profiled one (the first compiles)")
     parser.add_argument("--smoke", action="store_true",
@@ -137,7 +140,7 @@ def main(argv=None) -> dict:
     else:
         dit = md.DiTConfig(image_size=args.image_size, patch_size=2, width=768,
                            depth=args.depth, heads=12)
-        batch, dtype, warmup = args.batch, "bfloat16", args.warmup
+        batch, dtype, warmup = args.batch, args.dtype, args.warmup
     data = bench.run_record(SCHEMA, args.smoke)
     data |= {"model": {"width": dit.width, "depth": dit.depth, "heads": dit.heads,
                        "tokens": dit.tokens, "batch": batch, "dtype": dtype,
