@@ -994,7 +994,9 @@ for lean, label in ((False, "PyTorch's zero tangents"), (True, "lean_zero_tangen
 # (`benchmarks/compiled_products.py`); a user who turns the lean kernels on for a step that
 # was compiled before, in this process or an earlier one, should do the same. Measured so
 # far, the products of zeros they take out of compiled code are those of the linear layer's
-# JVP above, compiled for the GPU, and of steps compiled for the CPU.
+# JVP above, compiled for the GPU (it ran no backward, and the cache keeps a step's graph
+# only once its backward has been compiled, so each setting traced it anew), and of steps
+# compiled for the CPU.
 
 # %% [markdown]
 # ## Using it
