@@ -54,6 +54,10 @@ def read_off(a: Operand, b: Operand) -> tuple[torch.Size, torch.dtype] | None:
     or layout (sparse), an integer or boolean result, or a number that could promote the
     tensor beside it (PyTorch's kernels promote it as a 0-dimensional tensor of its widest
     type, unlike the op itself)."""
+    if (type(a) is type(b) is torch.Tensor and a.dtype == b.dtype
+            and (a.dtype.is_floating_point or a.dtype.is_complex)
+            and a.layout == b.layout == torch.strided):  # the common case, asked first
+        return broadcast(a.shape, b.shape), a.dtype
     tensors = [x for x in (a, b) if isinstance(x, torch.Tensor)]
     if any(type(x) not in PLAIN_TENSORS or x.layout != torch.strided for x in tensors):
         return None
@@ -126,7 +130,9 @@ def like_result(x: Operand, shape: torch.Size, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
     """A new tensor holding `x` broadcast to `shape`, in `dtype`, on `device`."""
     x = x if isinstance(x, torch.Tensor) else as_tensor(x)
-    return torch.ops.aten._to_copy(x.expand(shape), dtype=dtype, device=device)
+    if x.shape == shape and x.dtype == dtype and x.device == device:
+        return torch.ops.aten._to_copy.default(x)  # the same copy, a third of the Python
+    return torch.ops.aten._to_copy.default(x.expand(shape), dtype=dtype, device=device)
 
 
 def zero_mul(a: Operand, b: Operand) -> torch.Tensor:
