@@ -12,13 +12,17 @@ lean kernels answer such a product with a zero tensor, and when they are on whil
 traced, the compiled graph holds the zero tensor instead of the product. Whether a compiled
 training step (the DiT's forward with its JVP, the loss, its backward) still runs those
 products with PyTorch's kernels is what this measures: for each setting the step is
-compiled anew (`torch._dynamo.reset()`), run a few times, then profiled for one step.
+compiled anew (`torch._dynamo.reset()`, Inductor's caches off: a graph cached from the other
+setting would otherwise stand in for it), run a few times, then profiled for one step.
 
-Counted per step: the profiler's `aten::mm`, `aten::addmm`, `aten::bmm` and
+Counted: the products in the code Inductor writes for the step (`products_in_code`: calls
+of `extern_kernels.mm`, `addmm`, `bmm`, `convolution`, forward and backward graphs); per
+step, the profiler's `aten::mm`, `aten::addmm`, `aten::bmm` and
 `aten::convolution` calls (Inductor calls these for the products it does not generate
 itself: all of them in the default mode), and on a GPU the time of all kernels and of the
 kernels named like cuBLAS's GEMMs. The model is `examples/meanflow_dit.py`'s DiT with
-DiT-B/2's width and heads, fewer blocks (the count scales with the depth), bf16 autocast.
+DiT-B/2's width and heads, fewer blocks (the count scales with the depth), bf16 autocast
+(`--dtype float32`: none).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ for folder in (HERE, REPO / "examples"):
 import bench  # noqa: E402  (the run record: device, versions, commit)
 import meanflow_dit as md  # noqa: E402
 import torch  # noqa: E402
+from torch._inductor.utils import run_and_get_code  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import jvp_attention  # noqa: E402
@@ -47,6 +52,8 @@ SCHEMA = "jvp_attention.compiled_products/1"
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::convolution")
 # cuBLAS's and CUTLASS's GEMM kernels by name (Hopper's cuBLAS names its own nvjet_*).
 GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|sm90_xmma", re.IGNORECASE)
+# The products in Inductor's code for the graphs (forward and backward).
+PRODUCT_CALL = re.compile(r"extern_kernels\.(?:mm|addmm|bmm|convolution)\(")
 ZERO_TANGENTS = ("pytorch", "lean")
 
 
@@ -75,9 +82,12 @@ def step_products(prof: profile) -> dict:
     return row
 
 
+@torch._inductor.config.patch(force_disable_caches=True)
 def measure(dit: md.DiTConfig, batch: int, attention: str, dtype: str, zeros: str,
             warmup: int) -> dict:
-    """One compiled MeanFlow step's products with `zeros` ("pytorch" or "lean")."""
+    """One compiled MeanFlow step's products with `zeros` ("pytorch" or "lean"), compiled
+    without Inductor's caches: the lean kernels change the graph below what a cache may key
+    on, so a graph cached from the other setting must not stand in for this one."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = md.TrainConfig(batch_size=batch, attention=attention, dtype=dtype)
     torch._dynamo.reset()
@@ -92,11 +102,13 @@ def measure(dit: md.DiTConfig, batch: int, attention: str, dtype: str, zeros: st
             md.training_step(compiled, optimizer, data, config, device)
 
         start = time.perf_counter()
-        for _ in range(warmup):
+        _, sources = run_and_get_code(step)  # compiles: the code Inductor wrote
+        for _ in range(warmup - 1):
             step()
         bench.synchronize()
         warmup_s = time.perf_counter() - start
         row = {"zero_tangents": zeros, "warmup_s": round(warmup_s, 1),
+               "products_in_code": sum(len(PRODUCT_CALL.findall(code)) for code in sources),
                **step_products(profiled_step(step))}
     torch._dynamo.reset()
     return row
@@ -110,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--attention", choices=("jvp_attention", "math"),
                         default="jvp_attention")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the step's autocast dtype (float32: no autocast)")
     parser.add_argument("--warmup", type=int, default=3,
                         help="steps before the profiled one (the first compiles)")
     parser.add_argument("--smoke", action="store_true",
@@ -126,7 +140,7 @@ def main(argv=None) -> dict:
     else:
         dit = md.DiTConfig(image_size=args.image_size, patch_size=2, width=768,
                            depth=args.depth, heads=12)
-        batch, dtype, warmup = args.batch, "bfloat16", args.warmup
+        batch, dtype, warmup = args.batch, args.dtype, args.warmup
     data = bench.run_record(SCHEMA, args.smoke)
     data |= {"model": {"width": dit.width, "depth": dit.depth, "heads": dit.heads,
                        "tokens": dit.tokens, "batch": batch, "dtype": dtype,
@@ -134,7 +148,8 @@ def main(argv=None) -> dict:
              "step": "examples/meanflow_dit.py's MeanFlow training step (torch.func.jvp through "
                      "the DiT, the loss, its backward, Adam), the model under torch.compile "
                      "(default mode)",
-             "counted": f"profiler calls of {', '.join(PRODUCT_OPS)} in one step; on a GPU "
+             "counted": f"products_in_code: {PRODUCT_CALL.pattern} in Inductor's code; "
+                        f"profiler calls of {', '.join(PRODUCT_OPS)} in one step; on a GPU "
                         f"also every kernel's time (gpu_ms) and the kernels named like GEMMs "
                         f"(gemm_kernels, gemm_ms: {GEMM_KERNEL.pattern})",
              "rows": []}

@@ -831,7 +831,7 @@ def benchmark(dit: DiTConfig, batch_size: int | dict[int, int], device: torch.de
                         add({**head, "image_size": size, "dtype": dtype,
                              "skipped": f"not importable ({missing})"})
                     else:
-                        with jvp_attention.lean_zero_tangents(zeros == "lean"):
+                        with zero_tangents_setting(zeros):
                             row = benchmark_step(config, batch, attention, device, dtype,
                                                  warmup, repeats, compile_mode, profile)
                         add({**row, "zero_tangents": zeros})
@@ -849,6 +849,19 @@ ZERO_TANGENTS = ("pytorch", "lean")
 
 def _zero_tangents(row: dict) -> str:
     return row.get("zero_tangents", "pytorch")
+
+
+@contextlib.contextmanager
+def zero_tangents_setting(zeros: str):
+    """Forward AD's zero tangents as `zeros` says ("lean": `jvp_attention.lean_zero_tangents`
+    on), with the setting in torch.compile's cache keys. The lean kernels change the graph a
+    step traces below what those caches key on: torch 2.11's AOTAutograd cache served the
+    lean rows the graphs compiled with PyTorch's zero tangents (they compiled in seconds
+    after their PyTorch rows' minutes, with as many GEMMs)."""
+    tag = f"{torch.compiler.config.cache_key_tag}|zero_tangents={zeros}"
+    with jvp_attention.lean_zero_tangents(zeros == "lean"), \
+            torch.compiler.config.patch(cache_key_tag=tag):
+        yield
 
 
 def _row_key(row: dict) -> tuple:

@@ -2461,7 +2461,8 @@ HTML(html_table(["target", "case", "measured", "target", "met", "what bounds it"
 #   weight's zero tangent, a fifth of the step's matrix products, and the host's work
 #   includes PyTorch's Python for zero tangents; chapter 13's `lean_zero_tangents` removes
 #   both, for ours and the math path alike (not yet timed on the H200, and none of the
-#   saved rows used it). A step compiled for the GPU ran no products of zeros either way
-#   (chapter 13, on an H100), so the compiled rows hold none of that. Every cell of ours is now from
+#   saved rows used it). The compiled step multiplies by them too; the lean kernels'
+#   compiled graphs have not been timed on a GPU yet (chapter 13: torch 2.11's compile
+#   cache served the earlier attempts PyTorch's graphs). Every cell of ours is now from
 #   a run with the lean call path and the traced twins; only jvp-flash-attention's are
 #   still from the first run of chapter 9.

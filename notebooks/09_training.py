@@ -475,21 +475,20 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   each shaped by Python meta kernels at about 0.1 ms of host time on the repository's
 #   CPU machine. Chapter 13 measures them and removes most of that cost
 #   (`jvp_attention.lean_zero_tangents`, `--zero-tangents lean` here); the eager rows above
-#   were measured without it. The same zero tangents cost the device too in eager steps:
-#   each of the step's 66 linear layers multiplies its input by a tensor of zeros in its
-#   JVP (a fifth of the step's matrix products), which the lean kernels also remove. A
-#   step compiled for the GPU ran no such products either way (chapter 13: the same GEMM
-#   kernels with PyTorch's zero tangents as with the lean ones, on an H100). On an
+#   were measured without it. The same zero tangents cost the device too, eager and
+#   compiled: each of the step's 66 linear layers multiplies its input by a tensor of zeros
+#   in its JVP (a fifth of the step's matrix products), which the lean kernels also remove
+#   (from a compiled step when they are on while it is traced, under a compile-cache key of
+#   their own: chapter 13; the compiled lean rows below were served the graphs of PyTorch's
+#   zero tangents by torch 2.11's compile cache, so they measure nothing new). On an
 #   H100 machine (`examples/results/bench_dit_b2_zero_tangents_h100.json`, each row run with
 #   PyTorch's zero tangents and then with the lean kernels, one run), the eager steps'
 #   host time before the backward fell in five of six pairs (114.6 to 86.3 ms for ours at
 #   256 tokens, 152.5 to 104.3 ms for the math path at 1024), but the steps themselves moved
 #   by -24 to +10 ms, within eager steps' spread from run to run (ours at 256 tokens:
-#   175 and 138 ms in the two H200 runs above); compiled (default mode) at 1024 tokens
-#   the step was bound by the host there too (55 to 57 of 61 to 64 ms), so the products
-#   it no longer computes do not show in its time (61.2 and 63.8 ms with ours, 84.7 and
-#   81.6 ms with the math path), and with CUDA graphs 57.7 and 58.0 ms with ours, 78.8 and
-#   78.6 ms with the math path.
+#   175 and 138 ms in the two H200 runs above); the compiled rows' two settings ran the same graphs
+#   (61.2 and 63.8 ms with ours at 1024 tokens in the default mode, 84.7 and 81.6 ms with
+#   the math path; 57.7 and 58.0, 78.8 and 78.6 ms with CUDA graphs).
 # - **Against jvp-flash-attention, compiled.** Under `torch.compile` with CUDA graphs its
 #   step takes 161.5 ms at 256 tokens, 211.4 at 1024 and 188.6 at 4096: slower than its
 #   own eager steps (132.5, 148.7, 143.8 ms). `torch.compile` records three graph breaks in

@@ -981,20 +981,26 @@ for lean, label in ((False, "PyTorch's zero tangents"), (True, "lean_zero_tangen
 # compile with PyTorch's kernels alone (an internal assert while tracing), and
 # compiles with the lean ones (torch 2.14 and 2.15 compile it both ways).
 #
-# A whole training step compiled for a GPU gained nothing from it, though. On an H100
-# (torch 2.11, bf16 autocast), a MeanFlow step of a 2-block DiT of DiT-B/2's width at 1024
-# tokens, batch 16, compiled with its backward, ran the same 82 GEMM kernels (3.57 ms) with
-# PyTorch's zero tangents as with the lean ones, and 11.2 against 10.8 ms of GPU time in
-# all (a diagnostic profile, not saved; `benchmarks/compiled_products.py` repeats it and
-# saves what it finds). On this book's CPU machine the same step at width 64 runs 97 matrix
-# products with PyTorch's kernels and 82 with the lean ones in bf16 autocast, 80 and 64 in
-# float32 (the script's smoke run). So on the GPU the compiled training step ran as many
-# products with PyTorch's kernels as the lean ones leave (what removed the others there was
-# not traced further), and DiT-B/2's MeanFlow step compiled with CUDA graphs at 1024 tokens
-# took 57.7 ms with PyTorch's kernels and 58.0 with the lean ones
-# (`examples/results/bench_dit_b2_zero_tangents_h100.json`). The products of zeros that the
-# lean kernels take out of compiled code are those of graphs without a backward, like the
-# linear layer's above, and of steps compiled for the CPU.
+# A whole training step compiled for a GPU has not been measured with them yet, though.
+# On an H100 (torch 2.11, bf16 autocast), a MeanFlow step of a 2-block DiT of DiT-B/2's
+# width at 1024 tokens, batch 16, compiled with its backward, ran the same 82 GEMM kernels
+# (3.57 ms) with PyTorch's zero tangents as with the lean ones (a diagnostic profile, not
+# saved), and the lean setting's step compiled in 3.4 s after the first setting's 59 s. On
+# this book's CPU machine the same step at width 64 compiles to 80 products with PyTorch's
+# kernels and 64 with the lean ones (float32; 97 and 82 in bf16 autocast). The difference
+# is torch.compile's caches: the AOTAutograd cache keys a step on the graph Dynamo
+# captured, which the lean kernels do not change (they act below it, as the step is traced
+# into ATen ops), and torch 2.11 caches graphs that hold `torch.func.jvp` (torch 2.13 passes
+# them by, which is why this machine traced each setting anew). So the lean step on the H100
+# got the graph just compiled with PyTorch's zero tangents, and so did the lean rows of
+# DiT-B/2's compiled MeanFlow steps (`examples/results/bench_dit_b2_zero_tangents_h100.json`,
+# 57.7 against 58.0 ms with CUDA graphs at 1024 tokens), each compiled in seconds after its
+# PyTorch row's minutes. The benchmarks now put the setting in the caches' keys
+# (`torch.compiler.config.cache_key_tag`) or compile without caches
+# (`benchmarks/compiled_products.py`); a user who turns the lean kernels on for a step that
+# was compiled before, in this process or an earlier one, should do the same. Measured so
+# far, the products of zeros they take out of compiled code are those of the linear layer's
+# JVP above, compiled for the GPU, and of steps compiled for the CPU.
 
 # %% [markdown]
 # ## Using it
@@ -1010,7 +1016,6 @@ for lean, label in ((False, "PyTorch's zero tangents"), (True, "lean_zero_tangen
 # It helps any step that runs `torch.func.jvp` or `torch.autograd.forward_ad` through a
 # model with parameters, whichever attention the model calls: an eager step in host time
 # and in the device's products of zeros, a compiled graph without a backward (turned on
-# before it is traced) in the products alone; a training step compiled for a GPU, measured
-# above, not at all. It costs nothing where no zero tangent appears. It does not change
+# before it is traced, with its own compile-cache key: see above) in the products alone. It costs nothing where no zero tangent appears. It does not change
 # `jvp_attention.attention`, whose own calls meet no zero tangents (chapter 7 unpacks the
 # duals and runs one fused kernel; a test counts them).

@@ -2,7 +2,10 @@
 kernel of the first- or the second-order backward) at given shapes and head dims, on a GPU:
 what the autotuner chooses from, and how far the best tile of one head dim is from another's.
 Times are GPU time per call from the profiler (short calls are bound by host work, so wall
-time would hide the kernels): `ms` the swept kernel's, `call_ms` all of the call's kernels.
+time would hide the kernels): `ms` the swept kernel's, `call_ms` all of the call's kernels,
+`kernels` each of them, largest first (where a call's time goes: the carry's range pass and
+copies, the row statistics, the forward with its JVP before a backward). `--precision fast`
+(or `accurate`) times the call in that precision, whatever the library's default.
 The second-order key side's two passes (backward_dv_tangent, backward_dk_tangent) are one
 kernel to the profiler, so their `ms` is both passes'; backward_dkdv_tangent sweeps the
 single pass (`jvp_attention.backward.SPLIT_KEY_SIDE` off while it runs).
@@ -27,6 +30,7 @@ that one run times both layouts.
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 import unittest.mock
@@ -179,7 +183,9 @@ def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
             try:
                 times = kernel_ms(call, calls)
                 row |= {"ms": round(times.get(name, times.get("wall", float("nan"))), 4),
-                        "call_ms": round(sum(times.values()), 4)}
+                        "call_ms": round(sum(times.values()), 4),
+                        "kernels": {kernel_name: round(ms, 4) for kernel_name, ms in
+                                    sorted(times.items(), key=lambda item: -item[1])}}
                 if multiple and HAS_CUDA:
                     row["tflops"] = round(multiple * 4 * b * h * n * n * d / row["ms"] / 1e9, 1)
                 if config is None:
@@ -309,6 +315,9 @@ def main() -> None:
                         default="library",
                         help="the dK/dV kernels' accumulators (chapter 5): as the library lays "
                         "them out, keys x dims, or dims x keys")
+    parser.add_argument("--precision", choices=("accurate", "fast"),
+                        help="the 16-bit products' rounding (jvp_attention.precision; default: "
+                        "the library's, JVP_ATTENTION_PRECISION or accurate)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--smoke", action="store_true",
                         help="(1, 1, 16, 16) in fp16, once per tile: checks the plumbing (on "
@@ -323,12 +332,16 @@ def main() -> None:
         tiles = args.tiles and parse_tiles(args.tiles, KERNELS[args.kernel][0], args.key_layout)
     except ValueError as error:
         parser.error(str(error))
-    with pairing_tails(args.pair_tails), laying_out_keys(args.key_layout):
+    precision = jvp_attention.precision(args.precision or jvp_attention.get_precision())
+    with precision, pairing_tails(args.pair_tails), laying_out_keys(args.key_layout):
         rows = [row for b, h, n in (args.shape or [[64, 12, 256]]) for d in args.head_dims
                 for row in sweep((b, h, n, d), DTYPES[args.dtype], args.calls, tiles,
                                  args.kernel, args.check, args.auto_only)]
     if args.json:
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "dtype": args.dtype,
+        args.json.write_text(json.dumps({"command": shlex.join(["python", *sys.argv]),
+                                         "dtype": args.dtype,
+                                         "precision": args.precision
+                                         or jvp_attention.get_precision(),
                                          "pair_tails": args.pair_tails,
                                          "key_layout": args.key_layout,
                                          "gpu": torch.cuda.get_device_name() if HAS_CUDA

@@ -301,7 +301,8 @@ def _lean_state_step(config, batch, attention, device, dtype, warmup, repeats, c
     kernels were on while it ran."""
     lean = jvp_attention.zero_tangents.lean_zero_tangents_enabled()
     return {**_measured_step(config, batch, attention, device, dtype, warmup, repeats,
-                             compile_mode, profile), "lean_was_on": lean}
+                             compile_mode, profile), "lean_was_on": lean,
+            "cache_key_tag": torch.compiler.config.cache_key_tag}
 
 
 def test_each_row_runs_with_each_zero_tangents_setting(tmp_path):
@@ -320,6 +321,11 @@ def test_each_row_runs_with_each_zero_tangents_setting(tmp_path):
         ("math", "pytorch", None), ("math", "lean", True)]
     assert run.call_count == 3 and rows[2]["resumed"]
     assert not jvp_attention.zero_tangents.lean_zero_tangents_enabled()
+    # Each setting has its own compile-cache keys (a graph compiled with PyTorch's zero
+    # tangents must not stand in for the lean one), and the tag is restored afterwards.
+    assert [r.get("cache_key_tag") for r in rows] == [
+        "|zero_tangents=pytorch", "|zero_tangents=lean", None, "|zero_tangents=lean"]
+    assert torch.compiler.config.cache_key_tag == ""
     table = mf.summary_table(rows)
     assert "| 16 | eager | jvp_attention | lean | 1.0 |" in table
     out = tmp_path / "out.json"

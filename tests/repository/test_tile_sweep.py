@@ -54,13 +54,17 @@ def test_the_kernels_are_the_library_autotuners() -> None:
 
 def test_smoke_run_writes_its_rows(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(out)],
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--precision", "fast",
+                           "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(out.read_text())
     assert "--smoke" in data["command"] and data["dtype"] == "fp16"
     assert {row["tile"] for row in data["rows"]} >= {"auto"}
     assert all(row["kernel"] == "forward_jvp" and row["N"] == 16 for row in data["rows"])
+    assert data["command"].startswith("python ") and data["precision"] == "fast"
+    # On CPU the interpreter's wall time stands for the call's kernels.
+    assert all(set(row["kernels"]) == {"wall"} for row in data["rows"]), data["rows"]
 
 
 @pytest.mark.parametrize("kernel", ["forward_jvp", "backward_dk_tangent"])
