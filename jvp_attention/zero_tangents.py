@@ -265,7 +265,8 @@ _library: torch.library.Library | None = None
 
 
 def _register(enabled: bool) -> None:
-    """Register LEAN_KERNELS as their ops' ZeroTensor kernels, or remove them."""
+    """Register LEAN_KERNELS as their ops' ZeroTensor kernels, or remove them, and key
+    torch.compile's caches by the setting (`tag_compile_caches`)."""
     global _library
     with _lock:
         if enabled and _library is None:
@@ -278,6 +279,20 @@ def _register(enabled: bool) -> None:
         elif not enabled and _library is not None:
             _library._destroy()
             _library = None
+        tag_compile_caches(enabled)
+
+
+# Appended to torch.compile's cache key tag while the lean kernels are on.
+LEAN_CACHE_TAG = "|jvp_attention.lean_zero_tangents"
+
+
+def tag_compile_caches(enabled: bool) -> None:
+    """Put the setting in the keys of torch.compile's caches, keeping any tag of the user's:
+    the AOTAutograd cache keys a step on the graph Dynamo captured, which the lean kernels
+    do not change, and would serve a step compiled with the other setting."""
+    config = torch.compiler.config
+    tag = config.cache_key_tag.replace(LEAN_CACHE_TAG, "")
+    config.cache_key_tag = tag + LEAN_CACHE_TAG if enabled else tag
 
 
 def lean_zero_tangents_enabled() -> bool:
