@@ -247,6 +247,10 @@ def read_off(a: Operand, b: Operand) -> tuple[torch.Size, torch.dtype] | None:
     or layout (sparse), an integer or boolean result, or a number that could promote the
     tensor beside it (PyTorch's kernels promote it as a 0-dimensional tensor of its widest
     type, unlike the op itself)."""
+    if (type(a) is type(b) is torch.Tensor and a.dtype == b.dtype
+            and (a.dtype.is_floating_point or a.dtype.is_complex)
+            and a.layout == b.layout == torch.strided):  # the common case, asked first
+        return broadcast(a.shape, b.shape), a.dtype
     tensors = [x for x in (a, b) if isinstance(x, torch.Tensor)]
     if any(type(x) not in PLAIN_TENSORS or x.layout != torch.strided for x in tensors):
         return None
@@ -319,7 +323,9 @@ def like_result(x: Operand, shape: torch.Size, dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:
     """A new tensor holding `x` broadcast to `shape`, in `dtype`, on `device`."""
     x = x if isinstance(x, torch.Tensor) else as_tensor(x)
-    return torch.ops.aten._to_copy(x.expand(shape), dtype=dtype, device=device)
+    if x.shape == shape and x.dtype == dtype and x.device == device:
+        return torch.ops.aten._to_copy.default(x)  # the same copy, a third of the Python
+    return torch.ops.aten._to_copy.default(x.expand(shape), dtype=dtype, device=device)
 
 
 # %% tags=["export"]
@@ -571,7 +577,8 @@ _library: torch.library.Library | None = None
 
 
 def _register(enabled: bool) -> None:
-    """Register LEAN_KERNELS as their ops' ZeroTensor kernels, or remove them."""
+    """Register LEAN_KERNELS as their ops' ZeroTensor kernels, or remove them, and key
+    torch.compile's caches by the setting (`tag_compile_caches`)."""
     global _library
     with _lock:
         if enabled and _library is None:
@@ -584,6 +591,20 @@ def _register(enabled: bool) -> None:
         elif not enabled and _library is not None:
             _library._destroy()
             _library = None
+        tag_compile_caches(enabled)
+
+
+# Appended to torch.compile's cache key tag while the lean kernels are on.
+LEAN_CACHE_TAG = "|jvp_attention.lean_zero_tangents"
+
+
+def tag_compile_caches(enabled: bool) -> None:
+    """Put the setting in the keys of torch.compile's caches, keeping any tag of the user's:
+    the AOTAutograd cache keys a step on the graph Dynamo captured, which the lean kernels
+    do not change, and would serve a step compiled with the other setting."""
+    config = torch.compiler.config
+    tag = config.cache_key_tag.replace(LEAN_CACHE_TAG, "")
+    config.cache_key_tag = tag + LEAN_CACHE_TAG if enabled else tag
 
 
 def lean_zero_tangents_enabled() -> bool:
@@ -989,10 +1010,11 @@ for lean, label in ((False, "PyTorch's zero tangents"), (True, "lean_zero_tangen
 # got the graph just compiled with PyTorch's zero tangents, and so did the lean rows of
 # DiT-B/2's compiled MeanFlow steps (`examples/results/bench_dit_b2_zero_tangents_h100.json`,
 # 57.7 against 58.0 ms with CUDA graphs at 1024 tokens), each compiled in seconds after its
-# PyTorch row's minutes. The benchmarks now put the setting in the caches' keys
-# (`torch.compiler.config.cache_key_tag`) or compile without caches
-# (`benchmarks/compiled_products.py`); a user who turns the lean kernels on for a step that
-# was compiled before, in this process or an earlier one, should do the same. Measured so
+# PyTorch row's minutes. So `lean_zero_tangents` puts itself in the caches' keys while it
+# is on (`tag_compile_caches`, below: it appends to `torch.compiler.config.cache_key_tag`,
+# keeping any tag of the user's), and `benchmarks/compiled_products.py` compiles each
+# setting without caches. Dynamo's own compiled code is another matter: a function already
+# compiled in this process keeps its graph until `torch._dynamo.reset()`. Measured so
 # far, the products of zeros they take out of compiled code are those of the linear layer's
 # JVP above, compiled for the GPU (it ran no backward, and the cache keeps a step's graph
 # only once its backward has been compiled, so each setting traced it anew), and of steps

@@ -254,6 +254,20 @@ def test_on_off_and_context_restore_pytorch_kernels() -> None:
     assert registered_zero_tensor_kernels() == set()
 
 
+def test_the_setting_keys_compile_caches() -> None:
+    """While the lean kernels are on, torch.compile's cache key tag says so (a step compiled
+    with PyTorch's zero tangents must not be served from the cache to a lean one, nor the
+    other way), and a tag of the user's is kept."""
+    config = torch.compiler.config
+    with config.patch(cache_key_tag="mine"):
+        with jvp_attention.lean_zero_tangents():
+            assert config.cache_key_tag == "mine" + zt.LEAN_CACHE_TAG
+            with jvp_attention.lean_zero_tangents(False):
+                assert config.cache_key_tag == "mine"
+            assert config.cache_key_tag == "mine" + zt.LEAN_CACHE_TAG
+        assert config.cache_key_tag == "mine"
+
+
 def test_the_docstring_example() -> None:
     x, w = torch.randn(3), torch.randn(3)
     with jvp_attention.lean_zero_tangents():
