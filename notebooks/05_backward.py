@@ -793,7 +793,7 @@ def _attention_backward_dkdv_kernel(
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     USE_TMA: tl.constexpr, CARRY: tl.constexpr, ALIGN: tl.constexpr,
     KEYS: tl.constexpr, VALUES: tl.constexpr, TRANSPOSED: tl.constexpr,
-    SUMS_DQ: tl.constexpr = False,
+    SUMS_DQ: tl.constexpr,
 ):
     """dK (and dtK) with KEYS, dV (and dtV) with VALUES, of one key block, summed over all
     query heads of its GQA group, accumulated transposed with TRANSPOSED (`_key_gradient`).
@@ -1425,7 +1425,6 @@ def flash_attention_backward(
                                                  dv, is_causal, scale)):
             # The first order's layout follows the keys; the second order's is tuned.
             layout = {} if has_tangent else {"TRANSPOSED": n_k <= TRANSPOSED_MAX_KEYS}
-            sums = {"SUMS_DQ": sums_dq} if has_tangent else {}
             if not has_tangent:
                 passes = ((_backward_dkdv, True, True),)
             elif SPLIT_KEY_SIDE:
@@ -1437,8 +1436,8 @@ def flash_attention_backward(
                 launchable(dkdv, q)[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
                     q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c,
                     factors, dk, dv, dtk, dtv, *query_sums, *strides, n_kv_heads, *sizes,
-                    **switches, **meta, KEYS=keys, VALUES=values, **layout,
-                    **{name: on and keys for name, on in sums.items()})
+                    **switches, **meta, KEYS=keys, VALUES=values, SUMS_DQ=sums_dq and keys,
+                    **layout)
     if sums_dq:  # fp32 sums to the gradients' dtype (no copy when it is fp32)
         dq, dtq = (total.to(dq.dtype) for total in query_sums)
     grads = (dq, dk, dv, dtq, dtk, dtv) if has_tangent else (dq, dk, dv)
