@@ -1361,8 +1361,10 @@ def flash_attention_backward(
     ws_dq, ws_dkdv = ((False, False) if attn_mask is not None or has_tangent or mask_grad
                       or graph_takes_pointers(q, n_k)
                       else warp_specialized_backward_kernels(q, k, v, grad_out, exact))
-    # Where its dK/dV kernel sums dQ as well, no dQ kernel runs.
-    fused_dq = ws_dkdv and fuses_dq(head_dim, is_causal, carry)
+    # Where its dK/dV kernel sums dQ as well, no dQ kernel runs; not under deterministic
+    # algorithms, since the order of that sum's adds varies from run to run.
+    fused_dq = (ws_dkdv and fuses_dq(head_dim, is_causal, carry)
+                and not torch.are_deterministic_algorithms_enabled())
     grad_operand, factors = grad_out, lse  # `factors` is not read without CARRY
     dq_sum = None  # chapter 12's fp32 dQ sum, where the copy kernel zeros it
     grad_tangent = dto  # the row statistics read the cotangents themselves

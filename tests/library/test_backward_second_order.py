@@ -465,3 +465,20 @@ def test_second_order_with_dq_summed_by_the_key_side_gpu(spec: Spec, dtype: torc
     forget_tuning(monkeypatch, backward._backward_dq_tangent)
     check_second_order(spec, dtype, device="cuda")
     assert not backward._backward_dq_tangent.tuned, "the dQ kernel ran"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=dtype_name)
+def test_deterministic_algorithms_keep_the_dq_kernel_gpu(dtype: torch.dtype) -> None:
+    """Under `torch.use_deterministic_algorithms(True)` long rows take the dQ kernel (no
+    atomic adds): bitwise the same gradients from run to run."""
+    p = make_problem(Spec(batch=1, hq=4, hkv=2, nq=2100, nk=2100, d=64, causal=True), dtype,
+                     seed=3, device="cuda")
+    assert backward.sums_query_gradients(p.q, 2100, mask_grad=False) == (
+        backward.SUM_DQ_MIN_KEYS <= 2100)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert_deterministic(kernel_second_order, p)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)

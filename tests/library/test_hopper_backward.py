@@ -16,6 +16,7 @@ from helpers import (
     DEVICE,
     Spec,
     assert_accurate,
+    assert_deterministic,
     expected_backward,
     kernel_backward,
     make_problem,
@@ -127,6 +128,11 @@ def test_backward_hands_over_unmasked_calls(monkeypatch) -> None:
     (dq_alone, _, _), _ = first_order(p, "fast")
     assert torch.equal(dq, dq_alone) and [name for name, _, _ in launches] == [
         "dkdv with dq", "dq", "dkdv", "dkdv"]
+    # Under deterministic algorithms dQ is not summed by atomic adds: the split kernels.
+    monkeypatch.setattr(backward_module, "warp_specialized_backward_kernels", kernels)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    first_order(p, "fast")
+    assert [name for name, _, _ in launches[4:]] == ["dq", "dkdv"]
 
 
 def test_carried_operands_reach_the_kernels(monkeypatch) -> None:
@@ -377,3 +383,18 @@ def test_backward_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype, mode: s
                    ["launch_warp_specialized_dq", "launch_warp_specialized_dkdv"])
     assert_accurate(ours, truth, floor, dtype, p.label, f"warp-specialised backward, {mode}")
 
+
+
+@pytest.mark.gpu
+def test_deterministic_algorithms_keep_the_split_kernels_on_hopper() -> None:
+    """Under `torch.use_deterministic_algorithms(True)` dQ is not summed by the dK/dV
+    kernel's atomic adds: chapter 12's split kernels, bitwise the same gradients each run."""
+    if DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup products need an sm_90 GPU")
+    p = make_problem(GPU_SPECS[1], torch.bfloat16, device="cuda")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert_deterministic(kernel_backward, p)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
