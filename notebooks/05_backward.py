@@ -1112,8 +1112,8 @@ def _attention_backward_dq_kernel(
 # four fp32 accumulators of a key block, so at $d = 128$ only 16 × 32 tiles fit in
 # registers without spilling, and with 16 query rows the products run on Ampere-style
 # tensor-core instructions; each pass holds two, like the first-order kernel, and takes
-# larger tiles. The cost is the three score products done twice, 21 product-sized units of
-# work instead of 18 in "accurate" precision. On the H200 (bf16, (4, 16, 4096, 128), the
+# larger tiles. The cost is the three score products done twice: 24 products of a tile's
+# size instead of 21, counting the dQ kernel's nine (chapter 6). On the H200 (bf16, (4, 16, 4096, 128), the
 # whole second-order backward, in one session): 22.49 ms in one pass against 21.39 in two
 # in "accurate" precision (183 against 193 TFLOP/s), 18.62 against 16.21 ms in "fast" (221
 # against 254); at (4, 32, 4096, 64) 23.75 ms "accurate" and 16.76 "fast", where the one
@@ -1526,7 +1526,11 @@ set_precision("accurate")
 print(format_table(rows))
 
 # %% [markdown]
-# No atomics means determinism: the same inputs give bitwise the same gradients.
+# No atomics means determinism: the same inputs give bitwise the same gradients. Two paths
+# trade that for speed, each summing dQ in fp32 in an order that varies from run to run:
+# chapter 12's dK/dV kernel on Hopper (through the copy engine's adds) and, from
+# `SUM_DQ_MIN_KEYS` keys, the second-order dK pass (atomic adds, chapter 6). Under
+# `torch.use_deterministic_algorithms(True)` both give way to the kernels of this chapter.
 
 # %%
 q, k, v = (torch.randn(1, 4, N, 64, device=DEVICE) for _ in range(3))

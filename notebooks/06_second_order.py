@@ -152,6 +152,33 @@
 # 2.4 and accurate precision's range pass and copies 0.8: the key side is where the rest of
 # the time is.
 #
+# ## Summing dQ where dS is made
+#
+# The $dK$ pass computes $dS$ and $dt_S$ for every tile, and the $dQ$ kernel computes them
+# again: $S$, $t_S$ (three products), $dO\,V^\top$, $dt_O\,t_V^\top$ and $G$ (three more),
+# all to feed its own three, $dS\,K$, $dt_S\,t_K$ and $dt_S\,K$. Counted in products of
+# one tile's size, the two key-side passes and the $dQ$ kernel run 6 + 9 + 9 = 24; if the
+# $dK$ pass does the $dQ$ kernel's three products itself and adds them to fp32 sums of
+# $dQ$ and $dt_Q$, 6 + 12 = 18, a quarter fewer. The price is the adds: every key block's
+# program adds to every query row it sees, so the sums take atomic adds, $2 \cdot
+# \text{BLOCK\_M} \cdot d$ of them per tile, and their order varies from run to run.
+# Compiled for sm_90, Triton turns each thread's share into 16-byte vector adds
+# (`atom.global.gpu.relaxed.add.v4.f32`, 16 of them per tile at 32 × 64 and $d = 128$:
+# `tools/kernel_resources.py` lists a kernel's atomic instructions), and the extra product
+# and its fp32 result cost registers: the $dK$ pass's 32 × 64 tile on 4 warps spills 192
+# bytes a thread at $d = 128$ where it spilled 152, and its 16 × 32 tile stays spill-free
+# (174 registers).
+#
+# From `SUM_DQ_MIN_KEYS` keys the library takes this route (chapter 5's
+# `sums_query_gradients`): two zeroed fp32 sums, the $dK$ pass with `SUMS_DQ`, no $dQ$
+# kernel, and a rounding of the sums to the gradients' dtype. It keeps the $dQ$ kernel where
+# the mask's gradient is asked for (that kernel writes it), under
+# `torch.use_deterministic_algorithms(True)`, and while a compiled graph is traced (Inductor
+# would time the candidate tiles on the sums themselves). Its autotuner zeroes the sums
+# before each timed candidate.
+#
+# SUMMED_DQ_RESULTS
+#
 # When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
 # target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward
 # runs: the second-order kernels cost nothing unless used.
