@@ -1174,8 +1174,14 @@ _KEY_SIDE_TILES = [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 
 _backward_dv_tangent = KeyedAutotuner(_attention_backward_dkdv_kernel, laid_out(
     _KEY_SIDE_TILES, [(64, 32, 8, 2), (64, 32, 4, 2), (128, 16, 8, 1), (64, 16, 8, 2)]),
     [*AUTOTUNE_KEYS, "KEYS", "VALUES"])
+# The dK pass that sums dQ (SUMS_DQ) adds 2 x BLOCK_M x d fp32 atomics per tile, so per
+# product it adds half as much with twice the keys a program: key blocks of 64 and 128 that
+# compile for sm_90 without spills, or nearly, with the sums (at d = 128: 16 x 64 on 8
+# warps none, 32 x 64 and 16 x 128 on 8 warps 36 bytes; tools/kernel_resources.py).
+_SUMMING_TILES = [(16, 64, 8, 2), (32, 64, 8, 2), (16, 128, 8, 2)]
 _backward_dk_tangent = KeyedAutotuner(_attention_backward_dkdv_kernel, laid_out(
-    _KEY_SIDE_TILES, [(64, 16, 8, 2), (64, 16, 4, 2), (128, 16, 8, 1), (64, 32, 8, 2)]),
+    _KEY_SIDE_TILES + _SUMMING_TILES,
+    [(64, 16, 8, 2), (64, 16, 4, 2), (128, 16, 8, 1), (64, 32, 8, 2)]),
     [*AUTOTUNE_KEYS, "KEYS", "VALUES", "SUMS_DQ"])
 
 
