@@ -9,7 +9,6 @@ One command runs every implementation on a grid of shapes and writes one JSON fi
     python benchmarks/bench.py --list          # print the planned cases and exit
     python benchmarks/bench.py --rcm-kernel .peers/rcm/flash_attention_jvp_triton.py  # + rcm
     python benchmarks/bench.py --impl ours --carry-min-keys 0  # bf16 accurate: carry at every N
-    python benchmarks/bench.py --mode bwd2 --sum-dq-min-keys 1000000  # second order: dQ kernel
 
 Implementations and modes (see benchmarks/README.md for what each times):
 
@@ -749,7 +748,6 @@ def header(args: argparse.Namespace) -> dict:
             "sdpa_backends_enabled": sdpa_flags,
             "precision": {"ours": precision_mode(), "ours_fast": "fast"},
             "carry_min_keys": jvp_attention.launch.CARRY_MIN_KEYS,
-            "sum_dq_min_keys": jvp_attention.backward.SUM_DQ_MIN_KEYS,
             "rcm_kernel": load_rcm(args.rcm_kernel).settings() if args.rcm_kernel else None,
         },
         "flop_convention": FLOP_CONVENTION,
@@ -875,10 +873,6 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                              "keys per row and split below (the library's CARRY_MIN_KEYS, "
                              "default 1024); 0 carries at every length, a huge N never: two "
                              "runs locate the crossover")
-    parser.add_argument("--sum-dq-min-keys", type=int, metavar="N",
-                        help="second order: the dK pass sums dQ and dtQ (atomic adds, no dQ "
-                             "kernel) from N keys per row (the library's SUM_DQ_MIN_KEYS); a "
-                             "huge N keeps the dQ kernel")
     parser.add_argument("--resume", type=Path, nargs="+",
                         help="copy cases already measured in these earlier results files (a "
                              "later file wins); run only the rest")
@@ -917,8 +911,6 @@ def main(argv: Iterable[str] | None = None) -> dict:
                              f"{type(error).__name__}: {error}") from error
     if args.carry_min_keys is not None:
         jvp_attention.launch.CARRY_MIN_KEYS = args.carry_min_keys
-    if args.sum_dq_min_keys is not None:
-        jvp_attention.backward.SUM_DQ_MIN_KEYS = args.sum_dq_min_keys
     data = header(args)
     if HAS_CUDA and args.autotune_rep_ms > 0:
         data["settings"]["quick_autotune"] = use_quick_autotune(args.autotune_rep_ms)

@@ -81,7 +81,6 @@ FULL_SIZE = DEVICE == "cuda"
 import torch
 import triton
 import triton.language as tl
-from torch._subclasses.functional_tensor import FunctionalTensor
 
 from jvp_attention.launch import (
     AUTOTUNE_KEYS,
@@ -761,26 +760,9 @@ def _aligned_backward_operands(stride_qm, stride_kn, stride_vn, stride_tqm, stri
 
 
 @triton.jit
-def _sum_query_gradients(dq_ptr, dtq_ptr, ds, dts, k, tk, flat_rows, rows, dims, n_q,
-                         head_dim, dq_factor, dtq_factor, to_tangent, from_tangent,
-                         DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr):
-    """Add one tile's share of dQ = s (dS K + dtS tK) and dtQ = s dtS K (the dQ kernel's
-    three products, in natural units: `dq_factor`, `dtq_factor`) to their fp32 sums,
-    contiguous (B, H, Nq, d), by atomic adds."""
-    dq = dot_rounded(ds, k, None, DOT_PRECISION, SPLIT)
-    dq = dot_rounded(dts, tk, dq * to_tangent, DOT_PRECISION, SPLIT) * from_tangent
-    dtq = dot_rounded(dts, k, None, DOT_PRECISION, SPLIT)
-    offsets = flat_rows[:, None] * head_dim + dims[None, :]
-    inside = (rows[:, None] < n_q) & (dims[None, :] < head_dim)
-    tl.atomic_add(dq_ptr + offsets, dq * dq_factor, mask=inside, sem="relaxed")
-    tl.atomic_add(dtq_ptr + offsets, dtq * dtq_factor, mask=inside, sem="relaxed")
-
-
-@triton.jit
 def _attention_backward_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, tq_ptr, tk_ptr, tv_ptr, mask_ptr, do_ptr, dto_ptr,
     lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, dk_ptr, dv_ptr, dtk_ptr, dtv_ptr,
-    dq_sum_ptr, dtq_sum_ptr,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_tqb, stride_tqh, stride_tqm,
     stride_tkb, stride_tkh, stride_tkn, stride_tvb, stride_tvh, stride_tvn,
@@ -793,14 +775,10 @@ def _attention_backward_dkdv_kernel(
     BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     USE_TMA: tl.constexpr, CARRY: tl.constexpr, ALIGN: tl.constexpr,
     KEYS: tl.constexpr, VALUES: tl.constexpr, TRANSPOSED: tl.constexpr,
-    SUMS_DQ: tl.constexpr,
 ):
     """dK (and dtK) with KEYS, dV (and dtV) with VALUES, of one key block, summed over all
     query heads of its GQA group, accumulated transposed with TRANSPOSED (`_key_gradient`).
-    With SUMS_DQ (KEYS and the tangent) the program also adds its share of dQ and dtQ to
-    the zeroed fp32 sums at dq_sum_ptr, dtq_sum_ptr (`_sum_query_gradients`). Row strides
-    and head dims are multiples of ALIGN."""
-    tl.static_assert(not SUMS_DQ or (KEYS and HAS_TANGENT))
+    Row strides and head dims are multiples of ALIGN."""
     (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
      stride_dtom, head_dim, value_dim) = _aligned_backward_operands(
         stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
@@ -832,8 +810,6 @@ def _attention_backward_dkdv_kernel(
         acc_dtk = tl.zeros([1, 1], dtype=tl.float32)
         acc_dtv = tl.zeros([1, 1], dtype=tl.float32)
     first_m = (start_n // BLOCK_M) * BLOCK_M if IS_CAUSAL else 0
-    dq_factor = scale * carry_factor(factors_ptr, 2, CARRY, 1.0)
-    dtq_factor = scale * carry_factor(factors_ptr, 6, CARRY, 1.0)
     for member in range(group_size):
         head = kv_head * group_size + member
         stats = (batch * n_kv_heads * group_size + head) * n_q
@@ -881,10 +857,6 @@ def _attention_backward_dkdv_kernel(
                 acc_dk = _key_gradient(dts, tq, acc_dk * to_tangent, DOT_PRECISION, SPLIT,
                                        TRANSPOSED) * from_tangent
                 acc_dtk = _key_gradient(dts, q, acc_dtk, DOT_PRECISION, SPLIT, TRANSPOSED)
-            if SUMS_DQ:
-                _sum_query_gradients(dq_sum_ptr, dtq_sum_ptr, ds, dts, k, tk, stats + rows,
-                                     rows, dims, n_q, head_dim, dq_factor, dtq_factor,
-                                     to_tangent, from_tangent, DOT_PRECISION, SPLIT)
     key_rows = tl.program_id(1).to(tl.int64) * n_k + cols
     dk_factor = scale * carry_factor(factors_ptr, 3, CARRY, 1.0)
     if KEYS:
@@ -1174,42 +1146,18 @@ _KEY_SIDE_TILES = [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 64, 4, 
 _backward_dv_tangent = KeyedAutotuner(_attention_backward_dkdv_kernel, laid_out(
     _KEY_SIDE_TILES, [(64, 32, 8, 2), (64, 32, 4, 2), (128, 16, 8, 1), (64, 16, 8, 2)]),
     [*AUTOTUNE_KEYS, "KEYS", "VALUES"])
-# The dK pass that sums dQ (SUMS_DQ) adds 2 x BLOCK_M x d fp32 atomics per tile, so per
-# product it adds half as much with twice the keys a program: key blocks of 64 and 128 that
-# compile for sm_90 without spills, or nearly, with the sums (at d = 128: 16 x 64 on 8
-# warps none, 32 x 64 and 16 x 128 on 8 warps 36 bytes; tools/kernel_resources.py).
-_SUMMING_TILES = [(16, 64, 8, 2), (32, 64, 8, 2), (16, 128, 8, 2)]
+# Not in the dK pass: at d = 128, compiled for sm_90 by Triton 3.6, 32 x 64 on 4 warps
+# returns a dtK that differs from run to run, at times with 3.5x PyTorch's error (H100,
+# bf16, (2, 8, 1024, 128)); every other tile of both passes and of the dQ kernel gave
+# bitwise the same gradients in 8 runs at d = 128 and 64.
+_RACING_DK_TILES = {(32, 64, 4, 2)}
 _backward_dk_tangent = KeyedAutotuner(_attention_backward_dkdv_kernel, laid_out(
-    _KEY_SIDE_TILES + _SUMMING_TILES,
+    [tile for tile in _KEY_SIDE_TILES if tile not in _RACING_DK_TILES],
     [(64, 16, 8, 2), (64, 16, 4, 2), (128, 16, 8, 1), (64, 32, 8, 2)]),
-    [*AUTOTUNE_KEYS, "KEYS", "VALUES", "SUMS_DQ"])
-
-
-def _zero_query_sums(args: dict, reset_only: bool = False) -> None:
-    """The dK pass's autotuner hook, run before each timed candidate and before the launch
-    after the timing: with SUMS_DQ the candidates add to the fp32 dQ sums, so zero them."""
-    if args.get("SUMS_DQ"):
-        args["dq_sum_ptr"].zero_()
-        args["dtq_sum_ptr"].zero_()
-
-
-_backward_dk_tangent.pre_hook = _zero_query_sums
+    [*AUTOTUNE_KEYS, "KEYS", "VALUES"])
 # The second-order dK/dV work in one pass (four accumulators) or in two (dV and dtV, then
 # dK and dtK: two accumulators each, at the cost of the score products done twice).
 SPLIT_KEY_SIDE = True
-# Keys per row from which the dK pass sums dQ and dtQ (SUMS_DQ) and no dQ kernel runs.
-SUM_DQ_MIN_KEYS = 2048
-
-
-def sums_query_gradients(q: torch.Tensor, n_k: int, mask_grad: bool) -> bool:
-    """Whether the second-order dK pass sums dQ and dtQ by atomic adds: from
-    SUM_DQ_MIN_KEYS keys, in two key-side passes, unless the mask's gradient is asked for
-    (the dQ kernel writes it), PyTorch is set to deterministic algorithms (the order of
-    the adds varies from run to run) or a compiled graph is being traced (Inductor would
-    time the candidate tiles on the sums themselves)."""
-    return (SPLIT_KEY_SIDE and n_k >= SUM_DQ_MIN_KEYS and not mask_grad
-            and not isinstance(q, FunctionalTensor)
-            and not torch.are_deterministic_algorithms_enabled())
 _backward_dq = autotuned(_attention_backward_dq_kernel, [
     (128, 32, 8, 2), (64, 64, 8, 2), (128, 16, 8, 2), (64, 32, 8, 2), (128, 64, 8, 2),
     (64, 64, 4, 2), (32, 32, 4, 1)])
@@ -1340,11 +1288,6 @@ def flash_attention_backward(
     dv = torch.empty((batch, n_kv_heads, n_k, value_dim), device=q.device, dtype=v.dtype)
     dtq, dtk, dtv = ((torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv))
                      if has_tangent else (dq, dk, dv))
-    # Long rows through the tangent: the dK pass sums dQ and dtQ in fp32, no dQ kernel runs
-    sums_dq = has_tangent and sums_query_gradients(q, n_k, mask_grad)
-    query_sums = ((torch.zeros(dq.shape, device=q.device, dtype=torch.float32),
-                   torch.zeros(dq.shape, device=q.device, dtype=torch.float32))
-                  if sums_dq else (dk, dtk))  # (dk, dtk): placeholders, not written
     mask, mask_strides, mask_kind = mask_operand(attn_mask, scores_shape,
                                                  mask_tangent if has_tangent else None)
     # The mask's gradients (not written without MASK_GRAD): entries that the dQ programs
@@ -1422,8 +1365,8 @@ def flash_attention_backward(
         fused_dq = fused_dq and launched(launch_warp_specialized_dkdv, *ws_args, dk, dv,
                                          is_causal, scale, dq, dq_sum, summing=True)
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
-        if not (fused_dq or sums_dq or ws_dq and launched(launch_warp_specialized_dq,
-                                                          *ws_args, dq, is_causal, scale)):
+        if not (fused_dq or ws_dq and launched(launch_warp_specialized_dq, *ws_args, dq,
+                                               is_causal, scale)):
             launchable(dq_kernel, q)[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
                 q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, out, residual, lse, delta, mu,
                 c, factors, dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes,
@@ -1443,11 +1386,8 @@ def flash_attention_backward(
             for dkdv, keys, values in passes:
                 launchable(dkdv, q)[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
                     q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c,
-                    factors, dk, dv, dtk, dtv, *query_sums, *strides, n_kv_heads, *sizes,
-                    **switches, **meta, KEYS=keys, VALUES=values, SUMS_DQ=sums_dq and keys,
-                    **layout)
-    if sums_dq:  # fp32 sums to the gradients' dtype (no copy when it is fp32)
-        dq, dtq = (total.to(dq.dtype) for total in query_sums)
+                    factors, dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches,
+                    **meta, KEYS=keys, VALUES=values, **layout)
     grads = (dq, dk, dv, dtq, dtk, dtv) if has_tangent else (dq, dk, dv)
     if mask_grad:
         return (*grads, dmask, dmask_tangent) if has_tangent else (*grads, dmask)
@@ -1532,11 +1472,10 @@ set_precision("accurate")
 print(format_table(rows))
 
 # %% [markdown]
-# No atomics means determinism: the same inputs give bitwise the same gradients. Two paths
-# trade that for speed, each summing dQ in fp32 in an order that varies from run to run:
-# chapter 12's dK/dV kernel on Hopper (through the copy engine's adds) and, from
-# `SUM_DQ_MIN_KEYS` keys, the second-order dK pass (atomic adds, chapter 6). Under
-# `torch.use_deterministic_algorithms(True)` both give way to the kernels of this chapter.
+# No atomics means determinism: the same inputs give bitwise the same gradients. Chapter
+# 12's dK/dV kernel on Hopper trades that for speed, summing dQ in fp32 through the copy
+# engine's adds, in an order that varies from run to run; under
+# `torch.use_deterministic_algorithms(True)` the launcher keeps this chapter's split there.
 
 # %%
 q, k, v = (torch.randn(1, 4, N, 64, device=DEVICE) for _ in range(3))

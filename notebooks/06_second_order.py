@@ -152,32 +152,40 @@
 # 2.4 and accurate precision's range pass and copies 0.8: the key side is where the rest of
 # the time is.
 #
-# ## Summing dQ where dS is made
+# ## A tile that raced, and dQ summed on the key side
 #
-# The $dK$ pass computes $dS$ and $dt_S$ for every tile, and the $dQ$ kernel computes them
-# again: $S$, $t_S$ (three products), $dO\,V^\top$, $dt_O\,t_V^\top$ and $G$ (three more),
-# all to feed its own three, $dS\,K$, $dt_S\,t_K$ and $dt_S\,K$. Counted in products of
-# one tile's size, the two key-side passes and the $dQ$ kernel run 6 + 9 + 9 = 24; if the
-# $dK$ pass does the $dQ$ kernel's three products itself and adds them to fp32 sums of
-# $dQ$ and $dt_Q$, 6 + 12 = 18, a quarter fewer. The price is the adds: every key block's
-# program adds to every query row it sees, so the sums take atomic adds, $2 \cdot
-# \text{BLOCK\_M} \cdot d$ of them per tile, and their order varies from run to run.
-# Compiled for sm_90, Triton turns each thread's share into 16-byte vector adds
-# (`atom.global.gpu.relaxed.add.v4.f32`, 16 of them per tile at 32 × 64 and $d = 128$:
-# `tools/kernel_resources.py` lists a kernel's atomic instructions), and the extra product
-# and its fp32 result cost registers: the $dK$ pass's 32 × 64 tile on 4 warps spills 192
-# bytes a thread at $d = 128$ where it spilled 152, and its 16 × 32 tile stays spill-free
-# (174 registers).
+# Timing the $dK$ pass's tiles for the next step turned up a wrong answer. At $d = 128$ the
+# tile the autotuner chose on the H100 above, 32 × 64 on 4 warps, returns a $dt_K$ that is
+# not the same from one call to the next: in 8 calls on the same inputs ((2, 8, 1024, 128),
+# bf16) one or more differ, once with 3.5x PyTorch's error where the others have 0.15x.
+# No other gradient moves, and no other tile does: each tile of both key-side passes and of
+# the $dQ$ kernel, forced in turn, gave bitwise the same six gradients in 8 calls at
+# $d = 128$ and $64$ (16 × 128 on 8 warps, tried outside the lists, raced too). The
+# kernel's code is the same at every tile, so the compiled form of that tile (Triton 3.6,
+# sm_90, 152 bytes of spills a thread) is at fault, not the formulas; the tile left the
+# $dK$ pass's list (chapter 5, `_RACING_DK_TILES`), and a GPU test now runs every tile of
+# the three second-order lists several times and asks for bitwise equal gradients. The
+# price, on the same H100, bf16, (4, 16, 4096, 128): the autotuner takes 16 × 32 on 4
+# warps, the key side's two passes take 14.7 ms instead of 11.5, the whole call 24.0 ms
+# instead of 20.8 ("fast": 22.4 against 18.7); at $d = 64$ nothing changes (10.5 ms,
+# 64 × 32 on 4 warps).
 #
-# From `SUM_DQ_MIN_KEYS` keys the library takes this route (chapter 5's
-# `sums_query_gradients`): two zeroed fp32 sums, the $dK$ pass with `SUMS_DQ`, no $dQ$
-# kernel, and a rounding of the sums to the gradients' dtype. It keeps the $dQ$ kernel where
-# the mask's gradient is asked for (that kernel writes it), under
-# `torch.use_deterministic_algorithms(True)`, and while a compiled graph is traced (Inductor
-# would time the candidate tiles on the sums themselves). Its autotuner zeroes the sums
-# before each timed candidate.
-#
-# SUMMED_DQ_RESULTS
+# The other step was to stop computing $dS$ twice. The $dK$ pass computes $dS$ and $dt_S$
+# for every tile, and the $dQ$ kernel computes them again: $S$ and $t_S$ (three products),
+# $dO\,V^\top$, $dt_O\,t_V^\top$ and $G$ (three more), all to feed its own three, $dS\,K$,
+# $dt_S\,t_K$ and $dt_S\,K$. In products of a tile's size the two key-side passes and the
+# $dQ$ kernel run 6 + 9 + 9 = 24; with the $dQ$ kernel's three products done in the $dK$
+# pass and added to fp32 sums of $dQ$ and $dt_Q$, 6 + 12 = 18. But every key block's
+# program then adds to every query row it sees: atomic adds, $2 \cdot \text{BLOCK\_M}
+# \cdot d$ fp32 values per tile (Triton compiles them for sm_90 as 16-byte vector adds,
+# `atom.global.gpu.relaxed.add.v4.f32`), about 17 GB of them per call at (4, 16, 4096, 128) with
+# 64-key blocks. Built and timed on the H100 (bf16, the whole call, each form with its own
+# tuned tiles, before the racing tile left the list), the sums lost everywhere: 22.5
+# against 20.8 ms at $d = 128$ ("fast": 21.3 against 18.7) and 11.2 against 10.5 at
+# $d = 64$ (9.4 against 9.1), besides giving up reproducible gradients. So the $dQ$
+# kernel stays: the adds cost more than the five products they save. (Chapter 12's
+# first-order kernel makes the trade pay by handing its adds to the copy engine, which the
+# Triton kernels here cannot reach.)
 #
 # When nothing uses $t_O$ (the MeanFlow and sCM losses put a stop-gradient on the tangent
 # target), autograd hands the Function a `None` cotangent for $t_O$ and the plain backward

@@ -93,14 +93,7 @@ def compile_report(kernel, bound: dict, config: triton.Config, float_type: str =
         report = ptxas_report(ptx)
     return {**report, "shared": compiled.metadata.shared,
             "copies": copy_instructions(ptx), "load_bytes": global_load_widths(ptx),
-            **wgmma_report(ptx), "atomics": atomic_instructions(ptx)}
-
-
-def atomic_instructions(ptx: str) -> dict[str, int]:
-    """The kernel's atomic instructions in its code by form ("atom.global.gpu.relaxed.add.v4.f32":
-    count): the second-order dK pass that sums dQ adds 16 bytes per instruction on sm_90."""
-    forms = re.findall(r"\b(?:atom|red)\.global\.[\w.]+", ptx)
-    return {form: forms.count(form) for form in sorted(set(forms))}
+            **wgmma_report(ptx)}
 
 
 def wgmma_report(ptx: str) -> dict:
@@ -298,7 +291,6 @@ def main() -> None:
                   f" d={head_dim} wgmma groups={report['wgmma_groups']} "
                   f"waits={report['wgmma_waits']} mma.sync={report['mma_sync']}"
                   f"{' transposed' if launch_args.get('TRANSPOSED') else ''}"
-                  f"{''.join(f' {form}={n}' for form, n in report['atomics'].items())}"
                   f"{'' if row['fits'] else '  DOES NOT FIT'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -318,9 +318,6 @@ def main() -> None:
     parser.add_argument("--precision", choices=("accurate", "fast"),
                         help="the 16-bit products' rounding (jvp_attention.precision; default: "
                         "the library's, JVP_ATTENTION_PRECISION or accurate)")
-    parser.add_argument("--sum-dq-min-keys", type=int, metavar="N",
-                        help="second order: the dK pass sums dQ (no dQ kernel) from N keys "
-                             "(the library's SUM_DQ_MIN_KEYS); 1 always, a huge N never")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--smoke", action="store_true",
                         help="(1, 1, 16, 16) in fp16, once per tile: checks the plumbing (on "
@@ -335,8 +332,6 @@ def main() -> None:
         tiles = args.tiles and parse_tiles(args.tiles, KERNELS[args.kernel][0], args.key_layout)
     except ValueError as error:
         parser.error(str(error))
-    if args.sum_dq_min_keys is not None:
-        backward.SUM_DQ_MIN_KEYS = args.sum_dq_min_keys
     precision = jvp_attention.precision(args.precision or jvp_attention.get_precision())
     with precision, pairing_tails(args.pair_tails), laying_out_keys(args.key_layout):
         rows = [row for b, h, n in (args.shape or [[64, 12, 256]]) for d in args.head_dims
@@ -349,7 +344,6 @@ def main() -> None:
                                          or jvp_attention.get_precision(),
                                          "pair_tails": args.pair_tails,
                                          "key_layout": args.key_layout,
-                                         "sum_dq_min_keys": backward.SUM_DQ_MIN_KEYS,
                                          "gpu": torch.cuda.get_device_name() if HAS_CUDA
                                          else None,
                                          "rows": rows}, indent=1) + "\n")
