@@ -1085,10 +1085,10 @@ def _attention_backward_dq_kernel(
 # registers without spilling, and with 16 query rows the products run on Ampere-style
 # tensor-core instructions; each pass holds two, like the first-order kernel, and takes
 # larger tiles. The cost is the three score products done twice: 24 products of a tile's
-# size instead of 21, counting the dQ kernel's nine (chapter 6). On the H200 (bf16, (4, 16, 4096, 128), the
-# whole second-order backward, in one session): 22.49 ms in one pass against 21.39 in two
-# in "accurate" precision (183 against 193 TFLOP/s), 18.62 against 16.21 ms in "fast" (221
-# against 254); at (4, 32, 4096, 64) 23.75 ms "accurate" and 16.76 "fast", where the one
+# size instead of 21, counting the dQ kernel's nine (chapter 6). On the H200 (bf16, (4, 16,
+# 4096, 128), the whole second-order backward, in one session): 22.49 ms in one pass
+# against 21.39 in two in "accurate" precision (183 against 193 TFLOP/s), 18.62 against
+# 16.21 ms in "fast" (221 against 254); at (4, 32, 4096, 64) 23.75 ms "accurate" and 16.76 "fast", where the one
 # pass took 26.68 and 22.22 in an earlier run (`benchmarks/results/second_order_h200.json`).
 # `SPLIT_KEY_SIDE = False` brings back the one pass.
 
