@@ -18,7 +18,10 @@ Each tile runs alone (the autotuner's list is narrowed to it); a tile that canno
 `--check` each row also has `error_vs_math`: the call's largest error against a float64
 reference (every output the call makes: O and tO, or the gradients), as a multiple of the
 error of PyTorch's math attention (softmax(s QKᵀ) V) in the same dtype; the tests accept up
-to 2. The reference materialises the scores in float64, so keep the shape moderate.
+to 2. The reference materialises the scores in float64, so keep the shape moderate. The
+rows also have `reproducible`: whether REPEATS more calls gave bitwise the outputs of the
+first, which one call's error can miss (a tile whose compiled form raced returned a wrong
+dtK in one call of eight, chapter 6).
 `--pair-tails on` (or `off`) times the forward with its half-full tail tiles paired (or
 not) whatever the library would choose (chapter 2's `pair_tails`). `--key-layout transposed`
 (or `stored`) has the dK/dV kernels accumulate dims x keys (or keys x dims) whatever the
@@ -139,6 +142,16 @@ def in_dtype(inputs, dtype: torch.dtype):
             for group in inputs]
 
 
+REPEATS = 7  # calls compared with the first one by `--check`
+
+
+def reproducible(call, first) -> bool:
+    """Whether REPEATS more calls return bitwise the tensors `first` (one call's)."""
+    first = [x.detach().clone() for x in first]
+    return all(torch.equal(a, b.detach()) for _ in range(REPEATS)
+               for a, b in zip(first, call(), strict=True))
+
+
 def accuracy_check(inputs, mode: str):
     """A function of the call's outputs giving their largest error against the float64
     reference as a multiple of the math attention's in the inputs' dtype."""
@@ -191,7 +204,9 @@ def sweep(shape: tuple[int, int, int, int], dtype: torch.dtype, calls: int,
                 if config is None:
                     row["chosen"] = tile_name(tuner.best_config)
                 if error_vs_math is not None:
-                    row["error_vs_math"] = round(error_vs_math(call()), 3)
+                    first = call()
+                    row["error_vs_math"] = round(error_vs_math(first), 3)
+                    row["reproducible"] = reproducible(call, first)
             except Exception as error:  # noqa: BLE001 - a tile that cannot launch is a row
                 row["error"] = f"{type(error).__name__}: {str(error)[:120]}"
             rows.append(row)

@@ -192,3 +192,21 @@ def test_tiles_carry_the_second_order_layout() -> None:
         tile_sweep.parse_tiles("64,16,8,2,1", backward._backward_dkdv, "library")
     with pytest.raises(ValueError, match="M,N,warps,stages"):
         tile_sweep.parse_tiles("64,16,8", tuner, "library")
+
+
+def test_reproducible_compares_every_repeat_bitwise() -> None:
+    """--check's `reproducible`: REPEATS more calls, each output bitwise equal to the first
+    call's; one call that differs in one output (a racing tile) makes it false."""
+    first = (torch.zeros(3), torch.ones(2))
+    calls = iter(range(100))
+
+    def steady():
+        next(calls)
+        return (torch.zeros(3), torch.ones(2))
+
+    assert tile_sweep.reproducible(steady, first)
+    assert 100 - len(list(calls)) == tile_sweep.REPEATS
+    outputs = [(torch.zeros(3), torch.ones(2))] * (tile_sweep.REPEATS - 1)
+    outputs.insert(2, (torch.zeros(3), torch.tensor([1.0, 1.5])))
+    racing = iter(outputs)
+    assert not tile_sweep.reproducible(lambda: next(racing), first)
