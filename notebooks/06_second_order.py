@@ -161,10 +161,17 @@
 # No other gradient moves, and no other tile does: each tile of both key-side passes and of
 # the $dQ$ kernel, forced in turn, gave bitwise the same six gradients in 8 calls at
 # $d = 128$ and $64$ (16 × 128 on 8 warps, tried outside the lists, raced too). The
-# kernel's code is the same at every tile, so the compiled form of that tile (Triton 3.6,
-# sm_90, 152 bytes of spills a thread) is at fault, not the formulas; the tile left the
-# $dK$ pass's list (chapter 5, `_RACING_DK_TILES`), and a GPU test now runs every tile of
-# the three second-order lists several times and asks for bitwise equal gradients. The
+# kernel's source is the same at every tile, so the compiled form of that tile is at
+# fault, not the formulas, and its code (Triton 3.6, sm_90) shows how: its threads store
+# operands to shared memory (`st.shared`, `stmatrix`) that `wgmma` then reads, with no
+# `fence.proxy.async` anywhere (so has 16 × 128 on 8 warps). Hopper's tensor cores read shared memory through the async
+# proxy, which sees the threads' stores only after that fence; every other tile of every
+# list, at $d = 64$ and $128$, has it (`tools/kernel_resources.py` marks the pattern,
+# `unfenced_wgmma`). The tile left the key side's list (chapter 5, `_KEY_SIDE_TILES`, for
+# the $dV$ pass too, whose code has the same pattern though its gradients did not vary in
+# 8 calls); a CPU test compiles every second-order tile for sm_90 and refuses the pattern,
+# and a GPU test runs every tile of the three second-order lists several times for
+# bitwise equal gradients. The
 # price, on the same H100, bf16, (4, 16, 4096, 128): the autotuner takes 16 × 32 on 4
 # warps, the key side's two passes take 14.7 ms instead of 11.5, the whole call 24.0 ms
 # instead of 20.8 ("fast": 22.4 against 18.7); at $d = 64$ nothing changes (10.5 ms,

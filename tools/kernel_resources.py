@@ -93,7 +93,19 @@ def compile_report(kernel, bound: dict, config: triton.Config, float_type: str =
         report = ptxas_report(ptx)
     return {**report, "shared": compiled.metadata.shared,
             "copies": copy_instructions(ptx), "load_bytes": global_load_widths(ptx),
-            **wgmma_report(ptx)}
+            **wgmma_report(ptx), "unfenced_wgmma": unfenced_wgmma(ptx)}
+
+
+def unfenced_wgmma(ptx: str) -> bool:
+    """Whether the kernel multiplies on `wgmma` (which reads shared memory through the
+    async proxy) after its threads store to shared memory (`st.shared`, `stmatrix`: the
+    generic proxy) with no `fence.proxy.async` anywhere in its code. Hopper orders the two
+    proxies only through that fence, so such a kernel may read stale operands: the tile
+    of chapter 5's second-order key side that returned varying gradients had this pattern,
+    and no other tile of the library's lists did (every kernel, d = 64 and 128)."""
+    stores = re.search(r"\b(?:st\.shared|stmatrix)", ptx)
+    return bool(stores and re.search(r"\bwgmma\.mma_async", ptx)
+                and not re.search(r"\bfence\.proxy\.async", ptx))
 
 
 def wgmma_report(ptx: str) -> dict:
@@ -291,6 +303,7 @@ def main() -> None:
                   f" d={head_dim} wgmma groups={report['wgmma_groups']} "
                   f"waits={report['wgmma_waits']} mma.sync={report['mma_sync']}"
                   f"{' transposed' if launch_args.get('TRANSPOSED') else ''}"
+                  f"{'  UNFENCED WGMMA' if report['unfenced_wgmma'] else ''}"
                   f"{'' if row['fits'] else '  DOES NOT FIT'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

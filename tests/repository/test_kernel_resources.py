@@ -96,3 +96,30 @@ def test_key_layout_overrides_the_key_sides_accumulators_only() -> None:
         ("_backward_dq_tangent", "library", None), ("_backward_dq_tangent", "transposed", None),
         ("_backward_dv_tangent", "library", False), ("_backward_dv_tangent", "library", True),
         ("_backward_dv_tangent", "transposed", True)])
+
+
+def test_unfenced_wgmma_needs_shared_stores_wgmma_and_no_proxy_fence() -> None:
+    """`unfenced_wgmma`: wgmma after generic-proxy stores to shared memory (st.shared or
+    stmatrix) with no fence.proxy.async in the code."""
+    wgmma = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r1}, %rd1, %rd2;\n"
+    store = "st.shared.v4.b32 [%r2], {%r3, %r4, %r5, %r6};\n"
+    fence = "fence.proxy.async.shared::cta;\n"
+    cases = {"store + wgmma": store + wgmma, "stmatrix + wgmma": "stmatrix.sync.aligned.x4"
+             ".m8n8.shared.b16 [%r1], {%r2, %r3, %r4, %r5};\n" + wgmma,
+             "fenced": store + fence + wgmma, "no wgmma": store, "no store": wgmma}
+    assert printed_by_tool(f"{{k: kr.unfenced_wgmma(v) for k, v in {cases!r}.items()}}") == (
+        "{'store + wgmma': True, 'stmatrix + wgmma': True, 'fenced': False, "
+        "'no wgmma': False, 'no store': False}")
+
+
+def test_no_second_order_tile_reads_unfenced_shared_memory() -> None:
+    """Every tile of the second-order kernels' lists, compiled for sm_90 at d = 128 and 64,
+    fences the async proxy before wgmma reads what its threads stored (the pattern of the
+    tile that returned varying gradients, chapter 6)."""
+    result = subprocess.run(
+        [sys.executable, str(TOOLS / "kernel_resources.py"), "--kernels", "_tangent",
+         "--head-dim", "128", "64"], capture_output=True, text=True, timeout=900, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if "regs=" in line]
+    assert len(rows) > 20, result.stdout[-2000:]
+    assert not [row for row in rows if "UNFENCED WGMMA" in row]
