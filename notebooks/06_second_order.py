@@ -134,8 +134,8 @@
 # it. The $dK$ pass keeps the stored 16 × 32 tile on 4 warps (14.69 ms): its transposed
 # tiles, on `wgmma` alone, took 18.68 ms (128 × 16, 8 warps), 19.21 ms (64 × 16, 4 warps)
 # and 29.78 ms (64 × 16, 8 warps): multiplying on `wgmma` alone does not make that pass
-# faster at these tiles (why was not profiled further). The whole backward through both outputs ran at 230 TFLOP/s in the
-# same session (17.96 ms, `benchmarks/results/tvm_step_h200.json`), against 18.10 ms in
+# faster at these tiles (why was not profiled further). The whole backward through both
+# outputs ran at 230 TFLOP/s in the same session (17.96 ms, `benchmarks/results/tvm_step_h200.json`), against 18.10 ms in
 # the second-order run before the layouts were tuned.
 #
 # The $dQ$ kernel's list was tuned at $d = 128$ and missed $d = 64$'s best. Timed on an H100
@@ -166,13 +166,13 @@
 # operands to shared memory (`st.shared`, `stmatrix`) that `wgmma` then reads, with no
 # `fence.proxy.async` anywhere (so has 16 × 128 on 8 warps). Hopper's tensor cores read
 # shared memory through the async proxy, which sees the threads' stores only after that
-# fence; every other tile of every list, at $d = 64$ and $128$, has it (`tools/kernel_resources.py` marks the pattern,
-# `unfenced_wgmma`). The tile left the key side's list (chapter 5, `_KEY_SIDE_TILES`, for
-# the $dV$ pass too, whose code has the same pattern though its gradients did not vary in
-# 8 calls); a CPU test compiles every second-order tile for sm_90 and refuses the pattern,
-# and a GPU test runs every tile of the three second-order lists several times for
-# bitwise equal gradients. The
-# price, on the same H100, bf16, (4, 16, 4096, 128): the autotuner takes 16 × 32 on 4
+# fence; every other tile of every list, at $d = 64$ and $128$, has it
+# (`tools/kernel_resources.py` marks the pattern, `unfenced_wgmma`). The tile left the key
+# side's list (chapter 5, `_KEY_SIDE_TILES`, for the $dV$ pass too, whose code has the same
+# pattern though its gradients did not vary in 8 calls); a CPU test compiles every
+# second-order tile for sm_90 and refuses the pattern, and a GPU test runs every tile of
+# the three second-order lists several times for bitwise equal gradients. The price, on
+# the same H100, bf16, (4, 16, 4096, 128): the autotuner takes 16 × 32 on 4
 # warps, the key side's two passes take 14.7 ms instead of 11.5, the whole call 24.0 ms
 # instead of 20.8 ("fast": 22.4 against 18.7); at $d = 64$ nothing changes (10.5 ms,
 # 64 × 32 on 4 warps).
