@@ -164,9 +164,9 @@
 # kernel's source is the same at every tile, so the compiled form of that tile is at
 # fault, not the formulas, and its code (Triton 3.6, sm_90) shows how: its threads store
 # operands to shared memory (`st.shared`, `stmatrix`) that `wgmma` then reads, with no
-# `fence.proxy.async` anywhere (so has 16 × 128 on 8 warps). Hopper's tensor cores read
-# shared memory through the async proxy, which sees the threads' stores only after that
-# fence; every other tile of every list, at $d = 64$ and $128$, has it
+# `fence.proxy.async` anywhere (as have 16 × 128 and 32 × 64 on 8 warps, outside the
+# lists). Hopper's tensor cores read shared memory through the async proxy, which sees the
+# threads' stores only after that fence; every other tile of every list, at $d = 64$ and $128$, has it
 # (`tools/kernel_resources.py` marks the pattern, `unfenced_wgmma`). The tile left the key
 # side's list (chapter 5, `_KEY_SIDE_TILES`, for the $dV$ pass too, whose code has the same
 # pattern though its gradients did not vary in 8 calls); a CPU test compiles every
