@@ -146,8 +146,8 @@
 # call (forward with the tangent, then the backward through both outputs) fell from 11.25
 # to 10.45 ms at $d = 64$ ("fast": 9.83 to 9.24) and stayed 20.7 ms at $d = 128$; the
 # backward through both outputs then ran at 239 TFLOP/s at $d = 64$ and 234 at $d = 128$
-# on that H100 (273 and 258 "fast"; `benchmarks/results/second_order_h100.json`, 4096
-# tokens, $B \cdot H \cdot d$ the same at both head dims). In the same calls the key side's
+# on that H100 (273 and 258 "fast"; 4096 tokens, $B \cdot H \cdot d$ the same at both head
+# dims; `benchmarks/results/second_order_h100.json` keeps that run's command). In the same calls the key side's
 # two passes took 11.5 ms at $d = 128$, the $dQ$ kernel 5.9, the forward with the tangent
 # 2.4 and accurate precision's range pass and copies 0.8: the key side is where the rest of
 # the time is.
@@ -175,7 +175,14 @@
 # the same H100, bf16, (4, 16, 4096, 128): the autotuner takes 16 × 32 on 4
 # warps, the key side's two passes take 14.7 ms instead of 11.5, the whole call 24.0 ms
 # instead of 20.8 ("fast": 22.4 against 18.7); at $d = 64$ nothing changes (10.5 ms,
-# 64 × 32 on 4 warps).
+# 64 × 32 on 4 warps). Timed again without it (`benchmarks/bench.py`, the backward alone),
+# the backward through both outputs at $d = 128$ runs at 197 TFLOP/s (20.95 ms; 212
+# "fast") against 234 with the racing tile, while $d = 64$ keeps 239. Eight more $dK$
+# tiles free of the pattern, stored and transposed, were timed on the same H100 (and found
+# reproducible, 0.24x PyTorch math's error each): the best, 32 × 64 on 8 warps with one
+# stage, transposed, took 16.6 ms for both passes against 14.7 with 16 × 32 on 4 warps
+# (`benchmarks/results/tile_sweep_second_order_h100.json`), so the tile's 3 ms are not won
+# back by another tile.
 #
 # The other step was to stop computing $dS$ twice. The $dK$ pass computes $dS$ and $dt_S$
 # for every tile, and the $dQ$ kernel computes them again: $S$ and $t_S$ (three products),

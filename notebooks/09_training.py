@@ -479,16 +479,17 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   compiled: each of the step's 66 linear layers multiplies its input by a tensor of zeros
 #   in its JVP (a fifth of the step's matrix products), which the lean kernels also remove
 #   (from a compiled step when they are on while it is traced, under a compile-cache key of
-#   their own: chapter 13; the compiled lean rows below were served the graphs of PyTorch's
-#   zero tangents by torch 2.11's compile cache, so they measure nothing new). On an
+#   their own: chapter 13). On an
 #   H100 machine (`examples/results/bench_dit_b2_zero_tangents_h100.json`, each row run with
 #   PyTorch's zero tangents and then with the lean kernels, one run), the eager steps'
 #   host time before the backward fell in five of six pairs (114.6 to 86.3 ms for ours at
 #   256 tokens, 152.5 to 104.3 ms for the math path at 1024), but the steps themselves moved
 #   by -24 to +10 ms, within eager steps' spread from run to run (ours at 256 tokens:
-#   175 and 138 ms in the two H200 runs above); the compiled rows' two settings ran the same graphs
-#   (61.2 and 63.8 ms with ours at 1024 tokens in the default mode, 84.7 and 81.6 ms with
-#   the math path; 57.7 and 58.0, 78.8 and 78.6 ms with CUDA graphs).
+#   175 and 138 ms in the two H200 runs above). Compiled in the default mode at 1024
+#   tokens, with each setting under its own cache key, the lean step took 53.7 ms against
+#   61.2 with ours and 80.4 against 84.7 with the math path (1.50x and 1.38x the math path;
+#   the first lean runs had been served PyTorch's graphs by torch 2.11's compile cache and
+#   were measured again; the file's `note` says so).
 # - **Against jvp-flash-attention, compiled.** Under `torch.compile` with CUDA graphs its
 #   step takes 161.5 ms at 256 tokens, 211.4 at 1024 and 188.6 at 4096: slower than its
 #   own eager steps (132.5, 148.7, 143.8 ms). `torch.compile` records three graph breaks in

@@ -47,6 +47,7 @@ from helpers import (
     other_backward_paths,
 )
 from hypothesis import given
+from triton.runtime.errors import OutOfResources
 
 import jvp_attention.backward as backward
 from jvp_attention.accuracy import float64_truth
@@ -411,10 +412,16 @@ def test_every_second_order_tile_is_reproducible_gpu(name: str, head_dim: int,
     p = make_problem(Spec(batch=2, hq=8, hkv=8, nq=1024, nk=1024, d=head_dim), BF16, seed=1,
                      device="cuda")
     tuner = getattr(backward, name)
+    launched = 0
     for config in list(tuner.configs):
         force_key_side_tiles(monkeypatch, {name: config})
-        first = kernel_second_order(p)
+        try:
+            first = kernel_second_order(p)
+        except OutOfResources:
+            continue  # over the GPU's shared memory: the autotuner times it as infinite
+        launched += 1
         for _ in range(4):
             again = kernel_second_order(p)
             for grad in first:
                 assert torch.equal(first[grad], again[grad]), (name, str(config), grad)
+    assert launched, f"no tile of {name} launched at d = {head_dim}"
