@@ -18,10 +18,13 @@ Each tile runs alone (the autotuner's list is narrowed to it); a tile that canno
 `--check` each row also has `error_vs_math`: the call's largest error against a float64
 reference (every output the call makes: O and tO, or the gradients), as a multiple of the
 error of PyTorch's math attention (softmax(s QKᵀ) V) in the same dtype; the tests accept up
-to 2. The reference materialises the scores in float64, so keep the shape moderate. The
-rows also have `reproducible`: whether REPEATS more calls gave bitwise the outputs of the
-first, which one call's error can miss (a tile whose compiled form raced returned a wrong
-dtK in one call of eight, chapter 6).
+to 2. The references run on slices of the batch and heads whose float64 scores take at
+most REFERENCE_CHUNK_BYTES each (the float64 scores of (4, 16, 4096) take 8.6 GB, and a
+backward through both outputs keeps several such tensors), so any shape that can be timed
+can be checked; it takes longer at long sequences. The rows also have `reproducible`:
+whether REPEATS more calls gave bitwise the outputs of the first, which one call's error
+can miss (a tile whose compiled form raced returned a wrong dtK in one call of eight,
+chapter 6).
 `--pair-tails on` (or `off`) times the forward with its half-full tail tiles paired (or
 not) whatever the library would choose (chapter 2's `pair_tails`). `--key-layout transposed`
 (or `stored`) has the dK/dV kernels accumulate dims x keys (or keys x dims) whatever the
@@ -136,12 +139,6 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, dim=-1) @ v
 
 
-def in_dtype(inputs, dtype: torch.dtype):
-    """The same inputs in another dtype, as new leaves (requires_grad kept)."""
-    return [[x.detach().to(dtype).requires_grad_(x.requires_grad) for x in group]
-            for group in inputs]
-
-
 REPEATS = 7  # calls compared with the first one by `--check`
 
 
@@ -152,14 +149,43 @@ def reproducible(call, first) -> bool:
                for a, b in zip(first, call(), strict=True))
 
 
+# Bytes the float64 scores of one slice of the reference may take.
+REFERENCE_CHUNK_BYTES = 2**30
+
+
+def reference_slices(shape: torch.Size) -> list[tuple[slice, slice]]:
+    """(batch, heads) slices of inputs of `shape` (B, H, N, d) whose float64 scores take at
+    most REFERENCE_CHUNK_BYTES each (a single head if even one is larger): whole batch
+    entries where their heads fit, else heads in groups."""
+    b, h, n = shape[:3]
+    per_head = n * n * 8
+    heads = max(1, min(h, REFERENCE_CHUNK_BYTES // per_head))
+    batch = max(1, REFERENCE_CHUNK_BYTES // (per_head * h)) if heads == h else 1
+    return [(slice(i, i + batch), slice(j, j + heads))
+            for i in range(0, b, batch) for j in range(0, h, heads)]
+
+
+def sliced_call(inputs, mode: str, attention, dtype: torch.dtype) -> list[torch.Tensor]:
+    """What the call in `mode` through `attention` returns on `inputs` cast to `dtype` (new
+    leaves, requires_grad kept), computed slice by slice (`reference_slices`) and put back
+    together: attention and its gradients are independent across batch entries and heads."""
+    by_batch: dict[tuple[int, int], list[list[torch.Tensor]]] = {}
+    for batch, heads in reference_slices(inputs[0][0].shape):
+        part = [[x.detach()[batch, heads].to(dtype).requires_grad_(x.requires_grad)
+                 for x in group] for group in inputs]
+        outputs = [y.detach() for y in make_call(part, mode, attention)()]
+        by_batch.setdefault((batch.start, batch.stop), []).append(outputs)
+    rows = [[torch.cat(pieces, dim=1) for pieces in zip(*parts, strict=True)]
+            for parts in by_batch.values()]
+    return [torch.cat(pieces, dim=0) for pieces in zip(*rows, strict=True)]
+
+
 def accuracy_check(inputs, mode: str):
     """A function of the call's outputs giving their largest error against the float64
     reference as a multiple of the math attention's in the inputs' dtype."""
-    truth = [x.detach() for x in make_call(in_dtype(inputs, torch.float64), mode,
-                                           math_attention)()]
-    math = make_call(in_dtype(inputs, inputs[0][0].dtype), mode, math_attention)()
-    floors = [(m.detach().double() - t).abs().max().item() for m, t in zip(math, truth,
-                                                                        strict=True)]
+    truth = sliced_call(inputs, mode, math_attention, torch.float64)
+    math = sliced_call(inputs, mode, math_attention, inputs[0][0].dtype)
+    floors = [(m.double() - t).abs().max().item() for m, t in zip(math, truth, strict=True)]
     del math
 
     def error_vs_math(outputs) -> float:

@@ -85,6 +85,33 @@ def test_check_flags_a_wrong_output() -> None:
     assert error_vs_math((out, t_out * 1.01)) > 5
 
 
+def test_reference_slices_bound_the_scores_and_cover_every_head(monkeypatch) -> None:
+    """The float64 reference runs on slices whose scores fit REFERENCE_CHUNK_BYTES (8.6 GB
+    for one slice at (4, 16, 4096) ran an 80 GB GPU out of memory), covering each head once."""
+    monkeypatch.setattr(tile_sweep, "REFERENCE_CHUNK_BYTES", 3 * 24 * 24 * 8)
+    for shape, expected in (((2, 2, 24, 16), 2), ((2, 5, 24, 16), 4), ((1, 1, 64, 16), 1)):
+        slices = tile_sweep.reference_slices(torch.Size(shape))
+        covered = torch.zeros(shape[:2], dtype=torch.int64)
+        for batch, heads in slices:
+            covered[batch, heads] += 1
+            n = shape[2]
+            scores = len(range(*batch.indices(shape[0]))) * len(range(*heads.indices(shape[1])))
+            assert scores * n * n * 8 <= max(tile_sweep.REFERENCE_CHUNK_BYTES, n * n * 8)
+        assert torch.equal(covered, torch.ones_like(covered)) and len(slices) == expected
+
+
+@pytest.mark.parametrize("mode", ["fwd_jvp", "second_order"])
+def test_sliced_reference_is_the_whole_call(mode: str, monkeypatch) -> None:
+    inputs = tile_sweep.make_inputs((2, 3, 24, 16), tile_sweep.DTYPES["fp16"], mode)
+    whole = tile_sweep.sliced_call(inputs, mode, tile_sweep.math_attention, torch.float64)
+    monkeypatch.setattr(tile_sweep, "REFERENCE_CHUNK_BYTES", 24 * 24 * 8)  # one head a slice
+    assert len(tile_sweep.reference_slices(inputs[0][0].shape)) == 6
+    sliced = tile_sweep.sliced_call(inputs, mode, tile_sweep.math_attention, torch.float64)
+    assert len(whole) == len(sliced) == (2 if mode == "fwd_jvp" else 6)
+    for a, b in zip(whole, sliced, strict=True):
+        assert a.shape == inputs[0][0].shape and torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
 class _Compiled:
     function = packed_metadata = None
 
