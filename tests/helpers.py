@@ -578,6 +578,37 @@ def assert_deterministic(run, p: Problem) -> None:
         assert torch.equal(first[name], second[name]), f"{name} [{p.label}] differs between runs"
 
 
+def force_tile(monkeypatch, tuner, config) -> None:
+    """Make the library's autotuner `tuner` tune over `config` alone, forgetting what it
+    tuned and the launches remembered with its tiles (restored after the test)."""
+    monkeypatch.setattr(tuner, "configs", [config])
+    for cache in ("tuned", "cache", "launches"):
+        monkeypatch.setattr(tuner, cache, {})
+
+
+def assert_every_tile_reproducible(tuner, run, monkeypatch, calls: int = 5) -> None:
+    """Force each tile of `tuner`'s list in turn (`force_tile`) and ask `run()` (a dict of
+    tensors) for bitwise the same results in `calls` calls: a tile whose compiled form races
+    (chapter 6's dK tile at d = 128 returned a wrong dtK in one call of eight) gives itself
+    away where one call's error may not. Tiles over the GPU's shared memory, which the
+    autotuner times as infinite, are passed over; at least one tile must launch."""
+    from triton.runtime.errors import OutOfResources
+
+    launched = 0
+    for config in list(tuner.configs):
+        force_tile(monkeypatch, tuner, config)
+        try:
+            first = run()
+        except OutOfResources:
+            continue
+        launched += 1
+        for _ in range(calls - 1):
+            again = run()
+            for name in first:
+                assert torch.equal(first[name], again[name]), (str(config), name)
+    assert launched, f"no tile of {tuner.fn.__name__} launched"
+
+
 # GPU cases every kernel's tests start from: N = 1000, d = 64, plain and causal, all dtypes.
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 COMMON_GPU_CASES = [

@@ -22,6 +22,7 @@ from helpers import (
     assert_accurate,
     assert_deterministic,
     assert_empty_rows_are_zero,
+    assert_every_tile_reproducible,
     bias_params,
     cancellation_scale,
     check_other_backward_path,
@@ -171,6 +172,21 @@ def test_backward_gpu(spec: Spec, dtype: torch.dtype) -> None:
 def test_backward_gpu_16k(causal: bool) -> None:
     check_backward(Spec(batch=1, hq=4, hkv=4, nq=16384, nk=16384, d=128, causal=causal),
                    torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("name", ["_backward_dq", "_backward_dkdv"])
+def test_every_backward_tile_is_reproducible_gpu(name: str, head_dim: int,
+                                                 monkeypatch) -> None:
+    """Each tile of the first-order backward's lists (the Triton kernels: chapter 12's
+    warp-specialized backward switched off), forced in turn, gives bitwise the same dQ, dK
+    and dV in five calls (bf16 "accurate", carried)."""
+    monkeypatch.setenv("JVP_ATTENTION_WARP_SPECIALIZED", "0")
+    p = make_problem(Spec(batch=2, hq=8, hkv=8, nq=1024, nk=1024, d=head_dim), BF16, seed=1,
+                     device="cuda")
+    assert_every_tile_reproducible(getattr(jvp_attention.backward, name),
+                                   lambda: kernel_backward(p), monkeypatch)
 
 
 @pytest.mark.gpu

@@ -27,6 +27,7 @@ from helpers import (
     assert_accurate,
     assert_deterministic,
     assert_empty_rows_are_zero,
+    assert_every_tile_reproducible,
     bias_params,
     cancellation_scale,
     check_other_backward_path,
@@ -36,6 +37,7 @@ from helpers import (
     expected_forward,
     expected_second_order,
     expected_with_bias,
+    force_tile,
     fuzz_settings,
     fuzz_spec,
     gpu_params,
@@ -47,7 +49,6 @@ from helpers import (
     other_backward_paths,
 )
 from hypothesis import given
-from triton.runtime.errors import OutOfResources
 
 import jvp_attention.backward as backward
 from jvp_attention.accuracy import float64_truth
@@ -78,13 +79,9 @@ KEY_SIDE_PASSES = ("_backward_dv_tangent", "_backward_dk_tangent")
 
 
 def force_key_side_tiles(monkeypatch, configs: dict) -> None:
-    """Make each second-order key-side pass (by name) tune over `configs[name]` alone,
-    forgetting what it tuned and the launches remembered with their tiles."""
+    """Make each second-order key-side pass (by name) tune over `configs[name]` alone."""
     for name, config in configs.items():
-        tuner = getattr(backward, name)
-        monkeypatch.setattr(tuner, "configs", [config])
-        for cache in ("tuned", "cache", "launches"):
-            monkeypatch.setattr(tuner, cache, {})
+        force_tile(monkeypatch, getattr(backward, name), config)
 
 
 def key_side_tile(block_m: int, block_n: int, transposed: bool, warps: int = 4,
@@ -411,17 +408,5 @@ def test_every_second_order_tile_is_reproducible_gpu(name: str, head_dim: int,
     unnoticed."""
     p = make_problem(Spec(batch=2, hq=8, hkv=8, nq=1024, nk=1024, d=head_dim), BF16, seed=1,
                      device="cuda")
-    tuner = getattr(backward, name)
-    launched = 0
-    for config in list(tuner.configs):
-        force_key_side_tiles(monkeypatch, {name: config})
-        try:
-            first = kernel_second_order(p)
-        except OutOfResources:
-            continue  # over the GPU's shared memory: the autotuner times it as infinite
-        launched += 1
-        for _ in range(4):
-            again = kernel_second_order(p)
-            for grad in first:
-                assert torch.equal(first[grad], again[grad]), (name, str(config), grad)
-    assert launched, f"no tile of {name} launched at d = {head_dim}"
+    assert_every_tile_reproducible(getattr(backward, name), lambda: kernel_second_order(p),
+                                   monkeypatch)
