@@ -173,11 +173,11 @@
 # `benchmarks/results/kernel_resources_unfenced_scan_sm90.json`). The tile left the key
 # side's list (chapter 5, `_KEY_SIDE_TILES`, for the $dV$ pass too, whose code has the same
 # pattern though its gradients did not vary in 8 calls); a CPU test compiles every tile of
-# every kernel's list for sm_90 (at $d$ = 128, 72 and 64) and refuses the pattern, and a
-# GPU test runs every tile of the three second-order lists several times for bitwise equal
-# gradients. The price, on the same H100, bf16, (4, 16, 4096, 128): the autotuner takes
-# 16 × 32 on 4 warps, the key side's two passes take 14.7 ms instead of 11.5, the whole call 24.0 ms
-# instead of 20.8 ("fast": 22.4 against 18.7); at $d = 64$ nothing changes (10.5 ms,
+# every kernel's list for sm_90 (at $d$ = 128, 72 and 64) and refuses the pattern, and GPU
+# tests run every tile of every list (the second order's, the forward's and the first-order
+# backward's) several times for bitwise equal results. The price, on the same H100, bf16,
+# (4, 16, 4096, 128): the autotuner takes 16 × 32 on 4 warps, the key side's two passes
+# take 14.7 ms instead of 11.5, the whole call 24.0 ms instead of 20.8 ("fast": 22.4 against 18.7); at $d = 64$ nothing changes (10.5 ms,
 # 64 × 32 on 4 warps). Timed again without it (`benchmarks/bench.py`, the backward alone),
 # the backward through both outputs at $d = 128$ runs at 197 TFLOP/s (20.95 ms; 212
 # "fast") against 234 with the racing tile, while $d = 64$ keeps 239. Eight more $dK$
