@@ -13,6 +13,10 @@ with each layer wrapped in a `time.perf_counter` timer, on whichever thread it r
 autograd engine runs the backward on a thread of its own on CUDA):
 
 - `attention`: the public call (argument checks, dual unpacking, the autograd Function);
+- `functorch lift (_apply)`: inside `torch.func.jvp`, the unwrapping of the inputs from the
+  transform's level and the wrapping of the outputs around the autograd Function (chapter 7),
+  and inside it `Function.apply (_apply_bound)`: PyTorch's `Function.apply` (the autograd
+  node, saved tensors) around the forward launcher;
 - the forward and backward launchers (`flash_attention_forward`, `flash_attention_backward`:
   our Python around the Triton launches, the launches included);
 - `KeyedAutotuner.run`: our autotuner's dispatch of a tuned launch;
@@ -61,7 +65,7 @@ IMPLS = ("ours", "ours_compiled", "ours_cudagraphs", "floor")
 # Layers that torch.compile would trace through (a timer there is a graph break): timed in
 # eager columns only. Below them the compiled graph calls our operators, whose launchers run
 # as in eager mode.
-TRACED_LAYERS = ("attention",)
+TRACED_LAYERS = ("attention", "functorch lift (_apply)", "Function.apply (_apply_bound)")
 
 
 class LayerTimers:
@@ -124,6 +128,8 @@ def call_layers() -> list[tuple[str, object, str]]:
     import jvp_attention.launch as launch
 
     layers = [("attention", autograd, "attention"),
+              ("functorch lift (_apply)", autograd, "_apply"),
+              ("Function.apply (_apply_bound)", autograd, "_apply_bound"),
               ("forward launcher", forward, "flash_attention_forward"),
               ("backward launcher", backward, "flash_attention_backward"),
               ("KeyedAutotuner.run", launch.KeyedAutotuner, "run"),
