@@ -105,7 +105,7 @@ def compile_for_hopper(name: str, causal: bool = False, d: int = 128,
                "group_size": "i32", "qk_scale": "fp32"}
     constexprs = {"STAGES": options["stages"], "PIPELINE": options["pipeline"],
                   "PINGPONG": options["pingpong"], "CAUSAL": causal,
-                  "STORE_RESIDUAL": residual}
+                  "STORE_RESIDUAL": residual, "HEAD_GROUP": 8 if causal else 1}
     report = compiled_report(ws.warp_specialized_forward_kernel, descriptors, scalars,
                              constexprs, 4 if options["pingpong"] else 8)
     return {"variant": name, **options, "causal": causal, "residual": residual,

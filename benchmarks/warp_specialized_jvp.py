@@ -65,7 +65,7 @@ def compile_for_hopper(name: str, causal: bool = False, carry: bool = False,
                "n_q": "i32", "n_k": "i32", "group_size": "i32", "qk_scale": "fp32",
                "scale": "fp32"}
     constexprs = {"STAGES": stages, "CAUSAL": causal, "CARRY": carry,
-                  "STORE_RESIDUAL": residual}
+                  "STORE_RESIDUAL": residual, "HEAD_GROUP": 8 if causal else 1}
     report = compiled_report(ws.warp_specialized_jvp_kernel, descriptors, scalars, constexprs, 4)
     return {"tile": name, "d": d, "key_block": key_block, "stages": stages, "causal": causal,
             "carry": carry, "residual": residual, **report}

@@ -23,6 +23,7 @@ from jvp_attention.launch import (
     cut_in_two,
     graph_carry,
     graph_takes_pointers,
+    head_group,
     kernel_meta,
     launch_column_tiles,
     launchable,
@@ -56,7 +57,7 @@ from jvp_attention.tiles import (
     masked_scores,
     online_softmax_step,
     power_of_two,
-    query_block_start,
+    query_program,
     shift_exponent,
     split_halves,
     store_rounded,
@@ -199,6 +200,7 @@ def _attention_forward_kernel(
     STORE_RESIDUAL: tl.constexpr, USE_TMA: tl.constexpr, CARRY: tl.constexpr,
     D_TAIL: tl.constexpr, DV_TAIL: tl.constexpr, ALIGN: tl.constexpr,
     PAIR_D: tl.constexpr = False, PAIR_DV: tl.constexpr = False,
+    HEAD_GROUP: tl.constexpr = 1,
 ):
     """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head).
     With CARRY, v and tv are `jvp_operands`' fp16 copies and `factors_ptr` their factors.
@@ -209,9 +211,10 @@ def _attention_forward_kernel(
      value_dim) = aligned_operands(stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn,
                                    stride_tvn, head_dim, value_dim, ALIGN)
     qk_scale, scale = in_fp32(qk_scale), in_fp32(scale)
-    start_m = query_block_start(BLOCK_M, IS_CAUSAL)
-    batch = (tl.program_id(1) // n_heads).to(tl.int64)
-    head = tl.program_id(1) % n_heads
+    block, bh = query_program(IS_CAUSAL, HEAD_GROUP)
+    start_m = block * BLOCK_M
+    batch = (bh // n_heads).to(tl.int64)
+    head = bh % n_heads
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
     q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh, ALIGN)
@@ -279,7 +282,7 @@ def _attention_forward_kernel(
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
     o_factor = inv_l * carry_factor(factors_ptr, 1, CARRY, 1.0)
-    flat_rows = tl.program_id(1).to(tl.int64) * n_q + rows
+    flat_rows = bh.to(tl.int64) * n_q + rows
     dims_v = tl.arange(0, BLOCK_DV)
     store_rounded(o_ptr, o_residual_ptr, acc_o * o_factor[:, None], flat_rows, rows, dims_v,
                    n_q, value_dim, STORE_RESIDUAL)
@@ -435,6 +438,8 @@ def flash_attention_forward(
             scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
+            HEAD_GROUP=head_group(is_causal, k, v, *((tk, tv) if has_tangent else ()),
+                                  queries_per_head=n_heads // n_kv_heads),
             ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
             **{**constants, **tiles},  # the column tiles' widths replace the padded ones
             **pair_tails(tiles, head_dim, value_dim, constants["SPLIT"] and not use_tma),

@@ -231,15 +231,37 @@ def key_block_ranges(start_m, n_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def query_block_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """The first query row of this program's tile. Under a causal mask the last tiles see
-    the most keys, so the grid's first programs take them: the GPU starts the longest work
-    first, and the short tiles fill the last wave instead of a few long ones running on
-    alone at the end."""
-    block = tl.program_id(0)
+def causal_program(HEAD_GROUP: tl.constexpr):
+    """This program's query tile and batch x head in a grid (query tiles, batch x heads)
+    under a causal mask, where a tile sees more keys the later it sits. The GPU starts
+    programs in launch order (program_id(0) fastest), so the order decides what runs in
+    the last wave. Heads go in groups of HEAD_GROUP; a group's programs take its tiles
+    longest first, its heads side by side: the last wave holds short tiles, while the
+    programs running together read the keys of a few heads, which L2 serves to all."""
+    tiles = tl.num_programs(0)
+    launched = tl.program_id(1) * tiles + tl.program_id(0)
+    first = launched // (HEAD_GROUP * tiles) * HEAD_GROUP
+    heads = tl.minimum(tl.num_programs(1) - first, HEAD_GROUP)
+    rank = launched % (HEAD_GROUP * tiles)
+    return tiles - 1 - rank // heads, first + rank % heads
+
+
+@triton.jit
+def query_program(IS_CAUSAL: tl.constexpr, HEAD_GROUP: tl.constexpr):
+    """This program's query tile and batch x head: the grid's own order, or under a causal
+    mask `causal_program`'s."""
+    block, bh = tl.program_id(0), tl.program_id(1)
     if IS_CAUSAL:
-        block = tl.num_programs(0) - 1 - block
-    return block * BLOCK_M
+        block, bh = causal_program(HEAD_GROUP)
+    return block, bh
+
+
+@triton.jit
+def query_block_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """The first query row of this program's tile, for kernels that take their batch x head
+    from program_id(1): under a causal mask the longest tiles of each head first (groups of
+    one head)."""
+    return query_program(IS_CAUSAL, 1)[0] * BLOCK_M
 
 
 @triton.jit

@@ -18,8 +18,9 @@ import warnings
 import torch
 import triton
 
-from jvp_attention.launch import cached, carries, interpreting, on_device
+from jvp_attention.launch import cached, carries, head_group, interpreting, on_device
 from jvp_attention.reference import AttentionOutputs
+from jvp_attention.tiles import query_program
 
 try:
     from triton.experimental import gluon
@@ -275,19 +276,17 @@ else:  # Triton 3.6 names it _reinterpret
 
 @gluon.jit
 def _program_tile(n_heads, n_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CAUSAL: gl.constexpr):
-    """This program's first query row, batch and head, and how many key tiles it sweeps.
-    Causal programs run in reverse order, so that the tiles with the most keys start
-    first and the short ones fill the tail."""
-    tile = gl.program_id(0)
-    if CAUSAL:
-        tile = gl.num_programs(0) - 1 - tile
+                  CAUSAL: gl.constexpr, HEAD_GROUP: gl.constexpr):
+    """This program's first query row, batch x head, batch and head, and how many key
+    tiles it sweeps. Causal programs take chapter 2's order (`query_program`): in groups
+    of HEAD_GROUP heads, the tiles with the most keys first."""
+    tile, bh = query_program(CAUSAL, HEAD_GROUP)
     q_start = tile * BLOCK_M
     if CAUSAL:  # top-left causal: keys up to the tile's last query
         n_blocks = gl.cdiv(gl.minimum(q_start + BLOCK_M, n_k), BLOCK_N)
     else:
         n_blocks = gl.cdiv(n_k, BLOCK_N)
-    return q_start, gl.program_id(1) // n_heads, gl.program_id(1) % n_heads, n_blocks
+    return q_start, bh, bh // n_heads, bh % n_heads, n_blocks
 
 
 @gluon.jit
@@ -317,16 +316,18 @@ def _ring_barriers(STAGES: gl.constexpr, GROUPS: gl.constexpr):
 def warp_specialized_forward_kernel(
         q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, n_heads, n_q, n_k, group_size,
         qk_scale, STAGES: gl.constexpr, PIPELINE: gl.constexpr, PINGPONG: gl.constexpr,
-        CAUSAL: gl.constexpr, STORE_RESIDUAL: gl.constexpr, num_warps: gl.constexpr):
+        CAUSAL: gl.constexpr, STORE_RESIDUAL: gl.constexpr, HEAD_GROUP: gl.constexpr,
+        num_warps: gl.constexpr):
     """Grid (cdiv(Nq, BLOCK_M), B·Hq): one tile of BLOCK_M query rows of one head per
-    program. The descriptors address (B, H, N, D) tensors with any strides; their blocks
-    are (1, 1, rows, D). With PINGPONG two groups of 4 warps take 64 rows each and
-    alternate their products; without, one group of 8 warps takes all 128."""
+    program, in `_program_tile`'s order. The descriptors address (B, H, N, D) tensors
+    with any strides; their blocks are (1, 1, rows, D). With PINGPONG two groups of 4
+    warps take 64 rows each and alternate their products; without, one group of 8 warps
+    takes all 128."""
     GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     GROUPS: gl.constexpr = 2 if PINGPONG else 1
-    q_start, batch, head, n_blocks = _program_tile(n_heads, n_k, GROUPS * GROUP_M, BLOCK_N,
-                                                   CAUSAL)
+    q_start, bh, batch, head, n_blocks = _program_tile(n_heads, n_k, GROUPS * GROUP_M,
+                                                       BLOCK_N, CAUSAL, HEAD_GROUP)
     q_tiles, k_ring, v_ring = _blocks(q_desc, GROUPS), _blocks(k_desc, STAGES), _blocks(
         v_desc, STAGES)
     q_ready, k_ready, v_ready, slot_free, turns = _ring_barriers(STAGES, GROUPS)
@@ -336,7 +337,7 @@ def warp_specialized_forward_kernel(
     k_2d = _as_matrices(k_ring, k_desc)
     v_2d = _as_matrices(v_ring, v_desc)
 
-    lse_row = gl.program_id(1).to(gl.int64) * n_q
+    lse_row = bh.to(gl.int64) * n_q
     kv_head = head // group_size
     # The argument tuples are written out: adding tuples would turn constexprs to tensors.
     # Without the tangent the loader's tangent arguments repeat the primal ones, unread.
@@ -467,12 +468,13 @@ def warp_specialized_jvp_kernel(
         q_desc, k_desc, v_desc, tq_desc, tk_desc, tv_desc, o_desc, t_desc, r_desc, tr_desc,
         lse_ptr, mu_ptr, factors_ptr, n_heads, n_q, n_k, group_size, qk_scale, scale,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, CARRY: gl.constexpr,
-        STORE_RESIDUAL: gl.constexpr, num_warps: gl.constexpr):
+        STORE_RESIDUAL: gl.constexpr, HEAD_GROUP: gl.constexpr, num_warps: gl.constexpr):
     """The forward with its JVP: grid (cdiv(Nq, 128), B·Hq) as the primal kernel's, always
     two groups in ping-pong, the tangents' descriptors beside the inputs'."""
     GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    q_start, batch, head, n_blocks = _program_tile(n_heads, n_k, 2 * GROUP_M, BLOCK_N, CAUSAL)
+    q_start, bh, batch, head, n_blocks = _program_tile(n_heads, n_k, 2 * GROUP_M, BLOCK_N,
+                                                       CAUSAL, HEAD_GROUP)
     q_tiles, tq_tiles = _blocks(q_desc, 2), _blocks(tq_desc, 2)
     k_ring, tk_ring = _blocks(k_desc, STAGES), _blocks(tk_desc, STAGES)
     v_ring, tv_ring = _blocks(v_desc, STAGES), _blocks(tv_desc, STAGES)
@@ -480,7 +482,7 @@ def warp_specialized_jvp_kernel(
     q_2d, tq_2d = _as_matrices(q_tiles, q_desc), _as_matrices(tq_tiles, tq_desc)
     k_2d, tk_2d = _as_matrices(k_ring, k_desc), _as_matrices(tk_ring, tk_desc)
     v_2d, tv_2d = _as_matrices(v_ring, v_desc), _as_matrices(tv_ring, tv_desc)
-    lse_row = gl.program_id(1).to(gl.int64) * n_q
+    lse_row = bh.to(gl.int64) * n_q
     kv_head = head // group_size
     gl.warp_specialize([
         (_jvp_compute_partition, (q_tiles, tq_tiles, q_2d, tq_2d, k_2d, tk_2d, v_2d, tv_2d,
@@ -612,7 +614,9 @@ def launch_warp_specialized(q, k, v, out, out_residual, lse, is_causal: bool, sc
     cached(warp_specialized_forward_kernel)[grid](
         *descriptors, lse, n_heads, n_q, k.shape[2], n_heads // k.shape[1],
         scale * math.log2(math.e), STAGES=stages, PIPELINE=pipeline, PINGPONG=pingpong,
-        CAUSAL=is_causal, STORE_RESIDUAL=residual, num_warps=4 if pingpong else 8,
+        CAUSAL=is_causal, STORE_RESIDUAL=residual,
+        HEAD_GROUP=head_group(is_causal, k, v, queries_per_head=n_heads // k.shape[1]),
+        num_warps=4 if pingpong else 8,
         maxnreg=LAUNCH_REGS)
 
 
@@ -640,7 +644,9 @@ def launch_warp_specialized_jvp(q, k, v, tangents, outputs, residuals, lse, mu,
     cached(warp_specialized_jvp_kernel)[grid](
         *descriptors, lse, mu, factors, n_heads, n_q, k.shape[2], n_heads // k.shape[1],
         scale * math.log2(math.e), scale, STAGES=stages, CAUSAL=is_causal,
-        CARRY=carry is not None, STORE_RESIDUAL=stored, num_warps=4, maxnreg=LAUNCH_REGS)
+        CARRY=carry is not None, STORE_RESIDUAL=stored,
+        HEAD_GROUP=head_group(is_causal, k, v, tk, tv, queries_per_head=n_heads // k.shape[1]),
+        num_warps=4, maxnreg=LAUNCH_REGS)
 
 
 def warp_specialized_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

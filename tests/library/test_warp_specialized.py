@@ -289,7 +289,8 @@ def test_launch_plumbing(monkeypatch) -> None:
     q_desc, k_desc, v_desc, o_desc, r_desc, lse_arg, *scalars = recorded["args"]
     assert scalars[:4] == [8, 300, 4100, 4] and math.isclose(scalars[4], 0.25 * math.log2(math.e))
     assert recorded["kwargs"] == dict(STAGES=ws.RING_STAGES, PIPELINE=True, PINGPONG=True,
-                                      CAUSAL=True, STORE_RESIDUAL=False, num_warps=4,
+                                      CAUSAL=True, STORE_RESIDUAL=False,
+                                      HEAD_GROUP=16, num_warps=4,
                                       maxnreg=ws.LAUNCH_REGS)
     assert lse_arg is lse and r_desc.base is out  # no residual: the output stands in
     for desc, tensor, rows in ((q_desc, q, ws.GROUP_ROWS), (k_desc, k, ws.KEY_BLOCK),
@@ -328,7 +329,8 @@ def test_jvp_launch_plumbing(monkeypatch) -> None:
     assert list(descriptors[3].strides) == list(tq.stride())  # its own (B, N, H, D) strides
     assert rest[:3] == (lse, mu, factors) and rest[3:7] == (8, 300, 4100, 4)
     assert recorded["kwargs"] == dict(STAGES=ws.JVP_RING_STAGES, CAUSAL=True, CARRY=True,
-                                      STORE_RESIDUAL=True, num_warps=4, maxnreg=ws.LAUNCH_REGS)
+                                      STORE_RESIDUAL=True, HEAD_GROUP=8,
+                                      num_warps=4, maxnreg=ws.LAUNCH_REGS)
     ws.launch_warp_specialized_jvp(q, k, v, (tq, tk, tv), outputs, None, lse, mu, False, 0.5)
     descriptors, rest = recorded["args"][:10], recorded["args"][10:]
     assert descriptors[2].base is v and descriptors[8].base is outputs[0]  # no carry, stand-ins
