@@ -889,8 +889,11 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # targets at $d = 128$ (causal B4 H16 N4096 just over the line, 506 TFLOP/s) and at
 # $d = 64$ without the causal mask, 1.40x and 1.45x rcm, and the forward is level with
 # cuDNN at $d = 128$. Below their line: causal at B4 H16 N4096, 0.87x full at $d = 128$
-# where 16384 tokens give 0.97x (shorter rows, relatively more tiles on the diagonal; not
-# analysed further); the $d = 64$ causal call, B4 H16 N4096, which chapter 11's kernel
+# where 16384 tokens give 0.97x, in the saved runs, which predate the grouped causal launch
+# order (chapter 2, `query_program`): with 32 query tiles a head the old order ended on a
+# few long tiles, and the new one took the kernel from 1.339 to 1.277 ms on the H100 (GPU
+# time, "accurate"), 0.98x full per FLOP, and $d = 64$ from 0.774 to 0.746 ms (0.92x); the
+# $d = 64$ causal call, B4 H16 N4096, which chapter 11's kernel
 # takes since its launches skip Triton's per-launch Python (388 TFLOP/s in "accurate"
 # precision, 367 before; "fast" 507): a 1 ms call whose host time and the carry's passes
 # now weigh as much as its kernel; and the second-order backward. The

@@ -1130,6 +1130,16 @@ plot_speeds(jvp_record["rows"], "Forward with its JVP on the H200, bf16")
 #   tokens, and full calls 6 to 17% slower. Programs side by side then read different
 #   heads' keys, where in `_program_tile`'s order they read one head's keys and values
 #   together, so each key tile is fetched from memory once and served to the others by L2.
+#   Chapter 2's grouped order (`query_program`) keeps both: heads in groups whose keys and
+#   values fit 16 MiB, each group's tiles longest first. Timed on the H100 (bf16,
+#   "accurate", the kernel's GPU time from the profiler) against the order above: 1.277
+#   against 1.339 ms at (4, 16, 4096, 128) causal, 0.746 against 0.774 at $d = 64$, 1.401
+#   against 1.458 at (2, 16, 8192, 64), and 4.735 against 4.746 at (1, 16, 16384, 128),
+#   whose 16 MiB a head leave groups of one; full calls, 2.498 ms at (4, 16, 4096, 128),
+#   do not change. Per FLOP the causal call then runs at 0.98x the full one at
+#   (4, 16, 4096, 128) (646 against 660 TFLOP/s) and 0.92x at $d = 64$ (552 against 603).
+#   Groups of 4, 8 and 16 heads at (1, 16, 16384, 128) took 5.23, 5.12 and 5.20 ms: a
+#   group whose keys outgrow L2 (50 MB) fetches them again.
 # * **Tiles.** 64-key tiles at $d = 128$: 609 TFLOP/s launched directly, where 128-key
 #   tiles, spilling 3 KB a thread, run at 252. At $d = 64$, 128-key tiles beat 64-key ones
 #   with three slots (577 against 511).

@@ -8,6 +8,8 @@ marked `gpu` repeat the grid at realistic sizes in fp16, bf16 and fp32.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import (
     BF16,
     COMMON_GPU_CASES,
@@ -45,6 +47,7 @@ from hypothesis import given
 import jvp_attention.forward
 import jvp_attention.launch
 from jvp_attention.forward import flash_attention_forward
+from jvp_attention.tiles import query_program
 
 # Tiny tensors: one intra-op thread is ~10x faster than a contended pool (conftest).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -542,3 +545,52 @@ def test_precision_argument_overrides_the_global_mode() -> None:
 def test_forward_with_mask_tangent_gpu(spec: Spec, shape: str, dtype: torch.dtype) -> None:
     """bf16 with a mask tangent takes the split, not the fp16 copies (notebook 02)."""
     check_with_bias(spec, shape, dtype, device="cuda")
+
+
+@triton.jit
+def _record_causal_order(out_ptr, HEAD_GROUP: tl.constexpr):
+    """Write this program's (query tile, batch x head) under the causal order at its launch
+    rank (program_id(0) fastest)."""
+    tile, bh = query_program(True, HEAD_GROUP)
+    launched = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(out_ptr + 2 * launched, tile)
+    tl.store(out_ptr + 2 * launched + 1, bh)
+
+
+@pytest.mark.parametrize("tiles, heads, group", [(5, 12, 8), (4, 6, 3), (3, 4, 1), (2, 3, 16)])
+def test_causal_order_takes_every_tile_once_longest_first_by_group(tiles, heads, group):
+    """The causal launch order (`query_program`): every (tile, head) exactly once; heads in
+    groups of `group` (the last one smaller), each group's tiles longest first with its heads
+    side by side; a group of one is each head's tiles last first, head after head."""
+    order = torch.full((tiles * heads, 2), -1, dtype=torch.int32)
+    _record_causal_order[(tiles, heads)](order, HEAD_GROUP=group)
+    taken = [tuple(pair) for pair in order.tolist()]
+    assert sorted(taken) == [(t, h) for t in range(tiles) for h in range(heads)]
+    expected = []
+    for first in range(0, heads, group):
+        members = range(first, min(first + group, heads))
+        expected += [(t, h) for t in reversed(range(tiles)) for h in members]
+    assert taken == expected
+
+
+def test_head_group_keeps_a_group_of_keys_within_its_bytes():
+    """`head_group`: 1 without a causal mask; with one, the most heads (a power of two up to
+    CAUSAL_HEAD_GROUP) whose keys and values fit CAUSAL_GROUP_BYTES, per query head."""
+    from jvp_attention.launch import CAUSAL_GROUP_BYTES, CAUSAL_HEAD_GROUP, head_group
+
+    def keys(n, d, count=2, dtype=torch.bfloat16):
+        return [torch.empty(1, 1, n, d, dtype=dtype, device="meta")] * count
+
+    assert head_group(False, *keys(4096, 128)) == 1
+    assert head_group(True, *keys(4096, 128, 4)) == 4  # 4 MiB a head
+    assert head_group(True, *keys(4096, 128, 2)) == 8
+    assert head_group(True, *keys(16384, 128, 4)) == 1  # 16 MiB: groups of one
+    assert head_group(True, *keys(65536, 128, 4)) == 1
+    assert head_group(True, *keys(1024, 64, 4)) == CAUSAL_HEAD_GROUP
+    assert head_group(True, *keys(4096, 128, 4), queries_per_head=4) == 16  # GQA shares keys
+    assert head_group(True, *keys(4096, 128, 4, torch.float32)) == 2
+    for n in (256, 1000, 4096, 12345, 32768):
+        group, per_head = head_group(True, *keys(n, 64, 4)), n * 64 * 2 * 4
+        assert group in (1, 2, 4, 8, 16) and group <= CAUSAL_HEAD_GROUP
+        assert group == 1 or group * per_head <= CAUSAL_GROUP_BYTES  # fits
+        assert group == CAUSAL_HEAD_GROUP or 2 * group * per_head > CAUSAL_GROUP_BYTES  # most
