@@ -639,7 +639,9 @@ def warp_specialized_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr
     """Grid (cdiv(Nq, 128), B·Hq): 128 queries of one head per program, 64 per group."""
     GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    q_start, batch, head, n_blocks = _program_tile(n_heads, n_k, 2 * GROUP_M, BLOCK_N, CAUSAL)
+    # Causal: each head's tiles last first, head after head (groups of one head).
+    q_start, _, batch, head, n_blocks = _program_tile(n_heads, n_k, 2 * GROUP_M, BLOCK_N,
+                                                      CAUSAL, 1)
     q_tiles, do_tiles = _blocks(q_desc, 2), _blocks(do_desc, 2)
     k_ring, v_ring = _blocks(k_desc, STAGES), _blocks(v_desc, STAGES)
     q_ready, k_ready, v_ready, slot_free, turns = _ring_barriers(STAGES, 2)

@@ -61,15 +61,16 @@ PRIMAL_BACKWARD_OPS = 7  # with the test's own ones_like
 # whose every step is a call, and `attention` hands its 4-D work to `_attend`, which the
 # vmap rule calls too: 146 and 110. Whether the forward's rows are long enough for tensor
 # descriptors (`long_forward_rows`, chapter 2), asked apart from whether a traced graph may
-# take them, adds one: 147.
-FORWARD_JVP_PYTHON_CALLS = 147
+# take them, adds one: 147. The causal launch order's heads per group (`head_group`, chapter
+# 2), asked on every launch and answering 1 at once without the mask, adds one: 148.
+FORWARD_JVP_PYTHON_CALLS = 148
 PRIMAL_BACKWARD_PYTHON_CALLS = 110
 # Carried (bf16 "accurate" from 1024 keys, forced here on float16), each direction adds
 # the carry's launcher (`carried_operands`: strides, shapes and allocations for the range
 # pass and the copies, then their two cached launches) and the copy kernel's epilogue
 # arguments: 228 and 181 on 2026-12-05. Most of the difference is generator steps over the
-# copied tensors' strides and shapes (about 50 a direction).
-CARRIED_FORWARD_JVP_PYTHON_CALLS = 228
+# copied tensors' strides and shapes (about 50 a direction). `head_group`: 229.
+CARRIED_FORWARD_JVP_PYTHON_CALLS = 229
 CARRIED_PRIMAL_BACKWARD_PYTHON_CALLS = 181
 # Operations that are no GPU kernel: what a call may dispatch besides our launches.
 NO_KERNEL = {"jvp_attention.forward_jvp.default", "jvp_attention.backward.default",
