@@ -946,6 +946,49 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # again just under the 250 line, and bounded by what bounds it.
 
 # %% [markdown]
+# ### The causal calls' last wave
+#
+# Under the causal mask a query tile's work grows with its position: with tiles of 128
+# queries, tile $i$ of a head sweeps $i + 1$ key tiles of 128. The GPU starts programs in
+# launch order as SMs free up (a greedy list schedule), one program of chapter 11's kernels
+# per SM, so the launch order decides how the last wave ends. The model below schedules the
+# tiles of (B·H) heads on 132 SMs (H100 and H200) in three orders: each head's tiles last
+# first, head after head (the kernels' order before 2026-12-05); in groups of heads, each
+# group's tiles longest first (chapter 2's `query_program`, groups of 4 to 16); and every
+# head's longest tile first (one group of all). It prints the time of the last program over
+# the ideal (the work divided evenly). It knows nothing of L2: the last order ties the model's
+# best, yet on the GPU it ran 2 to 4% slower than head by head (chapter 11), because programs
+# running together read different heads' keys; groups of a few heads keep those keys shared, and `head_group`
+# shrinks a group whose keys would not fit. The measured gains (chapter 2's prose: 4.6% at
+# (4, 16, 4096, 128), 3.9% at (2, 16, 8192, 64), none at (1, 16, 16384, 128), where groups
+# are one head) follow the model's tails.
+
+# %%
+def last_program_over_ideal(tiles: int, heads: int, group: int, sms: int = 132) -> float:
+    """Greedy list schedule of causal query tiles (work i + 1 for tile i) on `sms`
+    processors, in `query_program`'s order with `group` heads per group: the time of the
+    last program over the work divided evenly."""
+    import heapq
+
+    order = []
+    for first in range(0, heads, group):
+        members = min(group, heads - first)
+        order += [tile + 1 for tile in reversed(range(tiles)) for _ in range(members)]
+    free_at = [0] * sms
+    for work in order:
+        heapq.heapreplace(free_at, free_at[0] + work)
+    return max(free_at) / (sum(order) / sms)
+
+
+print(f"{'(B·H, N)':>14} {'head by head':>13} {'groups of 4':>12} {'of 8':>6} {'of 16':>6} "
+      f"{'all heads':>10}")
+for heads, n in ((64, 2048), (64, 4096), (32, 8192), (16, 16384)):
+    tiles = n // 128
+    cells = [last_program_over_ideal(tiles, heads, group) for group in (1, 4, 8, 16, heads)]
+    print(f"{str((heads, n)):>14} " + " ".join(f"{c:>{w}.3f}" for c, w in
+                                              zip(cells, (13, 12, 6, 6, 10), strict=True)))
+
+# %% [markdown]
 # ## What the numbers mean
 #
 # - **The cost of the tangent.** The fused pass does 3x a forward's matrix work in one
