@@ -18,7 +18,6 @@ a small shape and the times are None.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -34,6 +33,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools"))
 
 import jvp_attention  # noqa: E402
 from jvp_attention import forward, launch  # noqa: E402
@@ -59,22 +59,14 @@ def forced_groups(group: str) -> ExitStack:
 
 
 def gpu_times(call, calls: int) -> tuple[float, float, str]:
-    """(largest kernel's ms, all kernels' ms, its name) per call, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
+    """(largest kernel's ms, all kernels' ms, its name) per call, from the profiler
+    (`tools/tile_sweep.py`'s `kernel_ms`, after one more warm-up call)."""
+    from tile_sweep import kernel_ms
 
-    for _ in range(2):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    per_kernel = collections.Counter()
-    for event in prof.events():
-        if event.device_type.name == "CUDA":
-            per_kernel[event.name] += event.device_time / calls / 1000
-    name, largest = per_kernel.most_common(1)[0]
-    return largest, sum(per_kernel.values()), name
+    call()
+    per_kernel = kernel_ms(call, calls)
+    name = max(per_kernel, key=per_kernel.get)
+    return per_kernel[name], sum(per_kernel.values()), name
 
 
 def measure(shape: tuple[int, ...], mode: str, groups: list[str], calls: int,
