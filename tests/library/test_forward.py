@@ -594,3 +594,27 @@ def test_head_group_keeps_a_group_of_keys_within_its_bytes():
         assert group in (1, 2, 4, 8, 16) and group <= CAUSAL_HEAD_GROUP
         assert group == 1 or group * per_head <= CAUSAL_GROUP_BYTES  # fits
         assert group == CAUSAL_HEAD_GROUP or 2 * group * per_head > CAUSAL_GROUP_BYTES  # most
+
+
+@pytest.mark.parametrize("spec", [
+    Spec(batch=2, hq=6, hkv=2, nq=130, nk=130, d=16, causal=True),
+    Spec(batch=3, hq=2, hkv=2, nq=130, nk=260, d=16, causal=True, layout="bnhd"),
+], ids=lambda s: s.id)
+def test_causal_order_changes_no_output(spec: Spec, monkeypatch) -> None:
+    """Chapter 2's forward with its JVP under the causal mask gives the same bits whatever
+    the heads per group of its launch order (`head_group`): the order moves programs, never
+    a row's arithmetic, and every program still writes its own rows."""
+    p = make_problem(spec, torch.float16)
+    runs = []
+    for group in (1, 4, None):  # None: the library's own choice
+        if group is not None:
+            monkeypatch.setattr(jvp_attention.forward, "head_group",
+                                lambda is_causal, *keys, queries_per_head=1, g=group:
+                                g if is_causal else 1)
+        else:
+            monkeypatch.undo()
+        runs.append(flash_attention_forward(p.q, p.k, p.v, is_causal=True,
+                                            tangents=p.tangents, precision="accurate"))
+    for run in runs[1:]:
+        for name, first, value in zip(run._fields, runs[0], run, strict=True):
+            assert torch.equal(first, value), name

@@ -384,6 +384,31 @@ def test_forward_jvp_on_hopper(spec: Spec, dtype: torch.dtype, mode: str) -> Non
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tangent", [True, False], ids=["fwd_jvp", "fwd"])
+@pytest.mark.parametrize("spec", JVP_SPECS[2:], ids=lambda s: s.id)
+def test_causal_order_changes_no_output_on_hopper(spec: Spec, tangent: bool,
+                                                  monkeypatch) -> None:
+    """This chapter's causal kernels give the same bits whatever the heads per group of
+    their launch order (`head_group`): groups of one (the order before the groups), of 4,
+    and the library's own choice."""
+    p = hopper_jvp_problem(spec, torch.bfloat16, "accurate")
+    tangents = p.tangents if tangent else None
+    carry = forward_module.jvp_operands if tangent else None
+    runs = []
+    for group in (1, 4, None):  # None: the library's own choice
+        if group is not None:
+            monkeypatch.setattr(ws, "head_group", lambda is_causal, *keys, queries_per_head=1,
+                                g=group: g if is_causal else 1)
+        else:
+            monkeypatch.undo()
+        outputs = ws.warp_specialized_forward(p.q, p.k, p.v, True, spec.d**-0.5,
+                                              tangents=tangents, carry=carry)
+        runs.append([x for x in outputs if x is not None])
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("spec", JVP_SPECS[1:3], ids=lambda s: s.id)
 def test_second_order_backward_from_its_outputs(spec: Spec) -> None:
     """The second-order backward reads the saved out, tangent_out, lse, mu and residuals
