@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Causal calls in each launch order: the kernel's GPU time with the programs taken in groups
 of 1, 4, 8 or 16 heads (chapter 2's `query_program`) and in the library's own choice
-(`head_group`), outputs checked bitwise against groups of one. Saved as JSON.
+(`head_group`; for the backward's dK/dV kernel on Hopper, key/value heads and
+`key_head_group`), outputs checked bitwise against groups of one. Saved as JSON.
 
     python benchmarks/causal_order.py --out benchmarks/results/causal_order_h100.json
     python benchmarks/causal_order.py --smoke --out /tmp/causal_order.json   # CPU, interpreter
@@ -11,7 +12,8 @@ head after head. Times are the profiler's GPU time per call (`kernel_ms`: the at
 kernel, the largest; `call_ms`: every kernel of the call, the carry's passes included), the
 mean of --calls calls after two warm-up calls. Each row also says whether its outputs equal
 the group-of-one outputs bit for bit (`same_as_one`): the order moves programs, never the
-arithmetic of a row. Without CUDA (`--smoke`) the calls run through Triton's interpreter at
+arithmetic of a row (the backward compares dK and dV; its dQ, summed by atomic adds on
+Hopper, rounds in the order the programs finish). Without CUDA (`--smoke`) the calls run through Triton's interpreter at
 a small shape and the times are None.
 """
 
@@ -37,6 +39,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import jvp_attention  # noqa: E402
 from jvp_attention import forward, launch  # noqa: E402
+from jvp_attention import hopper_backward as hb  # noqa: E402
 from jvp_attention import warp_specialized as ws  # noqa: E402
 
 SCHEMA = "jvp_attention.causal_order/1"
@@ -55,6 +58,8 @@ def forced_groups(group: str) -> ExitStack:
             return int(group) if is_causal else 1
         for module in (forward, ws):
             stack.enter_context(mock.patch.object(module, "head_group", fixed))
+        stack.enter_context(mock.patch.object(
+            hb, "key_head_group", lambda is_causal, *_: int(group) if is_causal else 1))
     return stack
 
 
@@ -75,11 +80,17 @@ def measure(shape: tuple[int, ...], mode: str, groups: list[str], calls: int,
     batch, heads, n, d = shape
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     torch.manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, n, d, dtype=dtype, device=device) for _ in range(3))
+    q, k, v = (torch.randn(batch, heads, n, d, dtype=dtype, device=device,
+                           requires_grad=mode == "bwd") for _ in range(3))
     tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+    if mode == "bwd":
+        with jvp_attention.precision(precision):
+            out = jvp_attention.attention(q, k, v, is_causal=True)
 
     def call():
         with jvp_attention.precision(precision):
+            if mode == "bwd":  # dK, dV (dQ's atomic sum rounds in the programs' order)
+                return torch.autograd.grad(out, (q, k, v), tangents[0], retain_graph=True)[1:]
             if mode == "fwd_jvp":
                 return torch.func.jvp(
                     lambda a, b, c: jvp_attention.attention(a, b, c, is_causal=True),
@@ -95,8 +106,9 @@ def measure(shape: tuple[int, ...], mode: str, groups: list[str], calls: int,
             kernel_ms = call_ms = kernel = None
             if device == "cuda":
                 kernel_ms, call_ms, kernel = gpu_times(call, calls)
-        chosen = (launch.head_group(True, k, v, *(tangents[1:] if mode == "fwd_jvp" else ()))
-                  if group == "auto" else int(group))
+        chosen = int(group) if group != "auto" else (
+            hb.key_head_group(True, q, q, 1) if mode == "bwd" else
+            launch.head_group(True, k, v, *(tangents[1:] if mode == "fwd_jvp" else ())))
         row = {"shape": list(shape), "mode": mode, "group": group, "heads_per_group": chosen,
                "kernel": kernel, "kernel_ms": kernel_ms, "call_ms": call_ms,
                "same_as_one": all(torch.equal(a, b) for a, b in zip(outputs, reference,
@@ -115,8 +127,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", action="append", help="B,H,N,D (repeatable)")
-    parser.add_argument("--mode", nargs="+", choices=("fwd", "fwd_jvp"),
-                        default=["fwd_jvp", "fwd"])
+    parser.add_argument("--mode", nargs="+", choices=("fwd", "fwd_jvp", "bwd"),
+                        default=["fwd_jvp", "fwd", "bwd"])
     parser.add_argument("--groups", nargs="+", default=GROUPS)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--precision", choices=("accurate", "fast"), default="accurate")

@@ -90,6 +90,7 @@ def compile_for_hopper(name: str, causal: bool = False, carry: bool = False) -> 
         descriptors["dq_desc"] = (ws._descriptor(grads.float(), query_rows, hb.DQ_SUM_COLS)
                                   if fused else descriptors["dk_desc"])
         constexprs["FUSED_DQ"] = fused
+        constexprs["HEAD_GROUP"] = 8 if causal else 1
     scalars = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "factors_ptr": "*fp32", **heads,
                "group_size": "i32", "qk_scale": "fp32", "scale": "fp32"}
     report = compiled_report(kernel, descriptors, scalars, constexprs, 4)

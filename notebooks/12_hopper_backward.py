@@ -112,7 +112,8 @@ import torch
 import triton
 import triton.language as tl
 
-from jvp_attention.launch import cached, carries, interpreting
+from jvp_attention.launch import cached, carries, head_group, interpreting
+from jvp_attention.tiles import query_program
 from jvp_attention.warp_specialized import (
     COMPUTE_REGS,
     GLUON,
@@ -496,23 +497,47 @@ else:  # Triton 3.6
 # %% [markdown]
 # The dK/dV kernel: the program's keys, its first query tile (causal: the tile holding its
 # first key, since query $i$ sees keys $j \le i$), the $dS^\top$ buffers, staging tiles and
-# barriers when it sums $dQ$ too, and the warps' three partitions.
+# barriers when it sums $dQ$ too, and the warps' three partitions. Under the causal mask a
+# key tile sees fewer queries the later it sits, the mirror of chapter 2's query tiles, so
+# the programs take chapter 2's grouped order (`query_program`) with the tiles reversed:
+# in groups of key/value heads whose queries and output gradients fit the group's bytes,
+# the first key tiles (the longest) first, the group's heads side by side.
 
 # %% tags=["export"]
+@gluon.jit
+def _key_program(CAUSAL: gl.constexpr, HEAD_GROUP: gl.constexpr):
+    """This dK/dV program's key tile and batch x key/value head: the grid's own order, or
+    under a causal mask chapter 2's grouped order with the tiles reversed (longest first)."""
+    tile, bh = query_program(CAUSAL, HEAD_GROUP)
+    if CAUSAL:
+        tile = gl.num_programs(0) - 1 - tile
+    return tile, bh
+
+
+def key_head_group(is_causal: bool, q: torch.Tensor, grad_out: torch.Tensor,
+                   group_size: int) -> int:
+    """Key/value heads per group of the dK/dV kernel's causal order: as many as keep the
+    queries and output gradients their programs stream (`group_size` query heads each)
+    within `head_group`'s bytes."""
+    return max(1, head_group(is_causal, q, grad_out) // group_size)
+
+
 @gluon.jit
 def warp_specialized_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_desc, dq_desc,
                                  lse_ptr, delta_ptr, factors_ptr, n_kv_heads, n_q, group_size,
                                  qk_scale, scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                  CARRY: gl.constexpr, FUSED_DQ: gl.constexpr,
-                                 num_warps: gl.constexpr):
+                                 HEAD_GROUP: gl.constexpr, num_warps: gl.constexpr):
     """Grid (cdiv(Nk, 128), B·Hkv): 128 keys of one key/value head per program, 64 per
     compute group, summed over the query heads of its GQA group; with FUSED_DQ each query
-    tile's dQ over those keys is added into `dq_desc`'s fp32 sum."""
+    tile's dQ over those keys is added into `dq_desc`'s fp32 sum. Causal programs go in
+    groups of HEAD_GROUP key/value heads, the key tiles with the most queries first."""
     GROUP_N: gl.constexpr = k_desc.block_type.shape[2]
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    k_start = gl.program_id(0) * 2 * GROUP_N
-    batch = gl.program_id(1) // n_kv_heads
-    kv_head = gl.program_id(1) % n_kv_heads
+    tile, bh = _key_program(CAUSAL, HEAD_GROUP)
+    k_start = tile * 2 * GROUP_N
+    batch = bh // n_kv_heads
+    kv_head = bh % n_kv_heads
     first_block = 0
     if CAUSAL:
         first_block = k_start // BLOCK_M
@@ -799,7 +824,8 @@ def launch_warp_specialized_dkdv(q, k, v, grad_out, lse, delta, factors, dk, dv,
     cached(warp_specialized_dkdv_kernel)[grid](
         *descriptors, lse, delta, lse if factors is None else factors, n_kv_heads, n_q,
         n_heads // n_kv_heads, scale * math.log2(math.e), scale, STAGES=stages,
-        CAUSAL=is_causal, CARRY=factors is not None, FUSED_DQ=fused, num_warps=4,
+        CAUSAL=is_causal, CARRY=factors is not None, FUSED_DQ=fused,
+        HEAD_GROUP=key_head_group(is_causal, q, grad_out, n_heads // n_kv_heads), num_warps=4,
         maxnreg=LAUNCH_REGS)
     if fused:
         cached(_scaled_sum_kernel)[(triton.cdiv(dq.numel(), DQ_SUM_BLOCK),)](

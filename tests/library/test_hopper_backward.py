@@ -386,6 +386,39 @@ def test_backward_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype, mode: s
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["summing", "split"])
+@pytest.mark.parametrize("spec", [s for s in GPU_SPECS if s.causal], ids=lambda s: s.id)
+def test_causal_order_changes_no_gradient_on_hopper(monkeypatch, spec: Spec,
+                                                    deterministic: bool) -> None:
+    """The dK/dV kernel's causal programs give the same dK and dV bits whatever the key/value
+    heads per group of their launch order (`key_head_group`): groups of one (the order
+    before the groups), of 2, and the library's choice. dQ too where the split kernels
+    compute it (deterministic algorithms); the summing kernel adds it up atomically, in the
+    order the programs run."""
+    if DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup products need an sm_90 GPU")
+    p = make_problem(spec, torch.bfloat16, device="cuda")
+    compared = ("dq", "dk", "dv") if deterministic else ("dk", "dv")
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    runs = []
+    try:
+        for group in (1, 2, None):  # None: the library's own choice
+            if group is not None:
+                monkeypatch.setattr(hb, "key_head_group",
+                                    lambda is_causal, *_, g=group: g if is_causal else 1)
+            else:
+                monkeypatch.undo()
+            with precision("accurate"):
+                grads = kernel_backward(p)
+            runs.append([grads[name] for name in compared])
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True))
+
+
+@pytest.mark.gpu
 def test_deterministic_algorithms_keep_the_split_kernels_on_hopper() -> None:
     """Under `torch.use_deterministic_algorithms(True)` dQ is not summed by the dK/dV
     kernel's atomic adds: chapter 12's split kernels, bitwise the same gradients each run."""
