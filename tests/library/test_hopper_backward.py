@@ -17,8 +17,11 @@ from helpers import (
     Spec,
     assert_accurate,
     assert_deterministic,
+    cancellation_scale,
     expected_backward,
+    expected_second_order,
     kernel_backward,
+    kernel_second_order,
     make_problem,
     precision,
 )
@@ -248,7 +251,8 @@ def test_launch_plumbing(monkeypatch) -> None:
     assert rest[:3] == (lse, delta, factors) and rest[3:6] == (2, 300, 4)
     assert math.isclose(rest[6], 0.5 * math.log2(math.e)) and rest[7] == 0.5
     assert dkdv["kwargs"] == dict(STAGES=hb.DKDV_STAGES, CAUSAL=True, CARRY=True,
-                                  FUSED_DQ=False, num_warps=4, maxnreg=ws.LAUNCH_REGS)
+                                  FUSED_DQ=False, HEAD_GROUP=hb.key_head_group(True, q, grad_out, 4),
+                                  num_warps=4, maxnreg=ws.LAUNCH_REGS)
     hb.launch_warp_specialized_dq(q, k, v, grad_out, lse, delta, None, dq, False, 0.5)
     assert dq_launch["grid"] == (3, 32)
     descriptors, rest = dq_launch["args"][:5], dq_launch["args"][5:]
@@ -327,16 +331,17 @@ def test_compiles_for_hopper_within_its_budget(tile: str) -> None:
 
 @pytest.mark.parametrize(("tile", "causal", "carry", "max_spills"), [
     ("dkdv_d128_m64_s2", True, True, 64), ("dkdv_d64_m128_s2", False, True, 64),
-    *[("fused_d128_m64_s2", causal, carry, 64) for causal in (False, True)
+    *[("fused_d128_m64_s2", causal, carry, 72 if causal else 64) for causal in (False, True)
       for carry in (False, True)]])
 def test_spilling_dkdv_tiles_stay_within_bounds(tile: str, causal: bool, carry: bool,
                                                 max_spills: int) -> None:
     """The dK/dV tiles at d = 128 (224 of its 240 registers hold live values), split or
     summing dQ, in every form, and the split 128-query tile at d = 64 without the mask
     (run only where the summing form failed to compile): at most a few values a thread
-    (Triton 3.6: 8 bytes for the split d = 128 tile causal, 40 for the summing tile causal
-    and carried, kept outside its loop, 0 otherwise), within 64 bytes, and within the
-    shared memory a block may take."""
+    (Triton 3.6: 8 bytes for the split d = 128 tile causal; the summing tile causal 40, and
+    68 carried, since its programs take the grouped order, whose key tile and head are no
+    longer the program's ids, which the compiler re-reads for free; 0 otherwise), within 64
+    bytes (72 for the causal summing tile), and within the shared memory a block may take."""
     report = compiled_for_hopper(
         "warp_specialized_backward",
         f"compile_for_hopper({tile!r}, causal={causal}, carry={carry})")
@@ -431,3 +436,192 @@ def test_deterministic_algorithms_keep_the_split_kernels_on_hopper() -> None:
         assert_deterministic(kernel_backward, p)
     finally:
         torch.use_deterministic_algorithms(deterministic)
+
+
+# --- the second order's dK pass (chapter 12, not yet the library's) --------------------------
+def route_dk_tangent_pass(monkeypatch, query_rows: int, ran: list | None = None,
+                          launch=None) -> None:
+    """Send the library's dK pass of the backward through the tangent (chapter 6's
+    `_backward_dk_tangent`) to chapter 12's Gluon kernel, `query_rows` queries a visit (or
+    to `launch`, which takes the Gluon launcher's arguments)."""
+    launchable = backward_module.launchable
+    launch = launch or hb.launch_warp_specialized_dk_tangent
+
+    def routed(kernel, q):
+        if kernel is not backward_module._backward_dk_tangent:
+            return launchable(kernel, q)
+
+        class Launch:
+            def __getitem__(self, grid):
+                def run(q, k, v, tq, tk, tv, mask, grad_out, dto, lse, delta, mu, c, factors,
+                        dk, dv, dtk, dtv, *rest, **switches):
+                    assert switches["MASK_KIND"] == 0 and switches["HAS_TANGENT"]
+                    launch(
+                        q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu, c,
+                        factors if switches["CARRY"] else None, dk, dtk,
+                        switches["IS_CAUSAL"], rest[-3], query_rows=query_rows)
+                    if ran is not None:
+                        ran.append(query_rows)
+                return run
+        return Launch()
+
+    monkeypatch.setattr(backward_module, "launchable", routed)
+
+
+SECOND_ORDER_SPECS = [
+    Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=128),
+    Spec(batch=2, hq=8, hkv=2, nq=1100, nk=900, d=64, causal=True),
+    Spec(batch=1, hq=4, hkv=4, nq=700, nk=1300, d=128, causal=True, layout="bnhd"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("query_rows", [16, 32])
+@pytest.mark.parametrize(("dtype", "mode"), PATHS, ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("spec", SECOND_ORDER_SPECS, ids=lambda s: s.id)
+def test_second_order_dk_pass_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype,
+                                        mode: str, query_rows: int) -> None:
+    """Chapter 12's dK pass in place of chapter 6's: every gradient of the backward through
+    both outputs within the math path's error (dk and dtk are the new kernel's)."""
+    if DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup products need an sm_90 GPU")
+    p = make_problem(spec, dtype, device="cuda")
+    truth, floor = expected_second_order(p)
+    ran = []
+    route_dk_tangent_pass(monkeypatch, query_rows, ran)
+    with precision(mode):
+        ours = kernel_second_order(p)
+    assert ran == [query_rows]
+    assert_accurate(ours, truth, floor, dtype, p.label, f"Gluon dK pass, {mode}",
+                    cancellation=cancellation_scale(p, second_order=True))
+
+
+@pytest.mark.parametrize(("d", "query_rows", "max_spills"), [(64, 32, 0), (128, 16, 8),
+                                                             (128, 32, 128)])
+def test_second_order_dk_pass_compiles_for_hopper(d: int, query_rows: int,
+                                                  max_spills: int) -> None:
+    """The dK pass compiled for sm_90 in every form: warpgroup products, shared memory
+    within a block's, and (Triton 3.6) no spills at d = 64, a word at d = 128 on 16-query
+    visits, 84 to 116 bytes on 32-query visits (outside the products)."""
+    for causal in (False, True):
+        for carry in (False, True):
+            report = compiled_for_hopper(
+                "warp_specialized_backward",
+                "__import__('warp_specialized_backward').compile_dk_tangent_for_hopper("
+                f"{d}, causal={causal}, carry={carry}, "
+                f"query_rows={query_rows})")
+            assert report["spills"] <= max_spills, report
+            assert report["shared"] <= 232448 and report["wgmma"] > 0, report
+
+
+def dk_tangent_pass_in_torch(q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu, c, factors,
+                             dk, dtk, is_causal: bool, scale: float, query_rows: int) -> None:
+    """The Gluon dK pass's arithmetic in PyTorch, step for step (fp32, 16-bit operands of the
+    accumulating products, the same carried factors), on whole (B, H, Nq, Nk) tiles."""
+    def unit(index: int, identity: float) -> float:
+        return identity if factors is None else factors[index].item()
+
+    group = q.shape[1] // k.shape[1]
+    k, v, tk, tv = (x.repeat_interleave(group, dim=1).float() for x in (k, v, tk, tv))
+    q32, tq32, do32, dto32 = (x.float() for x in (q, tq, grad_out, dto))
+    s = q32 @ k.transpose(-1, -2)
+    if is_causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -math.inf)
+    lse2 = lse * math.log2(math.e) - unit(5, 0.0)
+    p = torch.exp2(s * (scale * math.log2(math.e) * unit(0, 1.0)) - lse2[..., None])
+    ts = (tq32 @ k.transpose(-1, -2) + q32 @ tk.transpose(-1, -2)) * (scale * unit(9, 1.0))
+    g = dto32 @ v.transpose(-1, -2)
+    dp = do32 @ v.transpose(-1, -2) + dto32 @ tv.transpose(-1, -2)
+    mu, c, delta = mu * unit(10, 1.0), c * unit(11, 1.0), delta * unit(1, 1.0)
+    dp = dp + g * (ts - mu[..., None]) - c[..., None] * ts
+    dts = (p * (g - c[..., None]) * unit(13, 1.0)).to(q.dtype).float()
+    ds = (p * (dp - delta[..., None]) * unit(12, 1.0)).to(q.dtype).float()
+    grad_k = ds.transpose(-1, -2) @ q32 + dts.transpose(-1, -2) @ tq32 * unit(15, 1.0)
+    grad_tk = dts.transpose(-1, -2) @ q32
+    for out, grad, index in ((dk, grad_k, 3), (dtk, grad_tk, 7)):
+        summed = grad.unflatten(1, (-1, group)).sum(2) * (scale * unit(index, 1.0))
+        out.copy_(summed.to(out.dtype))
+
+
+@pytest.mark.parametrize(("dtype", "mode"), [(torch.float16, "fast"), (torch.float32, "fast")],
+                         ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("spec", [Spec(hq=4, hkv=2, nq=40, nk=56, d=16, causal=True),
+                                  Spec(nq=48, nk=33, d=32)], ids=lambda s: s.id)
+def test_second_order_dk_pass_arithmetic(monkeypatch, spec: Spec, dtype: torch.dtype,
+                                         mode: str) -> None:
+    """The Gluon dK pass's arithmetic and arguments, in PyTorch on the CPU (the kernel needs
+    Hopper): routed where chapter 6's pass runs, the library's inputs (Delta_2, mu, c, the
+    scale) make every gradient within the math path's error. The carried factors: below."""
+    p = make_problem(spec, dtype)
+    truth, floor = expected_second_order(p)
+    ran = []
+    route_dk_tangent_pass(monkeypatch, 0, ran, dk_tangent_pass_in_torch)
+    with precision(mode):
+        ours = kernel_second_order(p)
+    assert ran == [0]
+    assert_accurate(ours, truth, floor, dtype, p.label, f"dK pass in torch, {mode}",
+                    cancellation=cancellation_scale(p, second_order=True))
+
+
+# Powers of two for the sixteen carried factors, distinct between neighbours so that an
+# index read in the wrong place changes the result (entry 5 is P's exponent shift; 14 and 15,
+# the steps of dK's accumulator, are inverses, as the carry makes them).
+TEST_FACTOR_EXPONENTS = [1, -1, 0, 1, 0, 1, 0, -1, 0, 1, -1, 1, -1, 1, 1, -1]
+
+
+def test_second_order_dk_pass_reads_the_carried_factors(monkeypatch) -> None:
+    """`dk_tangent_pass_in_torch` reads each carried factor as chapter 6's dK pass does:
+    both given the same operands and made-up factors (the carry is bf16's, which the CPU's
+    interpreter cannot run), their dK and dtK agree to fp16's rounding."""
+    p = make_problem(Spec(hq=4, hkv=2, nq=40, nk=56, d=16, causal=True), torch.float16)
+    launchable = backward_module.launchable
+    compared = []
+
+    def routed(kernel, q):
+        launch = launchable(kernel, q)
+        if kernel is not backward_module._backward_dk_tangent:
+            return launch
+
+        class Both:
+            def __getitem__(self, grid):
+                def run(*args, **switches):
+                    args = list(args)
+                    args[13] = factors = torch.tensor(
+                        [2.0 ** e for e in TEST_FACTOR_EXPONENTS] + [1.0] * 8)
+                    launch[grid](*args, **{**switches, "CARRY": True})
+                    ours = [torch.empty_like(args[14]), torch.empty_like(args[16])]
+                    dk_tangent_pass_in_torch(*args[:6], *args[7:13], factors, *ours,
+                                             switches["IS_CAUSAL"], args[-3], 0)
+                    compared.append((ours, [args[14], args[16]]))
+                return run
+        return Both()
+
+    monkeypatch.setattr(backward_module, "launchable", routed)
+    with precision("fast"):
+        kernel_second_order(p)
+    assert len(compared) == 1
+    for ours, chapter6 in zip(*compared[0], strict=True):
+        scale = chapter6.abs().max().item()
+        assert scale > 0 and (ours - chapter6).abs().max().item() <= 1e-2 * scale
+
+
+def test_dk_tangent_launch_plumbing(monkeypatch) -> None:
+    """What the dK pass's launcher hands its kernel (on CPU, the kernel replaced by a
+    recorder): a grid of 128 keys by B·Hkv, descriptors over each tensor's own strides, the
+    row statistics, the GQA group, the scale in log2 units and natural, the factors."""
+    launch = recorded_launches(monkeypatch, "warp_specialized_dk_tangent_kernel", hb)
+    q, grad_out = heads(n=300, heads=8, layout="bnhd"), heads(n=300, heads=8)
+    k, v = heads(n=4100, heads=2), heads(n=4100, heads=2)
+    stats = [torch.empty(4, 8, 300) for _ in range(4)]
+    dk, dtk, factors = torch.empty_like(k), torch.empty_like(k), torch.ones(16)
+    hb.launch_warp_specialized_dk_tangent(q, k, v, q, k, v, grad_out, grad_out, *stats,
+                                          factors, dk, dtk, True, 0.5, query_rows=16)
+    assert launch["grid"] == (33, 8)
+    descriptors, rest = launch["args"][:10], launch["args"][10:]
+    assert [d.base for d in descriptors] == [k, k, v, v, q, q, grad_out, grad_out, dk, dtk]
+    assert [d.block_shape[2] for d in descriptors] == [64] * 4 + [16] * 4 + [64] * 2
+    assert list(descriptors[4].strides) == list(q.stride())
+    assert list(rest[:5]) == [*stats, factors] and rest[5:8] == (2, 300, 4)
+    assert math.isclose(rest[8], 0.5 * math.log2(math.e)) and rest[9] == 0.5
+    assert launch["kwargs"] == dict(STAGES=hb.DK_TANGENT_STAGES, CAUSAL=True, CARRY=True,
+                                    num_warps=4, maxnreg=ws.LAUNCH_REGS)
