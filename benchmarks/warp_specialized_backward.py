@@ -97,26 +97,29 @@ def compile_for_hopper(name: str, causal: bool = False, carry: bool = False) -> 
     return {"tile": name, **shape, "causal": causal, "carry": carry, **report}
 
 
-def compile_dk_tangent_for_hopper(d: int = 128, causal: bool = False, carry: bool = False,
-                                  query_rows: int = hb.DK_TANGENT_QUERY_ROWS,
-                                  stages: int = hb.DK_TANGENT_STAGES) -> dict:
-    """Chapter 12's dK pass of the backward through the tangent compiled for sm_90
-    (`compiled_report`); `carry` as `compile_for_hopper`."""
+def compile_tangent_pass_for_hopper(kernel: str = "dk", d: int = 128, causal: bool = False,
+                                    carry: bool = False, query_rows: int | None = None,
+                                    stages: int = hb.TANGENT_PASS_STAGES) -> dict:
+    """Chapter 12's dK or dV pass (`kernel`) of the backward through the tangent compiled
+    for sm_90 (`compiled_report`); `carry` as `compile_for_hopper`."""
+    dk = kernel == "dk"
+    query_rows = query_rows or (hb.DK_TANGENT_QUERY_ROWS if dk else hb.DV_TANGENT_QUERY_ROWS)
     grads = torch.empty(1, 1, 1024, d, dtype=torch.bfloat16)
     operands = grads.half() if carry else grads
-    rows = {"k_desc": (operands, ws.GROUP_ROWS), "tk_desc": (operands, ws.GROUP_ROWS),
-            "v_desc": (operands, ws.GROUP_ROWS), "tv_desc": (operands, ws.GROUP_ROWS),
-            "q_desc": (operands, query_rows), "tq_desc": (operands, query_rows),
-            "do_desc": (operands, query_rows), "dto_desc": (operands, query_rows),
-            "dk_desc": (grads, ws.GROUP_ROWS), "dtk_desc": (grads, ws.GROUP_ROWS)}
+    key_side = ("k", "tk", "v", "tv") if dk else ("k", "tk")
+    rows = {**{f"{name}_desc": (operands, ws.GROUP_ROWS) for name in key_side},
+            **{f"{name}_desc": (operands, query_rows) for name in ("q", "tq", "do", "dto")},
+            **{f"{name}_desc": (grads, ws.GROUP_ROWS)
+               for name in (("dk", "dtk") if dk else ("dv", "dtv"))}}
     descriptors = {arg: ws._descriptor(t, r) for arg, (t, r) in rows.items()}
-    scalars = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "mu_ptr": "*fp32", "c_ptr": "*fp32",
-               "factors_ptr": "*fp32", "n_kv_heads": "i32", "n_q": "i32", "group_size": "i32",
-               "qk_scale": "fp32", "scale": "fp32"}
+    statistics = ("lse", "delta", "mu", "c") if dk else ("lse", "mu")
+    scalars = {**{f"{name}_ptr": "*fp32" for name in (*statistics, "factors")},
+               "n_kv_heads": "i32", "n_q": "i32", "group_size": "i32", "qk_scale": "fp32",
+               "scale": "fp32"}
     constexprs = {"STAGES": stages, "CAUSAL": causal, "CARRY": carry}
-    report = compiled_report(hb.warp_specialized_dk_tangent_kernel, descriptors, scalars,
-                             constexprs, 4)
-    return {"kernel": "dk_tangent", "d": d, "query_rows": query_rows, "stages": stages,
+    report = compiled_report(getattr(hb, f"warp_specialized_{kernel}_tangent_kernel"),
+                             descriptors, scalars, constexprs, 4)
+    return {"kernel": f"{kernel}_tangent", "d": d, "query_rows": query_rows, "stages": stages,
             "causal": causal, "carry": carry, **report}
 
 

@@ -650,34 +650,51 @@ def launched(launch, *args, summing: bool = False) -> bool:
 
 
 DK_TANGENT_QUERY_ROWS = 32  # queries a visit: four 64 x 32 fp32 score tiles fit the budget
-DK_TANGENT_STAGES = 2
+DV_TANGENT_QUERY_ROWS = 64  # two score tiles a visit
+TANGENT_PASS_STAGES = 2
+
+
+@gluon.jit
+def _key_side_program(n_kv_heads, n_q, GROUP_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                      CAUSAL: gl.constexpr):
+    """A key-side program's first key, batch, key/value head, first query tile (causal: the
+    tile holding its first key) and count of query tiles."""
+    k_start = gl.program_id(0) * 2 * GROUP_N
+    first_block = 0
+    if CAUSAL:
+        first_block = k_start // BLOCK_M
+    return (k_start, gl.program_id(1) // n_kv_heads, gl.program_id(1) % n_kv_heads,
+            first_block, gl.cdiv(n_q, BLOCK_M) - first_block)
 
 
 @gluon.jit
 def _load_key_side(k_desc, tk_desc, v_desc, tv_desc, k_tiles, tk_tiles, v_tiles, tv_tiles,
-                   barrier, batch, kv_head, k_start):
-    """Both groups' K, tK, V and tV tiles, from key `k_start` on, on one barrier."""
+                   barrier, batch, kv_head, k_start, VALUES: gl.constexpr):
+    """Both groups' K and tK tiles (and with VALUES V and tV), from key `k_start` on, on
+    one barrier."""
     ROWS: gl.constexpr = k_desc.block_type.shape[2]
-    mbarrier.expect(barrier, 2 * (2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes))
+    TENSORS: gl.constexpr = 4 if VALUES else 2
+    mbarrier.expect(barrier, 2 * TENSORS * k_desc.block_type.nbytes)
     for g in gl.static_range(2):
         row = k_start + g * ROWS
         tma_load(k_desc, [batch, kv_head, row, 0], barrier, k_tiles.index(g))
         tma_load(tk_desc, [batch, kv_head, row, 0], barrier, tk_tiles.index(g))
-        tma_load(v_desc, [batch, kv_head, row, 0], barrier, v_tiles.index(g))
-        tma_load(tv_desc, [batch, kv_head, row, 0], barrier, tv_tiles.index(g))
+        if VALUES:
+            tma_load(v_desc, [batch, kv_head, row, 0], barrier, v_tiles.index(g))
+            tma_load(tv_desc, [batch, kv_head, row, 0], barrier, tv_tiles.index(g))
 
 
 @gluon.jit
-def _dk_tangent_load_partition(k_desc, tk_desc, v_desc, tv_desc, q_desc, tq_desc, do_desc,
-                               dto_desc, k_tiles, tk_tiles, v_tiles, tv_tiles, q_ring,
-                               tq_ring, do_ring, dto_ring, kv_ready, q_ready, do_ready,
-                               slot_free, batch, kv_head, k_start, group_size, first_block,
-                               n_blocks, STAGES: gl.constexpr):
-    """One warp: the key side's four tiles once, then each visit's Q and tQ (one barrier)
-    and dO and dtO (another) into the ring, as soon as both groups have freed the slot."""
+def _tangent_load_partition(k_desc, tk_desc, v_desc, tv_desc, q_desc, tq_desc, do_desc,
+                            dto_desc, k_tiles, tk_tiles, v_tiles, tv_tiles, q_ring, tq_ring,
+                            do_ring, dto_ring, kv_ready, q_ready, do_ready, slot_free, batch,
+                            kv_head, k_start, group_size, first_block, n_blocks,
+                            STAGES: gl.constexpr, VALUES: gl.constexpr):
+    """One warp: the key side's tiles once, then each visit's Q and tQ (one barrier) and
+    dO and dtO (another) into the ring, as soon as both groups have freed the slot."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     _load_key_side(k_desc, tk_desc, v_desc, tv_desc, k_tiles, tk_tiles, v_tiles, tv_tiles,
-                   kv_ready, batch, kv_head, k_start)
+                   kv_ready, batch, kv_head, k_start, VALUES)
     for j in range(group_size * n_blocks):
         slot = j % STAGES
         mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
@@ -689,24 +706,57 @@ def _dk_tangent_load_partition(k_desc, tk_desc, v_desc, tv_desc, q_desc, tq_desc
 
 
 @gluon.jit
-def _tangent_row_statistics(lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, rows, n_q,
-                            CARRY: gl.constexpr):
-    """A visit's LSE (log2 units, less P's shift), Delta_2, mu and c in the carried units,
-    one query a thread (chapter 5's `_load_row_statistics` with the tangent)."""
-    lse, delta = _row_statistics(lse_ptr, delta_ptr, rows, n_q,
-                                 _carried(factors_ptr, 1, CARRY, 1.0),
-                                 _carried(factors_ptr, 5, CARRY, 0.0))
-    mu = gl.load(mu_ptr + rows, mask=rows < n_q, other=0.0) * _carried(factors_ptr, 10, CARRY,
-                                                                        1.0)
-    c = gl.load(c_ptr + rows, mask=rows < n_q, other=0.0) * _carried(factors_ptr, 11, CARRY,
-                                                                     1.0)
-    return lse, delta, mu, c
+def _scaled_rows(ptr, rows, n_q, factor):
+    """A visit's row statistic, one query a thread, times `factor` (0 past the end)."""
+    return gl.load(ptr + rows, mask=rows < n_q, other=0.0) * factor
+
+
+@gluon.jit
+def _lse_and_mu(lse_ptr, mu_ptr, factors_ptr, rows, n_q, CARRY: gl.constexpr):
+    """A visit's LSE (log2 units, less P's shift; +inf past the end, so that P is 0 there)
+    and mu in the carried units (chapter 5's `_load_row_statistics`)."""
+    lse = gl.load(lse_ptr + rows, mask=rows < n_q, other=float("inf"))
+    return (lse * LOG2E - _carried(factors_ptr, 5, CARRY, 0.0),
+            _scaled_rows(mu_ptr, rows, n_q, _carried(factors_ptr, 10, CARRY, 1.0)))
 
 
 @gluon.jit
 def _in_columns(rows, layout: gl.constexpr):
     """Per-query values, one a thread, as a row broadcast over a transposed tile's keys."""
     return gl.expand_dims(gl.convert_layout(rows, layout), 0)
+
+
+@gluon.jit
+def _tangent_scores(k_smem, tk_smem, q_smem, tq_smem, st_zero):
+    """Issue Sᵀ = K Qᵀ and tSᵀ = tK Qᵀ + K tQᵀ (asynchronous warpgroup products)."""
+    st = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+    tst = warpgroup_mma(tk_smem, q_smem.permute((1, 0)), st_zero, use_acc=False,
+                        is_async=True)
+    tst = warpgroup_mma(k_smem, tq_smem.permute((1, 0)), tst, is_async=True)
+    return st, tst
+
+
+@gluon.jit
+def _probabilities(st, tst, lse, first_key, start_m, factors_ptr, qk_scale, scale,
+                   CAUSAL: gl.constexpr, CARRY: gl.constexpr):
+    """Pᵀ (times P's carried shift) and tSᵀ in the tangent's carried units, from the raw
+    products and the visit's LSE in columns."""
+    st = _causal_transposed(st, first_key, start_m, CAUSAL)
+    pt = gl.exp2(st * (qk_scale * _carried(factors_ptr, 0, CARRY, 1.0)) - lse)
+    return pt, tst * (scale * _carried(factors_ptr, 9, CARRY, 1.0))
+
+
+@gluon.jit
+def _store_key_gradients(desc, t_desc, tiles, t_tiles, grad, t_grad, batch, kv_head,
+                         first_key, GROUP: gl.constexpr):
+    """A group's two gradients out through its own key-side tiles, which no product reads
+    any more, viewed in the gradients' type."""
+    _store_rows(desc, _as_matrices(tiles, desc).index(GROUP),
+                _as_blocks(tiles, desc).index(GROUP), grad.to(desc.dtype), batch, kv_head,
+                first_key)
+    _store_rows(t_desc, _as_matrices(t_tiles, t_desc).index(GROUP),
+                _as_blocks(t_tiles, t_desc).index(GROUP), t_grad.to(t_desc.dtype), batch,
+                kv_head, first_key)
 
 
 @gluon.jit
@@ -733,7 +783,6 @@ def _dk_tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, 
     k_smem, tk_smem = k_2d.index(GROUP), tk_2d.index(GROUP)
     v_smem, tv_smem = v_2d.index(GROUP), tv_2d.index(GROUP)
     first_key = k_start + GROUP * GROUP_N
-    st_scale = qk_scale * _carried(factors_ptr, 0, CARRY, 1.0)
 
     dk = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
     dtk = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
@@ -747,17 +796,13 @@ def _dk_tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, 
         q_smem, tq_smem = q_2d.index(slot), tq_2d.index(slot)
         do_smem, dto_smem = do_2d.index(slot), dto_2d.index(slot)
         head_rows = (batch * n_heads + head).to(gl.int64) * n_q
-        lse, delta, mu, c = _tangent_row_statistics(
-            lse_ptr + head_rows, delta_ptr + head_rows, mu_ptr + head_rows, c_ptr + head_rows,
-            factors_ptr, start_m + gl.arange(0, BLOCK_M, row_layout), n_q, CARRY)
+        rows = start_m + gl.arange(0, BLOCK_M, row_layout)
+        lse, mu = _lse_and_mu(lse_ptr + head_rows, mu_ptr + head_rows, factors_ptr, rows,
+                              n_q, CARRY)
         mbarrier.wait(q_ready.index(slot), phase)
         mbarrier.wait(do_ready.index(slot), phase)
         turn = _take_turn(turns, turn, GROUP, True)
-        st = warpgroup_mma(k_smem, q_smem.permute((1, 0)), st_zero, use_acc=False,
-                           is_async=True)
-        tst = warpgroup_mma(tk_smem, q_smem.permute((1, 0)), st_zero, use_acc=False,
-                            is_async=True)
-        tst = warpgroup_mma(k_smem, tq_smem.permute((1, 0)), tst, is_async=True)
+        st, tst = _tangent_scores(k_smem, tk_smem, q_smem, tq_smem, st_zero)
         dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False,
                             is_async=True)
         dpt = warpgroup_mma(tv_smem, dto_smem.permute((1, 0)), dpt, is_async=True)
@@ -765,12 +810,14 @@ def _dk_tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, 
                            is_async=True)
         _pass_turn(turns, GROUP, True)
         st, tst, dpt, gt = warpgroup_mma_wait(0, deps=(st, tst, dpt, gt))
-        st = _causal_transposed(st, first_key, start_m, CAUSAL)
-        pt = gl.exp2(st * st_scale - _in_columns(lse, query_layout))
-        tst = tst * (scale * _carried(factors_ptr, 9, CARRY, 1.0))
-        c_cols = _in_columns(c, query_layout)
-        dpt = dpt + gt * (tst - _in_columns(mu, query_layout)) - c_cols * tst
-        dtst = pt * (gt - c_cols) * _carried(factors_ptr, 13, CARRY, 1.0)
+        pt, tst = _probabilities(st, tst, _in_columns(lse, query_layout), first_key, start_m,
+                                 factors_ptr, qk_scale, scale, CAUSAL, CARRY)
+        c = _in_columns(_scaled_rows(c_ptr + head_rows, rows, n_q,
+                                     _carried(factors_ptr, 11, CARRY, 1.0)), query_layout)
+        dpt = dpt + gt * (tst - _in_columns(mu, query_layout)) - c * tst
+        dtst = pt * (gt - c) * _carried(factors_ptr, 13, CARRY, 1.0)
+        delta = _scaled_rows(delta_ptr + head_rows, rows, n_q,
+                             _carried(factors_ptr, 1, CARRY, 1.0))
         dst = pt * (dpt - _in_columns(delta, query_layout)) * _carried(factors_ptr, 12, CARRY,
                                                                         1.0)
         dst_op = gl.convert_layout(dst.to(dtype), op_layout)
@@ -787,16 +834,72 @@ def _dk_tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, 
             dk = dk * _carried(factors_ptr, 15, CARRY, 1.0)
         mbarrier.arrive(slot_free.index(slot), count=1)
 
-    # Every product is done: the group's K and tK tiles, viewed in the gradients' type,
-    # carry the gradients out.
-    dk = dk * (scale * _carried(factors_ptr, 3, CARRY, 1.0))
-    dtk = dtk * (scale * _carried(factors_ptr, 7, CARRY, 1.0))
-    _store_rows(dk_desc, _as_matrices(k_tiles, dk_desc).index(GROUP),
-                _as_blocks(k_tiles, dk_desc).index(GROUP), dk.to(dk_desc.dtype), batch,
-                kv_head, first_key)
-    _store_rows(dtk_desc, _as_matrices(tk_tiles, dtk_desc).index(GROUP),
-                _as_blocks(tk_tiles, dtk_desc).index(GROUP), dtk.to(dtk_desc.dtype), batch,
-                kv_head, first_key)
+    _store_key_gradients(dk_desc, dtk_desc, k_tiles, tk_tiles,
+                         dk * (scale * _carried(factors_ptr, 3, CARRY, 1.0)),
+                         dtk * (scale * _carried(factors_ptr, 7, CARRY, 1.0)), batch, kv_head,
+                         first_key, GROUP)
+
+
+@gluon.jit
+def _dv_tangent_compute_partition(k_2d, tk_2d, q_2d, tq_2d, do_2d, dto_2d, k_tiles, tk_tiles,
+                                  kv_ready, q_ready, do_ready, slot_free, turns, dv_desc,
+                                  dtv_desc, lse_ptr, mu_ptr, factors_ptr, batch, kv_head,
+                                  k_start, group_size, first_block, n_blocks, n_heads, n_q,
+                                  qk_scale, scale, GROUP: gl.constexpr, STAGES: gl.constexpr,
+                                  CAUSAL: gl.constexpr, CARRY: gl.constexpr,
+                                  num_warps: gl.constexpr):
+    """One group of 64 keys: per visit a turn for Sᵀ and tSᵀ, Pᵀ and tPᵀ, a turn for the
+    three accumulating products; then dV and dtV."""
+    GROUP_N: gl.constexpr = dv_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = dv_desc.block_type.shape[3]
+    BLOCK_M: gl.constexpr = q_2d.shape[1]
+    dtype: gl.constexpr = q_2d.dtype
+    st_layout: gl.constexpr = mma_layout(BLOCK_M, num_warps)
+    acc_layout: gl.constexpr = mma_layout(HEAD_DIM, num_warps)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    k_smem, tk_smem = k_2d.index(GROUP), tk_2d.index(GROUP)
+    first_key = k_start + GROUP * GROUP_N
+
+    dv = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
+    dtv = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
+    st_zero = gl.zeros([GROUP_N, BLOCK_M], gl.float32, st_layout)
+    mbarrier.wait(kv_ready, 0)
+    turn = 0
+    for j in range(group_size * n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        head, start_m = _query_visit(j, kv_head, group_size, first_block, n_blocks, BLOCK_M)
+        q_smem, tq_smem = q_2d.index(slot), tq_2d.index(slot)
+        do_smem, dto_smem = do_2d.index(slot), dto_2d.index(slot)
+        head_rows = (batch * n_heads + head).to(gl.int64) * n_q
+        lse, mu = _lse_and_mu(lse_ptr + head_rows, mu_ptr + head_rows, factors_ptr,
+                              start_m + gl.arange(0, BLOCK_M, row_layout), n_q, CARRY)
+        mbarrier.wait(q_ready.index(slot), phase)
+        turn = _take_turn(turns, turn, GROUP, True)
+        st, tst = _tangent_scores(k_smem, tk_smem, q_smem, tq_smem, st_zero)
+        _pass_turn(turns, GROUP, True)
+        st, tst = warpgroup_mma_wait(0, deps=(st, tst))
+        pt, tst = _probabilities(st, tst, _in_columns(lse, query_layout), first_key, start_m,
+                                 factors_ptr, qk_scale, scale, CAUSAL, CARRY)
+        tpt_op = gl.convert_layout((pt * (tst - _in_columns(mu, query_layout))).to(dtype),
+                                   op_layout)
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        mbarrier.wait(do_ready.index(slot), phase)
+        turn = _take_turn(turns, turn, GROUP, True)
+        dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
+        dv = warpgroup_mma(tpt_op, dto_smem, dv, is_async=True)
+        dtv = warpgroup_mma(pt_op, dto_smem, dtv, is_async=True)
+        _pass_turn(turns, GROUP, True)
+        dv, dtv, pt_op, tpt_op = warpgroup_mma_wait(0, deps=(dv, dtv, pt_op, tpt_op))
+        mbarrier.arrive(slot_free.index(slot), count=1)
+
+    _store_key_gradients(dv_desc, dtv_desc, k_tiles, tk_tiles,
+                         dv * _carried(factors_ptr, 4, CARRY, 1.0),
+                         dtv * _carried(factors_ptr, 8, CARRY, 1.0), batch, kv_head,
+                         first_key, GROUP)
 
 
 @gluon.jit
@@ -809,15 +912,8 @@ def warp_specialized_dk_tangent_kernel(k_desc, tk_desc, v_desc, tv_desc, q_desc,
     """Grid (cdiv(Nk, 128), B·Hkv): dK and dtK of 128 keys of one key/value head per
     program (the backward through the tangent, chapter 6), 64 per compute group, summed
     over the query heads of its GQA group."""
-    GROUP_N: gl.constexpr = k_desc.block_type.shape[2]
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-    k_start = gl.program_id(0) * 2 * GROUP_N
-    batch = gl.program_id(1) // n_kv_heads
-    kv_head = gl.program_id(1) % n_kv_heads
-    first_block = 0
-    if CAUSAL:
-        first_block = k_start // BLOCK_M
-    n_blocks = gl.cdiv(n_q, BLOCK_M) - first_block
+    k_start, batch, kv_head, first_block, n_blocks = _key_side_program(
+        n_kv_heads, n_q, k_desc.block_type.shape[2], q_desc.block_type.shape[2], CAUSAL)
     k_tiles, tk_tiles = _blocks(k_desc, 2), _blocks(tk_desc, 2)
     v_tiles, tv_tiles = _blocks(v_desc, 2), _blocks(tv_desc, 2)
     q_ring, tq_ring = _blocks(q_desc, STAGES), _blocks(tq_desc, STAGES)
@@ -839,31 +935,89 @@ def warp_specialized_dk_tangent_kernel(k_desc, tk_desc, v_desc, tv_desc, q_desc,
             q_ready, do_ready, slot_free, turns, dk_desc, dtk_desc, lse_ptr, delta_ptr, mu_ptr,
             c_ptr, factors_ptr, batch, kv_head, k_start, group_size, first_block, n_blocks,
             n_heads, n_q, qk_scale, scale, 1, STAGES, CAUSAL, CARRY, num_warps)),
-        (_dk_tangent_load_partition, (k_desc, tk_desc, v_desc, tv_desc, q_desc, tq_desc,
-                                      do_desc, dto_desc, k_tiles, tk_tiles, v_tiles, tv_tiles,
-                                      q_ring, tq_ring, do_ring, dto_ring, kv_ready, q_ready,
-                                      do_ready, slot_free, batch, kv_head, k_start,
-                                      group_size, first_block, n_blocks, STAGES)),
+        (_tangent_load_partition, (k_desc, tk_desc, v_desc, tv_desc, q_desc, tq_desc, do_desc,
+                                   dto_desc, k_tiles, tk_tiles, v_tiles, tv_tiles, q_ring,
+                                   tq_ring, do_ring, dto_ring, kv_ready, q_ready, do_ready,
+                                   slot_free, batch, kv_head, k_start, group_size,
+                                   first_block, n_blocks, STAGES, True)),
     ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
+
+
+@gluon.jit
+def warp_specialized_dv_tangent_kernel(k_desc, tk_desc, q_desc, tq_desc, do_desc, dto_desc,
+                                       dv_desc, dtv_desc, lse_ptr, mu_ptr, factors_ptr,
+                                       n_kv_heads, n_q, group_size, qk_scale, scale,
+                                       STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                       CARRY: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (cdiv(Nk, 128), B·Hkv): dV and dtV of 128 keys of one key/value head per
+    program, as `warp_specialized_dk_tangent_kernel`."""
+    k_start, batch, kv_head, first_block, n_blocks = _key_side_program(
+        n_kv_heads, n_q, k_desc.block_type.shape[2], q_desc.block_type.shape[2], CAUSAL)
+    k_tiles, tk_tiles = _blocks(k_desc, 2), _blocks(tk_desc, 2)
+    q_ring, tq_ring = _blocks(q_desc, STAGES), _blocks(tq_desc, STAGES)
+    do_ring, dto_ring = _blocks(do_desc, STAGES), _blocks(dto_desc, STAGES)
+    kv_ready, q_ready, do_ready, slot_free, turns = _ring_barriers(STAGES, 2)
+    k_2d, tk_2d = _as_matrices(k_tiles, k_desc), _as_matrices(tk_tiles, tk_desc)
+    q_2d, tq_2d = _as_matrices(q_ring, q_desc), _as_matrices(tq_ring, tq_desc)
+    do_2d, dto_2d = _as_matrices(do_ring, do_desc), _as_matrices(dto_ring, dto_desc)
+    n_heads = n_kv_heads * group_size
+    gl.warp_specialize([
+        (_dv_tangent_compute_partition, (
+            k_2d, tk_2d, q_2d, tq_2d, do_2d, dto_2d, k_tiles, tk_tiles, kv_ready, q_ready,
+            do_ready, slot_free, turns, dv_desc, dtv_desc, lse_ptr, mu_ptr, factors_ptr, batch,
+            kv_head, k_start, group_size, first_block, n_blocks, n_heads, n_q, qk_scale, scale,
+            0, STAGES, CAUSAL, CARRY, num_warps)),
+        (_dv_tangent_compute_partition, (
+            k_2d, tk_2d, q_2d, tq_2d, do_2d, dto_2d, k_tiles, tk_tiles, kv_ready, q_ready,
+            do_ready, slot_free, turns, dv_desc, dtv_desc, lse_ptr, mu_ptr, factors_ptr, batch,
+            kv_head, k_start, group_size, first_block, n_blocks, n_heads, n_q, qk_scale, scale,
+            1, STAGES, CAUSAL, CARRY, num_warps)),
+        (_tangent_load_partition, (k_desc, tk_desc, k_desc, tk_desc, q_desc, tq_desc, do_desc,
+                                   dto_desc, k_tiles, tk_tiles, k_tiles, tk_tiles, q_ring,
+                                   tq_ring, do_ring, dto_ring, kv_ready, q_ready, do_ready,
+                                   slot_free, batch, kv_head, k_start, group_size,
+                                   first_block, n_blocks, STAGES, False)),
+    ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
+
+
+def _tangent_pass_launch(kernel, key_side, query_side, outputs, statistics, factors,
+                         n_heads: int, n_q: int, is_causal: bool, scale: float,
+                         query_rows: int, stages: int) -> None:
+    """Launch a key-side pass of the backward through the tangent: descriptors of 64 keys
+    over `key_side` and `outputs`, of `query_rows` queries over `query_side`, then the row
+    statistics, the factors (the LSE standing in without them), the heads and scales."""
+    k = key_side[0]
+    batch, n_kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
+    descriptors = ([_descriptor(t, GROUP_ROWS) for t in key_side]
+                   + [_descriptor(t, query_rows) for t in query_side]
+                   + [_descriptor(t, GROUP_ROWS) for t in outputs])
+    grid = (triton.cdiv(n_k, 2 * GROUP_ROWS), batch * n_kv_heads)
+    cached(kernel)[grid](
+        *descriptors, *statistics, statistics[0] if factors is None else factors, n_kv_heads,
+        n_q, n_heads // n_kv_heads, scale * math.log2(math.e), scale, STAGES=stages,
+        CAUSAL=is_causal, CARRY=factors is not None, num_warps=4, maxnreg=LAUNCH_REGS)
 
 
 def launch_warp_specialized_dk_tangent(q, k, v, tq, tk, tv, grad_out, grad_tangent_out, lse,
                                        delta, mu, c, factors, dk, dtk, is_causal: bool,
                                        scale: float, *,
                                        query_rows: int = DK_TANGENT_QUERY_ROWS,
-                                       stages: int = DK_TANGENT_STAGES) -> None:
-    """Write dk and dtk (contiguous, in the gradients' dtype) of the backward through the
-    tangent from the forward's `lse`, `mu` and the row statistics' `delta` (Delta_2) and
-    `c`, fp32 (B, Hq, Nq); `factors` are chapter 5's carried factors of the second order
+                                       stages: int = TANGENT_PASS_STAGES) -> None:
+    """Write dk and dtk (in the gradients' dtype) of the backward through the tangent from
+    the forward's `lse`, `mu` and the row statistics' `delta` (Delta_2) and `c`, fp32
+    (B, Hq, Nq); `factors` are chapter 5's carried factors of the second order
     (`second_order_operands`) when the operands are its carried copies, else None."""
-    batch, n_heads, n_q, _ = q.shape
-    n_kv_heads, n_k = k.shape[1], k.shape[2]
-    descriptors = [_descriptor(t, rows) for t, rows in (
-        (k, GROUP_ROWS), (tk, GROUP_ROWS), (v, GROUP_ROWS), (tv, GROUP_ROWS),
-        (q, query_rows), (tq, query_rows), (grad_out, query_rows),
-        (grad_tangent_out, query_rows), (dk, GROUP_ROWS), (dtk, GROUP_ROWS))]
-    grid = (triton.cdiv(n_k, 2 * GROUP_ROWS), batch * n_kv_heads)
-    cached(warp_specialized_dk_tangent_kernel)[grid](
-        *descriptors, lse, delta, mu, c, lse if factors is None else factors, n_kv_heads, n_q,
-        n_heads // n_kv_heads, scale * math.log2(math.e), scale, STAGES=stages,
-        CAUSAL=is_causal, CARRY=factors is not None, num_warps=4, maxnreg=LAUNCH_REGS)
+    _tangent_pass_launch(warp_specialized_dk_tangent_kernel, (k, tk, v, tv),
+                         (q, tq, grad_out, grad_tangent_out), (dk, dtk), (lse, delta, mu, c),
+                         factors, q.shape[1], q.shape[2], is_causal, scale, query_rows, stages)
+
+
+def launch_warp_specialized_dv_tangent(q, k, tq, tk, grad_out, grad_tangent_out, lse, mu,
+                                       factors, dv, dtv, is_causal: bool, scale: float, *,
+                                       query_rows: int = DV_TANGENT_QUERY_ROWS,
+                                       stages: int = TANGENT_PASS_STAGES) -> None:
+    """Write dv and dtv (in the gradients' dtype) of the backward through the tangent;
+    arguments as `launch_warp_specialized_dk_tangent`."""
+    _tangent_pass_launch(warp_specialized_dv_tangent_kernel, (k, tk),
+                         (q, tq, grad_out, grad_tangent_out), (dv, dtv), (lse, mu), factors,
+                         q.shape[1], q.shape[2], is_causal, scale, query_rows, stages)

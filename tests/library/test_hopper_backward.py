@@ -18,6 +18,7 @@ from helpers import (
     assert_accurate,
     assert_deterministic,
     cancellation_scale,
+    dtype_name,
     expected_backward,
     expected_second_order,
     kernel_backward,
@@ -438,17 +439,21 @@ def test_deterministic_algorithms_keep_the_split_kernels_on_hopper() -> None:
         torch.use_deterministic_algorithms(deterministic)
 
 
-# --- the second order's dK pass (chapter 12, not yet the library's) --------------------------
-def route_dk_tangent_pass(monkeypatch, query_rows: int, ran: list | None = None,
-                          launch=None) -> None:
-    """Send the library's dK pass of the backward through the tangent (chapter 6's
-    `_backward_dk_tangent`) to chapter 12's Gluon kernel, `query_rows` queries a visit (or
-    to `launch`, which takes the Gluon launcher's arguments)."""
+# --- the second order's key side in chapter 12's form (not yet the library's) -----------------
+KEY_SIDE = {"dk": "_backward_dk_tangent", "dv": "_backward_dv_tangent"}
+
+
+def route_key_side_pass(monkeypatch, name: str, query_rows: int, ran: list | None = None,
+                        launch=None) -> None:
+    """Send the library's `name` ("dk" or "dv") pass of the backward through the tangent
+    (chapter 6's `KEY_SIDE[name]`) to chapter 12's Gluon kernel, `query_rows` queries a
+    visit, or to `launch`, which takes the Gluon launcher's arguments."""
     launchable = backward_module.launchable
-    launch = launch or hb.launch_warp_specialized_dk_tangent
+    chapter6 = getattr(backward_module, KEY_SIDE[name])
+    launch = launch or getattr(hb, f"launch_warp_specialized_{name}_tangent")
 
     def routed(kernel, q):
-        if kernel is not backward_module._backward_dk_tangent:
+        if kernel is not chapter6:
             return launchable(kernel, q)
 
         class Launch:
@@ -456,12 +461,16 @@ def route_dk_tangent_pass(monkeypatch, query_rows: int, ran: list | None = None,
                 def run(q, k, v, tq, tk, tv, mask, grad_out, dto, lse, delta, mu, c, factors,
                         dk, dv, dtk, dtv, *rest, **switches):
                     assert switches["MASK_KIND"] == 0 and switches["HAS_TANGENT"]
-                    launch(
-                        q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu, c,
-                        factors if switches["CARRY"] else None, dk, dtk,
-                        switches["IS_CAUSAL"], rest[-3], query_rows=query_rows)
+                    factors = factors if switches["CARRY"] else None
+                    causal, scale = switches["IS_CAUSAL"], rest[-3]
+                    if name == "dk":
+                        launch(q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu, c, factors,
+                               dk, dtk, causal, scale, query_rows=query_rows)
+                    else:
+                        launch(q, k, tq, tk, grad_out, dto, lse, mu, factors, dv, dtv, causal,
+                               scale, query_rows=query_rows)
                     if ran is not None:
-                        ran.append(query_rows)
+                        ran.append((name, query_rows))
                 return run
         return Launch()
 
@@ -473,113 +482,147 @@ SECOND_ORDER_SPECS = [
     Spec(batch=2, hq=8, hkv=2, nq=1100, nk=900, d=64, causal=True),
     Spec(batch=1, hq=4, hkv=4, nq=700, nk=1300, d=128, causal=True, layout="bnhd"),
 ]
+GLUON_PASSES = [("dk", 16), ("dk", 32), ("dv", 32), ("dv", 64)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("query_rows", [16, 32])
+@pytest.mark.parametrize(("name", "query_rows"), GLUON_PASSES)
 @pytest.mark.parametrize(("dtype", "mode"), PATHS, ids=lambda x: getattr(x, "__name__", x))
 @pytest.mark.parametrize("spec", SECOND_ORDER_SPECS, ids=lambda s: s.id)
-def test_second_order_dk_pass_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype,
-                                        mode: str, query_rows: int) -> None:
-    """Chapter 12's dK pass in place of chapter 6's: every gradient of the backward through
-    both outputs within the math path's error (dk and dtk are the new kernel's)."""
+def test_second_order_key_side_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype,
+                                         mode: str, name: str, query_rows: int) -> None:
+    """Chapter 12's dK or dV pass in place of chapter 6's: every gradient of the backward
+    through both outputs within the math path's error."""
     if DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warpgroup products need an sm_90 GPU")
     p = make_problem(spec, dtype, device="cuda")
     truth, floor = expected_second_order(p)
     ran = []
-    route_dk_tangent_pass(monkeypatch, query_rows, ran)
+    route_key_side_pass(monkeypatch, name, query_rows, ran)
     with precision(mode):
         ours = kernel_second_order(p)
-    assert ran == [query_rows]
-    assert_accurate(ours, truth, floor, dtype, p.label, f"Gluon dK pass, {mode}",
+    assert ran == [(name, query_rows)]
+    assert_accurate(ours, truth, floor, dtype, p.label, f"Gluon {name} pass, {mode}",
                     cancellation=cancellation_scale(p, second_order=True))
 
 
-@pytest.mark.parametrize(("d", "query_rows", "max_spills"), [(64, 32, 0), (128, 16, 8),
-                                                             (128, 32, 128)])
-def test_second_order_dk_pass_compiles_for_hopper(d: int, query_rows: int,
-                                                  max_spills: int) -> None:
-    """The dK pass compiled for sm_90 in every form: warpgroup products, shared memory
-    within a block's, and (Triton 3.6) no spills at d = 64, a word at d = 128 on 16-query
-    visits, 84 to 116 bytes on 32-query visits (outside the products)."""
+@pytest.mark.parametrize(("name", "d", "query_rows", "max_spills"), [
+    ("dk", 64, 32, 0), ("dk", 128, 16, 8), ("dk", 128, 32, 128), ("dv", 64, 64, 0),
+    ("dv", 128, 32, 0), ("dv", 128, 64, 8)])
+def test_second_order_key_side_compiles_for_hopper(name: str, d: int, query_rows: int,
+                                                   max_spills: int) -> None:
+    """The dK and dV passes compiled for sm_90 in every form: warpgroup products, shared
+    memory within a block's, and (Triton 3.6) spills: none at d = 64; at d = 128 a word or
+    two (dK on 16-query visits, dV on 64), 84 to 120 bytes for dK on 32-query visits."""
     for causal in (False, True):
         for carry in (False, True):
             report = compiled_for_hopper(
                 "warp_specialized_backward",
-                "__import__('warp_specialized_backward').compile_dk_tangent_for_hopper("
-                f"{d}, causal={causal}, carry={carry}, "
-                f"query_rows={query_rows})")
+                "__import__('warp_specialized_backward').compile_tangent_pass_for_hopper("
+                f"{name!r}, {d}, causal={causal}, carry={carry}, query_rows={query_rows})")
             assert report["spills"] <= max_spills, report
             assert report["shared"] <= 232448 and report["wgmma"] > 0, report
+
+
+def _factor(factors, index: int, identity: float) -> float:
+    return identity if factors is None else factors[index].item()
+
+
+def _key_side_tiles_in_torch(q, k, tq, tk, lse, mu, factors, is_causal: bool, scale: float):
+    """K, tK in the query heads' layout, and Pᵀ's and tSᵀ's arithmetic of the Gluon passes
+    (untransposed, fp32): P (times its carried shift), tS and mu in the carried units."""
+    group = q.shape[1] // k.shape[1]
+    k, tk = (x.repeat_interleave(group, dim=1).float() for x in (k, tk))
+    s = q.float() @ k.transpose(-1, -2)
+    if is_causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -math.inf)
+    lse2 = lse * math.log2(math.e) - _factor(factors, 5, 0.0)
+    p = torch.exp2(s * (scale * math.log2(math.e) * _factor(factors, 0, 1.0)) - lse2[..., None])
+    ts = (tq.float() @ k.transpose(-1, -2) + q.float() @ tk.transpose(-1, -2)) * (
+        scale * _factor(factors, 9, 1.0))
+    return k, p, ts, mu * _factor(factors, 10, 1.0)
+
+
+def _store_summed(out: torch.Tensor, grad: torch.Tensor, factor: float) -> None:
+    """Sum a query head's key gradient over its GQA group into `out`, times `factor`."""
+    group = grad.shape[1] // out.shape[1]
+    out.copy_((grad.unflatten(1, (-1, group)).sum(2) * factor).to(out.dtype))
 
 
 def dk_tangent_pass_in_torch(q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu, c, factors,
                              dk, dtk, is_causal: bool, scale: float, query_rows: int) -> None:
     """The Gluon dK pass's arithmetic in PyTorch, step for step (fp32, 16-bit operands of the
     accumulating products, the same carried factors), on whole (B, H, Nq, Nk) tiles."""
-    def unit(index: int, identity: float) -> float:
-        return identity if factors is None else factors[index].item()
-
+    k32, p, ts, mu = _key_side_tiles_in_torch(q, k, tq, tk, lse, mu, factors, is_causal, scale)
     group = q.shape[1] // k.shape[1]
-    k, v, tk, tv = (x.repeat_interleave(group, dim=1).float() for x in (k, v, tk, tv))
-    q32, tq32, do32, dto32 = (x.float() for x in (q, tq, grad_out, dto))
-    s = q32 @ k.transpose(-1, -2)
-    if is_causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -math.inf)
-    lse2 = lse * math.log2(math.e) - unit(5, 0.0)
-    p = torch.exp2(s * (scale * math.log2(math.e) * unit(0, 1.0)) - lse2[..., None])
-    ts = (tq32 @ k.transpose(-1, -2) + q32 @ tk.transpose(-1, -2)) * (scale * unit(9, 1.0))
+    v, tv = (x.repeat_interleave(group, dim=1).float() for x in (v, tv))
+    do32, dto32 = grad_out.float(), dto.float()
     g = dto32 @ v.transpose(-1, -2)
     dp = do32 @ v.transpose(-1, -2) + dto32 @ tv.transpose(-1, -2)
-    mu, c, delta = mu * unit(10, 1.0), c * unit(11, 1.0), delta * unit(1, 1.0)
+    c, delta = c * _factor(factors, 11, 1.0), delta * _factor(factors, 1, 1.0)
     dp = dp + g * (ts - mu[..., None]) - c[..., None] * ts
-    dts = (p * (g - c[..., None]) * unit(13, 1.0)).to(q.dtype).float()
-    ds = (p * (dp - delta[..., None]) * unit(12, 1.0)).to(q.dtype).float()
-    grad_k = ds.transpose(-1, -2) @ q32 + dts.transpose(-1, -2) @ tq32 * unit(15, 1.0)
-    grad_tk = dts.transpose(-1, -2) @ q32
-    for out, grad, index in ((dk, grad_k, 3), (dtk, grad_tk, 7)):
-        summed = grad.unflatten(1, (-1, group)).sum(2) * (scale * unit(index, 1.0))
-        out.copy_(summed.to(out.dtype))
+    dts = (p * (g - c[..., None]) * _factor(factors, 13, 1.0)).to(q.dtype).float()
+    ds = (p * (dp - delta[..., None]) * _factor(factors, 12, 1.0)).to(q.dtype).float()
+    grad_k = (ds.transpose(-1, -2) @ q.float()
+              + dts.transpose(-1, -2) @ tq.float() * _factor(factors, 15, 1.0))
+    _store_summed(dk, grad_k, scale * _factor(factors, 3, 1.0))
+    _store_summed(dtk, dts.transpose(-1, -2) @ q.float(), scale * _factor(factors, 7, 1.0))
 
 
-@pytest.mark.parametrize(("dtype", "mode"), [(torch.float16, "fast"), (torch.float32, "fast")],
-                         ids=lambda x: getattr(x, "__name__", x))
+def dv_tangent_pass_in_torch(q, k, tq, tk, grad_out, dto, lse, mu, factors, dv, dtv,
+                             is_causal: bool, scale: float, query_rows: int) -> None:
+    """The Gluon dV pass's arithmetic in PyTorch, as `dk_tangent_pass_in_torch`."""
+    _, p, ts, mu = _key_side_tiles_in_torch(q, k, tq, tk, lse, mu, factors, is_causal, scale)
+    tp = (p * (ts - mu[..., None])).to(q.dtype).float()
+    p = p.to(q.dtype).float()
+    do32, dto32 = grad_out.float(), dto.float()
+    _store_summed(dv, p.transpose(-1, -2) @ do32 + tp.transpose(-1, -2) @ dto32,
+                  _factor(factors, 4, 1.0))
+    _store_summed(dtv, p.transpose(-1, -2) @ dto32, _factor(factors, 8, 1.0))
+
+
+IN_TORCH = {"dk": dk_tangent_pass_in_torch, "dv": dv_tangent_pass_in_torch}
+
+
+@pytest.mark.parametrize("name", ["dk", "dv"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_name)
 @pytest.mark.parametrize("spec", [Spec(hq=4, hkv=2, nq=40, nk=56, d=16, causal=True),
                                   Spec(nq=48, nk=33, d=32)], ids=lambda s: s.id)
-def test_second_order_dk_pass_arithmetic(monkeypatch, spec: Spec, dtype: torch.dtype,
-                                         mode: str) -> None:
-    """The Gluon dK pass's arithmetic and arguments, in PyTorch on the CPU (the kernel needs
+def test_second_order_key_side_arithmetic(monkeypatch, spec: Spec, dtype: torch.dtype,
+                                          name: str) -> None:
+    """The Gluon passes' arithmetic and arguments, in PyTorch on the CPU (the kernels need
     Hopper): routed where chapter 6's pass runs, the library's inputs (Delta_2, mu, c, the
     scale) make every gradient within the math path's error. The carried factors: below."""
     p = make_problem(spec, dtype)
     truth, floor = expected_second_order(p)
     ran = []
-    route_dk_tangent_pass(monkeypatch, 0, ran, dk_tangent_pass_in_torch)
-    with precision(mode):
+    route_key_side_pass(monkeypatch, name, 0, ran, IN_TORCH[name])
+    with precision("fast"):
         ours = kernel_second_order(p)
-    assert ran == [0]
-    assert_accurate(ours, truth, floor, dtype, p.label, f"dK pass in torch, {mode}",
+    assert ran == [(name, 0)]
+    assert_accurate(ours, truth, floor, dtype, p.label, f"{name} pass in torch",
                     cancellation=cancellation_scale(p, second_order=True))
 
 
-# Powers of two for the sixteen carried factors, distinct between neighbours so that an
+# Powers of two for the sixteen carried factors, distinct where two quantities could be read
+# in each other's place (scores and tS, mu and c, dS and dtS, dK, dtK, dV and dtV), so that an
 # index read in the wrong place changes the result (entry 5 is P's exponent shift; 14 and 15,
 # the steps of dK's accumulator, are inverses, as the carry makes them).
-TEST_FACTOR_EXPONENTS = [1, -1, 0, 1, 0, 1, 0, -1, 0, 1, -1, 1, -1, 1, 1, -1]
+TEST_FACTOR_EXPONENTS = [1, -1, 0, 2, -2, 1, 0, -1, 1, 2, -1, 1, -2, 1, 1, -1]
 
 
-def test_second_order_dk_pass_reads_the_carried_factors(monkeypatch) -> None:
-    """`dk_tangent_pass_in_torch` reads each carried factor as chapter 6's dK pass does:
+@pytest.mark.parametrize("name", ["dk", "dv"])
+def test_second_order_key_side_reads_the_carried_factors(monkeypatch, name: str) -> None:
+    """The PyTorch forms of the passes read each carried factor as chapter 6's passes do:
     both given the same operands and made-up factors (the carry is bf16's, which the CPU's
-    interpreter cannot run), their dK and dtK agree to fp16's rounding."""
+    interpreter cannot run), their gradients agree to fp16's rounding."""
     p = make_problem(Spec(hq=4, hkv=2, nq=40, nk=56, d=16, causal=True), torch.float16)
     launchable = backward_module.launchable
     compared = []
 
     def routed(kernel, q):
         launch = launchable(kernel, q)
-        if kernel is not backward_module._backward_dk_tangent:
+        if kernel is not getattr(backward_module, KEY_SIDE[name]):
             return launch
 
         class Both:
@@ -589,10 +632,18 @@ def test_second_order_dk_pass_reads_the_carried_factors(monkeypatch) -> None:
                     args[13] = factors = torch.tensor(
                         [2.0 ** e for e in TEST_FACTOR_EXPONENTS] + [1.0] * 8)
                     launch[grid](*args, **{**switches, "CARRY": True})
-                    ours = [torch.empty_like(args[14]), torch.empty_like(args[16])]
-                    dk_tangent_pass_in_torch(*args[:6], *args[7:13], factors, *ours,
-                                             switches["IS_CAUSAL"], args[-3], 0)
-                    compared.append((ours, [args[14], args[16]]))
+                    chapter6 = [args[14], args[16]] if name == "dk" else [args[15], args[17]]
+                    ours = [torch.empty_like(x) for x in chapter6]
+                    q, k, v, tq, tk, tv, _, grad_out, dto, lse, delta, mu, c = args[:13]
+                    if name == "dk":
+                        dk_tangent_pass_in_torch(q, k, v, tq, tk, tv, grad_out, dto, lse,
+                                                 delta, mu, c, factors, *ours,
+                                                 switches["IS_CAUSAL"], args[-3], 0)
+                    else:
+                        dv_tangent_pass_in_torch(q, k, tq, tk, grad_out, dto, lse, mu,
+                                                 factors, *ours, switches["IS_CAUSAL"],
+                                                 args[-3], 0)
+                    compared.append((ours, chapter6))
                 return run
         return Both()
 
@@ -605,23 +656,34 @@ def test_second_order_dk_pass_reads_the_carried_factors(monkeypatch) -> None:
         assert scale > 0 and (ours - chapter6).abs().max().item() <= 1e-2 * scale
 
 
-def test_dk_tangent_launch_plumbing(monkeypatch) -> None:
-    """What the dK pass's launcher hands its kernel (on CPU, the kernel replaced by a
-    recorder): a grid of 128 keys by B·Hkv, descriptors over each tensor's own strides, the
-    row statistics, the GQA group, the scale in log2 units and natural, the factors."""
-    launch = recorded_launches(monkeypatch, "warp_specialized_dk_tangent_kernel", hb)
+def test_key_side_launch_plumbing(monkeypatch) -> None:
+    """What the dK and dV passes' launchers hand their kernels (on CPU, the kernels replaced
+    by recorders): a grid of 128 keys by B·Hkv, descriptors over each tensor's own strides,
+    the row statistics, the factors, the GQA group, the scale in log2 units and natural."""
+    dk_launch = recorded_launches(monkeypatch, "warp_specialized_dk_tangent_kernel", hb)
+    dv_launch = recorded_launches(monkeypatch, "warp_specialized_dv_tangent_kernel", hb)
     q, grad_out = heads(n=300, heads=8, layout="bnhd"), heads(n=300, heads=8)
     k, v = heads(n=4100, heads=2), heads(n=4100, heads=2)
     stats = [torch.empty(4, 8, 300) for _ in range(4)]
     dk, dtk, factors = torch.empty_like(k), torch.empty_like(k), torch.ones(16)
     hb.launch_warp_specialized_dk_tangent(q, k, v, q, k, v, grad_out, grad_out, *stats,
                                           factors, dk, dtk, True, 0.5, query_rows=16)
-    assert launch["grid"] == (33, 8)
-    descriptors, rest = launch["args"][:10], launch["args"][10:]
-    assert [d.base for d in descriptors] == [k, k, v, v, q, q, grad_out, grad_out, dk, dtk]
-    assert [d.block_shape[2] for d in descriptors] == [64] * 4 + [16] * 4 + [64] * 2
-    assert list(descriptors[4].strides) == list(q.stride())
-    assert list(rest[:5]) == [*stats, factors] and rest[5:8] == (2, 300, 4)
-    assert math.isclose(rest[8], 0.5 * math.log2(math.e)) and rest[9] == 0.5
-    assert launch["kwargs"] == dict(STAGES=hb.DK_TANGENT_STAGES, CAUSAL=True, CARRY=True,
-                                    num_warps=4, maxnreg=ws.LAUNCH_REGS)
+    hb.launch_warp_specialized_dv_tangent(q, k, q, k, grad_out, grad_out, stats[0], stats[2],
+                                          None, dk, dtk, False, 0.5)
+    for launch, key_side, rows, statistics, carry in (
+            (dk_launch, [k, k, v, v], 16, stats, True),
+            (dv_launch, [k, k], hb.DV_TANGENT_QUERY_ROWS, [stats[0], stats[2]], False)):
+        assert launch["grid"] == (33, 8)
+        count = len(key_side) + 6
+        descriptors, rest = launch["args"][:count], launch["args"][count:]
+        assert [d.base for d in descriptors] == [*key_side, q, q, grad_out, grad_out, dk, dtk]
+        assert [d.block_shape[2] for d in descriptors] == (
+            [64] * len(key_side) + [rows] * 4 + [64] * 2)
+        assert list(descriptors[len(key_side)].strides) == list(q.stride())
+        n = len(statistics)
+        assert list(rest[:n]) == statistics
+        assert rest[n] is (factors if carry else stats[0])  # without a carry the LSE stands in
+        assert rest[n + 1:n + 4] == (2, 300, 4)
+        assert math.isclose(rest[n + 4], 0.5 * math.log2(math.e)) and rest[n + 5] == 0.5
+        assert launch["kwargs"] == dict(STAGES=hb.TANGENT_PASS_STAGES, CAUSAL=carry,
+                                        CARRY=carry, num_warps=4, maxnreg=ws.LAUNCH_REGS)
