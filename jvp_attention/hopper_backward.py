@@ -1021,3 +1021,37 @@ def launch_warp_specialized_dv_tangent(q, k, tq, tk, grad_out, grad_tangent_out,
     _tangent_pass_launch(warp_specialized_dv_tangent_kernel, (k, tk),
                          (q, tq, grad_out, grad_tangent_out), (dv, dtv), (lse, mu), factors,
                          q.shape[1], q.shape[2], is_causal, scale, query_rows, stages)
+
+
+SECOND_ORDER_KEY_SIDE = True
+
+
+def warp_specialized_key_side(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              tangents: tuple[torch.Tensor, ...], grad_out: torch.Tensor,
+                              grad_tangent_out: torch.Tensor, exact: bool) -> bool:
+    """Whether the backward through the tangent runs this chapter's dK and dV passes: the
+    first-order dK/dV kernel would run (`warp_specialized_backward_kernels`) and the
+    tangents and dtO are alike to the primals and dO (and addressable in "fast")."""
+    if not (SECOND_ORDER_KEY_SIDE
+            and warp_specialized_backward_kernels(q, k, v, grad_out, exact)[1]):
+        return False
+    alike = all(t.shape == x.shape and t.dtype == x.dtype for t, x in zip(
+        (*tangents, grad_tangent_out), (q, k, v, grad_out), strict=True))
+    return alike and (exact or all(_describable(t) for t in (*tangents, grad_tangent_out)))
+
+
+def launched_key_side_pass(keys: bool, q, k, v, tq, tk, tv, grad_out, grad_tangent_out, lse,
+                           delta, mu, c, factors, dk, dv, dtk, dtv, is_causal: bool,
+                           scale: float) -> bool:
+    """Run the dK pass (`keys`) or the dV pass in this chapter's form; False where its
+    gradients cannot be stored by the copy engine or this Triton cannot compile it: chapter
+    6's pass runs instead."""
+    outputs = (dk, dtk) if keys else (dv, dtv)
+    if not all(_describable(t) for t in outputs):
+        return False
+    if keys:
+        return launched(launch_warp_specialized_dk_tangent, q, k, v, tq, tk, tv, grad_out,
+                        grad_tangent_out, lse, delta, mu, c, factors, dk, dtk, is_causal,
+                        scale)
+    return launched(launch_warp_specialized_dv_tangent, q, k, tq, tk, grad_out,
+                    grad_tangent_out, lse, mu, factors, dv, dtv, is_causal, scale)

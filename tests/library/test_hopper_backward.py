@@ -550,7 +550,8 @@ def _store_summed(out: torch.Tensor, grad: torch.Tensor, factor: float) -> None:
 
 
 def dk_tangent_pass_in_torch(q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu, c, factors,
-                             dk, dtk, is_causal: bool, scale: float, query_rows: int) -> None:
+                             dk, dtk, is_causal: bool, scale: float,
+                             query_rows: int = 0) -> None:
     """The Gluon dK pass's arithmetic in PyTorch, step for step (fp32, 16-bit operands of the
     accumulating products, the same carried factors), on whole (B, H, Nq, Nk) tiles."""
     k32, p, ts, mu = _key_side_tiles_in_torch(q, k, tq, tk, lse, mu, factors, is_causal, scale)
@@ -570,7 +571,7 @@ def dk_tangent_pass_in_torch(q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu,
 
 
 def dv_tangent_pass_in_torch(q, k, tq, tk, grad_out, dto, lse, mu, factors, dv, dtv,
-                             is_causal: bool, scale: float, query_rows: int) -> None:
+                             is_causal: bool, scale: float, query_rows: int = 0) -> None:
     """The Gluon dV pass's arithmetic in PyTorch, as `dk_tangent_pass_in_torch`."""
     _, p, ts, mu = _key_side_tiles_in_torch(q, k, tq, tk, lse, mu, factors, is_causal, scale)
     tp = (p * (ts - mu[..., None])).to(q.dtype).float()
@@ -687,3 +688,80 @@ def test_key_side_launch_plumbing(monkeypatch) -> None:
         assert math.isclose(rest[n + 4], 0.5 * math.log2(math.e)) and rest[n + 5] == 0.5
         assert launch["kwargs"] == dict(STAGES=hb.TANGENT_PASS_STAGES, CAUSAL=carry,
                                         CARRY=carry, num_warps=4, maxnreg=ws.LAUNCH_REGS)
+
+
+def test_backward_through_the_tangent_hands_over_its_key_side(monkeypatch) -> None:
+    """Chapter 5's launcher asks chapter 12 for unmasked calls through the tangent and hands
+    over the dV pass, then the dK pass (here to their PyTorch forms, the kernels needing
+    Hopper), with the gradients within the math path's error; a mask keeps chapter 6's
+    passes; a Triton that cannot compile them warns and runs chapter 6's, with the same
+    gradients as without the hand-over."""
+    import triton
+
+    asked, ran = [], []
+
+    def fits(q, k, v, tangents, grad_out, grad_tangent_out, exact):
+        asked.append(exact)
+        return True
+
+    def recorded(name):
+        def launch(*args):
+            ran.append(name)
+            IN_TORCH[name](*args)
+        return launch
+
+    monkeypatch.setattr(backward_module, "warp_specialized_key_side", fits)
+    for name in IN_TORCH:
+        monkeypatch.setattr(hb, f"launch_warp_specialized_{name}_tangent", recorded(name))
+    p = make_problem(Spec(hq=4, hkv=2, nq=40, nk=56, d=16, causal=True), torch.float16,
+                     device=DEVICE)
+    truth, floor = expected_second_order(p)
+    with precision("fast"):
+        ours = kernel_second_order(p)
+    assert asked == [False] and ran == ["dv", "dk"]
+    assert_accurate(ours, truth, floor, torch.float16, p.label, "handed over",
+                    cancellation=cancellation_scale(p, second_order=True))
+    masked = make_problem(Spec(hq=4, hkv=2, nq=40, nk=56, d=16, mask="additive"),
+                          torch.float16, device=DEVICE)
+    with precision("fast"):
+        kernel_second_order(masked)
+    assert asked == [False] and ran == ["dv", "dk"]
+
+    def broken(*args, **kwargs):
+        raise triton.CompilationError(None, None, "an API this Triton no longer has")
+
+    monkeypatch.setattr(hb, "_failed", False)
+    for name in IN_TORCH:
+        monkeypatch.setattr(hb, f"launch_warp_specialized_{name}_tangent", broken)
+    with precision("fast"), pytest.warns(RuntimeWarning, match="does not compile"):
+        fallen_back = kernel_second_order(p)
+    assert hb._failed
+    monkeypatch.setattr(backward_module, "warp_specialized_key_side", lambda *args: False)
+    with precision("fast"):
+        chapter6 = kernel_second_order(p)
+    assert all(torch.equal(fallen_back[name], chapter6[name]) for name in chapter6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "mode"), PATHS, ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("spec", [GPU_SPECS[0], GPU_SPECS[3], GPU_SPECS[5]],
+                         ids=lambda s: s.id)
+def test_second_order_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype,
+                                mode: str) -> None:
+    """The library's backward through the tangent on Hopper, unrouted: it takes this
+    chapter's dV and dK passes, and every gradient is within the math path's error."""
+    if DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warpgroup products need an sm_90 GPU")
+    ran = []
+    for name in IN_TORCH:
+        launch = getattr(hb, f"launch_warp_specialized_{name}_tangent")
+        monkeypatch.setattr(hb, f"launch_warp_specialized_{name}_tangent",
+                            lambda *args, _launch=launch, _name=name: (
+                                ran.append(_name), _launch(*args)))
+    p = make_problem(spec, dtype, device="cuda")
+    truth, floor = expected_second_order(p)
+    with precision(mode):
+        ours = kernel_second_order(p)
+    assert ran == ["dv", "dk"]
+    assert_accurate(ours, truth, floor, dtype, p.label, f"second order on Hopper, {mode}",
+                    cancellation=cancellation_scale(p, second_order=True))
