@@ -799,6 +799,7 @@ def _dk_tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, 
         rows = start_m + gl.arange(0, BLOCK_M, row_layout)
         lse, mu = _lse_and_mu(lse_ptr + head_rows, mu_ptr + head_rows, factors_ptr, rows,
                               n_q, CARRY)
+        c = _scaled_rows(c_ptr + head_rows, rows, n_q, _carried(factors_ptr, 11, CARRY, 1.0))
         mbarrier.wait(q_ready.index(slot), phase)
         mbarrier.wait(do_ready.index(slot), phase)
         turn = _take_turn(turns, turn, GROUP, True)
@@ -812,10 +813,11 @@ def _dk_tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, 
         st, tst, dpt, gt = warpgroup_mma_wait(0, deps=(st, tst, dpt, gt))
         pt, tst = _probabilities(st, tst, _in_columns(lse, query_layout), first_key, start_m,
                                  factors_ptr, qk_scale, scale, CAUSAL, CARRY)
-        c = _in_columns(_scaled_rows(c_ptr + head_rows, rows, n_q,
-                                     _carried(factors_ptr, 11, CARRY, 1.0)), query_layout)
-        dpt = dpt + gt * (tst - _in_columns(mu, query_layout)) - c * tst
-        dtst = pt * (gt - c) * _carried(factors_ptr, 13, CARRY, 1.0)
+        # dP = dP0 + G (tS - mu) - c tS = dP0 + (G - c)(tS - mu) - c mu: G - c, which dtS
+        # needs too, replaces G, and c mu is a per-query term
+        gt = gt - _in_columns(c, query_layout)
+        dpt = dpt + gt * (tst - _in_columns(mu, query_layout)) - _in_columns(c * mu, query_layout)
+        dtst = pt * gt * _carried(factors_ptr, 13, CARRY, 1.0)
         delta = _scaled_rows(delta_ptr + head_rows, rows, n_q,
                              _carried(factors_ptr, 1, CARRY, 1.0))
         dst = pt * (dpt - _in_columns(delta, query_layout)) * _carried(factors_ptr, 12, CARRY,

@@ -1119,7 +1119,13 @@ else:
 # $dP^\top$, $G^\top$, 64 × 32 fp32) take 64 more, and the two operands in 16 bits 16.
 # A 64-query visit would need 128 for the four tiles: over the budget. So a visit takes
 # 32 queries, and shared memory holds the program's $K$, $t_K$, $V$, $t_V$ (128 keys,
-# 128 KB at $d = 128$) and a two-slot ring of $Q$, $t_Q$, $dO$, $dt_O$ (64 KB).
+# 128 KB at $d = 128$) and a two-slot ring of $Q$, $t_Q$, $dO$, $dt_O$ (64 KB). Compiled
+# for sm_90 (Triton 3.6) that still spills at $d = 128$: 32 to 108 bytes a thread,
+# depending on the mask and the carry, after writing $dP$'s tangent terms as
+# $(G - c) \circ (t_S - \mu) - c\mu$, so that $G - c$, which $dt_S$ needs too, replaces
+# $G$ and $c\mu$ is a per-query term (84 to 120 bytes before). 16-query visits spill at
+# most a word; $d = 64$ nothing. Which pays, a spill or twice the visits on narrower
+# products, is for the GPU to say.
 # "Accurate" carries as chapter 5's pass does: $dK$'s two products are in different units,
 # and the accumulator steps into the second's units and back (powers of two, exact in
 # fp32) around it.
@@ -1284,6 +1290,7 @@ def _dk_tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, 
         rows = start_m + gl.arange(0, BLOCK_M, row_layout)
         lse, mu = _lse_and_mu(lse_ptr + head_rows, mu_ptr + head_rows, factors_ptr, rows,
                               n_q, CARRY)
+        c = _scaled_rows(c_ptr + head_rows, rows, n_q, _carried(factors_ptr, 11, CARRY, 1.0))
         mbarrier.wait(q_ready.index(slot), phase)
         mbarrier.wait(do_ready.index(slot), phase)
         turn = _take_turn(turns, turn, GROUP, True)
@@ -1297,10 +1304,11 @@ def _dk_tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, 
         st, tst, dpt, gt = warpgroup_mma_wait(0, deps=(st, tst, dpt, gt))
         pt, tst = _probabilities(st, tst, _in_columns(lse, query_layout), first_key, start_m,
                                  factors_ptr, qk_scale, scale, CAUSAL, CARRY)
-        c = _in_columns(_scaled_rows(c_ptr + head_rows, rows, n_q,
-                                     _carried(factors_ptr, 11, CARRY, 1.0)), query_layout)
-        dpt = dpt + gt * (tst - _in_columns(mu, query_layout)) - c * tst
-        dtst = pt * (gt - c) * _carried(factors_ptr, 13, CARRY, 1.0)
+        # dP = dP0 + G (tS - mu) - c tS = dP0 + (G - c)(tS - mu) - c mu: G - c, which dtS
+        # needs too, replaces G, and c mu is a per-query term
+        gt = gt - _in_columns(c, query_layout)
+        dpt = dpt + gt * (tst - _in_columns(mu, query_layout)) - _in_columns(c * mu, query_layout)
+        dtst = pt * gt * _carried(factors_ptr, 13, CARRY, 1.0)
         delta = _scaled_rows(delta_ptr + head_rows, rows, n_q,
                              _carried(factors_ptr, 1, CARRY, 1.0))
         dst = pt * (dpt - _in_columns(delta, query_layout)) * _carried(factors_ptr, 12, CARRY,

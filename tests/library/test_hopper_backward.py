@@ -513,7 +513,7 @@ def test_second_order_key_side_compiles_for_hopper(name: str, d: int, query_rows
                                                    max_spills: int) -> None:
     """The dK and dV passes compiled for sm_90 in every form: warpgroup products, shared
     memory within a block's, and (Triton 3.6) spills: none at d = 64; at d = 128 a word or
-    two (dK on 16-query visits, dV on 64), 84 to 120 bytes for dK on 32-query visits."""
+    two (dK on 16-query visits, dV on 64), 32 to 108 bytes for dK on 32-query visits."""
     for causal in (False, True):
         for carry in (False, True):
             report = compiled_for_hopper(
@@ -561,8 +561,9 @@ def dk_tangent_pass_in_torch(q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu,
     g = dto32 @ v.transpose(-1, -2)
     dp = do32 @ v.transpose(-1, -2) + dto32 @ tv.transpose(-1, -2)
     c, delta = c * _factor(factors, 11, 1.0), delta * _factor(factors, 1, 1.0)
-    dp = dp + g * (ts - mu[..., None]) - c[..., None] * ts
-    dts = (p * (g - c[..., None]) * _factor(factors, 13, 1.0)).to(q.dtype).float()
+    g = g - c[..., None]  # G - c replaces G: dP = dP0 + (G - c)(tS - mu) - c mu
+    dp = dp + g * (ts - mu[..., None]) - (c * mu)[..., None]
+    dts = (p * g * _factor(factors, 13, 1.0)).to(q.dtype).float()
     ds = (p * (dp - delta[..., None]) * _factor(factors, 12, 1.0)).to(q.dtype).float()
     grad_k = (ds.transpose(-1, -2) @ q.float()
               + dts.transpose(-1, -2) @ tq.float() * _factor(factors, 15, 1.0))
