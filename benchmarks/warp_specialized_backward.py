@@ -102,23 +102,20 @@ def compile_tangent_pass_for_hopper(kernel: str = "dk", d: int = 128, causal: bo
                                     stages: int = hb.TANGENT_PASS_STAGES) -> dict:
     """Chapter 12's dK or dV pass (`kernel`) of the backward through the tangent compiled
     for sm_90 (`compiled_report`); `carry` as `compile_for_hopper`."""
-    dk = kernel == "dk"
-    query_rows = query_rows or (hb.DK_TANGENT_QUERY_ROWS if dk else hb.DV_TANGENT_QUERY_ROWS)
+    keys = kernel == "dk"
+    query_rows = query_rows or (hb.DK_TANGENT_QUERY_ROWS if keys else hb.DV_TANGENT_QUERY_ROWS)
     grads = torch.empty(1, 1, 1024, d, dtype=torch.bfloat16)
     operands = grads.half() if carry else grads
-    key_side = ("k", "tk", "v", "tv") if dk else ("k", "tk")
-    rows = {**{f"{name}_desc": (operands, ws.GROUP_ROWS) for name in key_side},
+    rows = {**{f"{name}_desc": (operands, ws.GROUP_ROWS) for name in ("k", "tk", "v", "tv")},
             **{f"{name}_desc": (operands, query_rows) for name in ("q", "tq", "do", "dto")},
-            **{f"{name}_desc": (grads, ws.GROUP_ROWS)
-               for name in (("dk", "dtk") if dk else ("dv", "dtv"))}}
+            **{f"{name}_desc": (grads, ws.GROUP_ROWS) for name in ("out", "t_out")}}
     descriptors = {arg: ws._descriptor(t, r) for arg, (t, r) in rows.items()}
-    statistics = ("lse", "delta", "mu", "c") if dk else ("lse", "mu")
-    scalars = {**{f"{name}_ptr": "*fp32" for name in (*statistics, "factors")},
+    scalars = {**{f"{name}_ptr": "*fp32" for name in ("lse", "delta", "mu", "c", "factors")},
                "n_kv_heads": "i32", "n_q": "i32", "group_size": "i32", "qk_scale": "fp32",
                "scale": "fp32"}
-    constexprs = {"STAGES": stages, "CAUSAL": causal, "CARRY": carry}
-    report = compiled_report(getattr(hb, f"warp_specialized_{kernel}_tangent_kernel"),
-                             descriptors, scalars, constexprs, 4)
+    constexprs = {"STAGES": stages, "CAUSAL": causal, "CARRY": carry, "KEYS": keys}
+    report = compiled_report(hb.warp_specialized_tangent_pass_kernel, descriptors, scalars,
+                             constexprs, 4)
     return {"kernel": f"{kernel}_tangent", "d": d, "query_rows": query_rows, "stages": stages,
             "causal": causal, "carry": carry, **report}
 

@@ -72,21 +72,32 @@ def _load_group_tiles(desc, pair_desc, tiles, pair_tiles, barrier, batch, head, 
 
 
 @gluon.jit
+def _stream_query_tiles(q_desc, tq_desc, do_desc, dto_desc, q_ring, tq_ring, do_ring, dto_ring,
+                        q_ready, do_ready, slot_free, batch, kv_head, group_size, first_block,
+                        n_blocks, STAGES: gl.constexpr, TANGENT: gl.constexpr):
+    """Each visit's Q (and with TANGENT tQ) on one barrier and dO (and dtO) on another, into
+    the next ring slot as soon as both compute groups have freed it."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+    for j in range(group_size * n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
+        head, row = _query_visit(j, kv_head, group_size, first_block, n_blocks, BLOCK_M)
+        _load_with_tangent(q_desc, tq_desc, batch, head, row, q_ready.index(slot),
+                           q_ring.index(slot), tq_ring.index(slot), TANGENT)
+        _load_with_tangent(do_desc, dto_desc, batch, head, row, do_ready.index(slot),
+                           do_ring.index(slot), dto_ring.index(slot), TANGENT)
+
+
+@gluon.jit
 def _dkdv_load_partition(k_desc, v_desc, q_desc, do_desc, k_tiles, v_tiles, q_ring, do_ring,
                          kv_ready, q_ready, do_ready, slot_free, batch, kv_head, k_start,
                          group_size, first_block, n_blocks, STAGES: gl.constexpr):
     """One warp: both groups' K and V tiles once, then each visit's Q and dO into the ring,
     as soon as both groups have freed the slot."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     _load_group_tiles(k_desc, v_desc, k_tiles, v_tiles, kv_ready, batch, kv_head, k_start)
-    for j in range(group_size * n_blocks):
-        slot = j % STAGES
-        mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
-        head, row = _query_visit(j, kv_head, group_size, first_block, n_blocks, BLOCK_M)
-        _load_with_tangent(q_desc, q_desc, batch, head, row, q_ready.index(slot),
-                           q_ring.index(slot), q_ring.index(slot), False)
-        _load_with_tangent(do_desc, do_desc, batch, head, row, do_ready.index(slot),
-                           do_ring.index(slot), do_ring.index(slot), False)
+    _stream_query_tiles(q_desc, q_desc, do_desc, do_desc, q_ring, q_ring, do_ring, do_ring,
+                        q_ready, do_ready, slot_free, batch, kv_head, group_size, first_block,
+                        n_blocks, STAGES, False)
 
 
 @gluon.jit
@@ -692,17 +703,11 @@ def _tangent_load_partition(k_desc, tk_desc, v_desc, tv_desc, q_desc, tq_desc, d
                             STAGES: gl.constexpr, VALUES: gl.constexpr):
     """One warp: the key side's tiles once, then each visit's Q and tQ (one barrier) and
     dO and dtO (another) into the ring, as soon as both groups have freed the slot."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
     _load_key_side(k_desc, tk_desc, v_desc, tv_desc, k_tiles, tk_tiles, v_tiles, tv_tiles,
                    kv_ready, batch, kv_head, k_start, VALUES)
-    for j in range(group_size * n_blocks):
-        slot = j % STAGES
-        mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
-        head, row = _query_visit(j, kv_head, group_size, first_block, n_blocks, BLOCK_M)
-        _load_with_tangent(q_desc, tq_desc, batch, head, row, q_ready.index(slot),
-                           q_ring.index(slot), tq_ring.index(slot), True)
-        _load_with_tangent(do_desc, dto_desc, batch, head, row, do_ready.index(slot),
-                           do_ring.index(slot), dto_ring.index(slot), True)
+    _stream_query_tiles(q_desc, tq_desc, do_desc, dto_desc, q_ring, tq_ring, do_ring, dto_ring,
+                        q_ready, do_ready, slot_free, batch, kv_head, group_size, first_block,
+                        n_blocks, STAGES, True)
 
 
 @gluon.jit
@@ -760,18 +765,19 @@ def _store_key_gradients(desc, t_desc, tiles, t_tiles, grad, t_grad, batch, kv_h
 
 
 @gluon.jit
-def _dk_tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, dto_2d,
-                                  k_tiles, tk_tiles, kv_ready, q_ready, do_ready, slot_free,
-                                  turns, dk_desc, dtk_desc, lse_ptr, delta_ptr, mu_ptr, c_ptr,
-                                  factors_ptr, batch, kv_head, k_start, group_size,
-                                  first_block, n_blocks, n_heads, n_q, qk_scale, scale,
-                                  GROUP: gl.constexpr, STAGES: gl.constexpr,
-                                  CAUSAL: gl.constexpr, CARRY: gl.constexpr,
-                                  num_warps: gl.constexpr):
-    """One group of 64 keys: per visit a turn for the six score-sized products, the
-    elementwise terms, a turn for the three accumulating ones; then s·dK and s·dtK."""
-    GROUP_N: gl.constexpr = dk_desc.block_type.shape[2]
-    HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[3]
+def _tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, dto_2d, k_tiles,
+                               tk_tiles, kv_ready, q_ready, do_ready, slot_free, turns,
+                               out_desc, t_out_desc, lse_ptr, delta_ptr, mu_ptr, c_ptr,
+                               factors_ptr, batch, kv_head, k_start, group_size, first_block,
+                               n_blocks, n_heads, n_q, qk_scale, scale, GROUP: gl.constexpr,
+                               STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                               CARRY: gl.constexpr, KEYS: gl.constexpr,
+                               num_warps: gl.constexpr):
+    """One group of 64 keys of the dK pass (KEYS: dK, dtK) or the dV pass (dV, dtV): per
+    visit a turn for the score-sized products, the elementwise terms, a turn for the
+    accumulating products; then the two gradients out."""
+    GROUP_N: gl.constexpr = out_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = out_desc.block_type.shape[3]
     BLOCK_M: gl.constexpr = q_2d.shape[1]
     dtype: gl.constexpr = q_2d.dtype
     st_layout: gl.constexpr = mma_layout(BLOCK_M, num_warps)
@@ -784,8 +790,8 @@ def _dk_tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, 
     v_smem, tv_smem = v_2d.index(GROUP), tv_2d.index(GROUP)
     first_key = k_start + GROUP * GROUP_N
 
-    dk = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
-    dtk = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
+    acc = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
+    t_acc = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
     st_zero = gl.zeros([GROUP_N, BLOCK_M], gl.float32, st_layout)
     mbarrier.wait(kv_ready, 0)
     turn = 0
@@ -799,125 +805,87 @@ def _dk_tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, 
         rows = start_m + gl.arange(0, BLOCK_M, row_layout)
         lse, mu = _lse_and_mu(lse_ptr + head_rows, mu_ptr + head_rows, factors_ptr, rows,
                               n_q, CARRY)
-        c = _scaled_rows(c_ptr + head_rows, rows, n_q, _carried(factors_ptr, 11, CARRY, 1.0))
         mbarrier.wait(q_ready.index(slot), phase)
-        mbarrier.wait(do_ready.index(slot), phase)
-        turn = _take_turn(turns, turn, GROUP, True)
-        st, tst = _tangent_scores(k_smem, tk_smem, q_smem, tq_smem, st_zero)
-        dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False,
-                            is_async=True)
-        dpt = warpgroup_mma(tv_smem, dto_smem.permute((1, 0)), dpt, is_async=True)
-        gt = warpgroup_mma(v_smem, dto_smem.permute((1, 0)), st_zero, use_acc=False,
-                           is_async=True)
-        _pass_turn(turns, GROUP, True)
-        st, tst, dpt, gt = warpgroup_mma_wait(0, deps=(st, tst, dpt, gt))
+        if KEYS:  # dK's scores need dO and dtO too
+            c = _scaled_rows(c_ptr + head_rows, rows, n_q,
+                             _carried(factors_ptr, 11, CARRY, 1.0))
+            mbarrier.wait(do_ready.index(slot), phase)
+            turn = _take_turn(turns, turn, GROUP, True)
+            st, tst = _tangent_scores(k_smem, tk_smem, q_smem, tq_smem, st_zero)
+            dpt = warpgroup_mma(v_smem, do_smem.permute((1, 0)), st_zero, use_acc=False,
+                                is_async=True)
+            dpt = warpgroup_mma(tv_smem, dto_smem.permute((1, 0)), dpt, is_async=True)
+            gt = warpgroup_mma(v_smem, dto_smem.permute((1, 0)), st_zero, use_acc=False,
+                               is_async=True)
+            _pass_turn(turns, GROUP, True)
+            st, tst, dpt, gt = warpgroup_mma_wait(0, deps=(st, tst, dpt, gt))
+        else:
+            turn = _take_turn(turns, turn, GROUP, True)
+            st, tst = _tangent_scores(k_smem, tk_smem, q_smem, tq_smem, st_zero)
+            _pass_turn(turns, GROUP, True)
+            st, tst = warpgroup_mma_wait(0, deps=(st, tst))
         pt, tst = _probabilities(st, tst, _in_columns(lse, query_layout), first_key, start_m,
                                  factors_ptr, qk_scale, scale, CAUSAL, CARRY)
-        # dP = dP0 + G (tS - mu) - c tS = dP0 + (G - c)(tS - mu) - c mu: G - c, which dtS
-        # needs too, replaces G, and c mu is a per-query term
-        gt = gt - _in_columns(c, query_layout)
-        dpt = dpt + gt * (tst - _in_columns(mu, query_layout)) - _in_columns(c * mu, query_layout)
-        dtst = pt * gt * _carried(factors_ptr, 13, CARRY, 1.0)
-        delta = _scaled_rows(delta_ptr + head_rows, rows, n_q,
-                             _carried(factors_ptr, 1, CARRY, 1.0))
-        dst = pt * (dpt - _in_columns(delta, query_layout)) * _carried(factors_ptr, 12, CARRY,
-                                                                        1.0)
-        dst_op = gl.convert_layout(dst.to(dtype), op_layout)
-        dtst_op = gl.convert_layout(dtst.to(dtype), op_layout)
-        turn = _take_turn(turns, turn, GROUP, True)
-        dk = warpgroup_mma(dst_op, q_smem, dk, is_async=True)
-        dtk = warpgroup_mma(dtst_op, q_smem, dtk, is_async=True)
-        if CARRY:  # dK's second product in dtS tQ's units: step there and back
-            dk = warpgroup_mma_wait(1, deps=(dk,)) * _carried(factors_ptr, 14, CARRY, 1.0)
-        dk = warpgroup_mma(dtst_op, tq_smem, dk, is_async=True)
+        tst = tst - _in_columns(mu, query_layout)
+        if KEYS:
+            # dP = dP0 + G (tS - mu) - c tS = dP0 + (G - c)(tS - mu) - c mu: G - c, which
+            # dtS needs too, replaces G, and c mu is a per-query term
+            gt = gt - _in_columns(c, query_layout)
+            dpt = dpt + gt * tst - _in_columns(c * mu, query_layout)
+            delta = _scaled_rows(delta_ptr + head_rows, rows, n_q,
+                                 _carried(factors_ptr, 1, CARRY, 1.0))
+            a_op = gl.convert_layout(
+                (pt * (dpt - _in_columns(delta, query_layout))
+                 * _carried(factors_ptr, 12, CARRY, 1.0)).to(dtype), op_layout)  # dSᵀ
+            b_op = gl.convert_layout(
+                (pt * gt * _carried(factors_ptr, 13, CARRY, 1.0)).to(dtype), op_layout)  # dtSᵀ
+            turn = _take_turn(turns, turn, GROUP, True)
+            acc = warpgroup_mma(a_op, q_smem, acc, is_async=True)
+            t_acc = warpgroup_mma(b_op, q_smem, t_acc, is_async=True)
+            if CARRY:  # dK's second product in dtS tQ's units: step there and back
+                acc = warpgroup_mma_wait(1, deps=(acc,)) * _carried(factors_ptr, 14, CARRY, 1.0)
+            acc = warpgroup_mma(b_op, tq_smem, acc, is_async=True)
+        else:
+            a_op = gl.convert_layout(pt.to(dtype), op_layout)  # Pᵀ
+            b_op = gl.convert_layout((pt * tst).to(dtype), op_layout)  # tPᵀ
+            mbarrier.wait(do_ready.index(slot), phase)
+            turn = _take_turn(turns, turn, GROUP, True)
+            acc = warpgroup_mma(a_op, do_smem, acc, is_async=True)
+            acc = warpgroup_mma(b_op, dto_smem, acc, is_async=True)
+            t_acc = warpgroup_mma(a_op, dto_smem, t_acc, is_async=True)
         _pass_turn(turns, GROUP, True)
-        dk, dtk, dst_op, dtst_op = warpgroup_mma_wait(0, deps=(dk, dtk, dst_op, dtst_op))
-        if CARRY:
-            dk = dk * _carried(factors_ptr, 15, CARRY, 1.0)
+        acc, t_acc, a_op, b_op = warpgroup_mma_wait(0, deps=(acc, t_acc, a_op, b_op))
+        if KEYS and CARRY:
+            acc = acc * _carried(factors_ptr, 15, CARRY, 1.0)
         mbarrier.arrive(slot_free.index(slot), count=1)
 
-    _store_key_gradients(dk_desc, dtk_desc, k_tiles, tk_tiles,
-                         dk * (scale * _carried(factors_ptr, 3, CARRY, 1.0)),
-                         dtk * (scale * _carried(factors_ptr, 7, CARRY, 1.0)), batch, kv_head,
+    if KEYS:
+        acc = acc * (scale * _carried(factors_ptr, 3, CARRY, 1.0))
+        t_acc = t_acc * (scale * _carried(factors_ptr, 7, CARRY, 1.0))
+    else:
+        acc = acc * _carried(factors_ptr, 4, CARRY, 1.0)
+        t_acc = t_acc * _carried(factors_ptr, 8, CARRY, 1.0)
+    _store_key_gradients(out_desc, t_out_desc, k_tiles, tk_tiles, acc, t_acc, batch, kv_head,
                          first_key, GROUP)
 
 
 @gluon.jit
-def _dv_tangent_compute_partition(k_2d, tk_2d, q_2d, tq_2d, do_2d, dto_2d, k_tiles, tk_tiles,
-                                  kv_ready, q_ready, do_ready, slot_free, turns, dv_desc,
-                                  dtv_desc, lse_ptr, mu_ptr, factors_ptr, batch, kv_head,
-                                  k_start, group_size, first_block, n_blocks, n_heads, n_q,
-                                  qk_scale, scale, GROUP: gl.constexpr, STAGES: gl.constexpr,
-                                  CAUSAL: gl.constexpr, CARRY: gl.constexpr,
-                                  num_warps: gl.constexpr):
-    """One group of 64 keys: per visit a turn for Sᵀ and tSᵀ, Pᵀ and tPᵀ, a turn for the
-    three accumulating products; then dV and dtV."""
-    GROUP_N: gl.constexpr = dv_desc.block_type.shape[2]
-    HEAD_DIM: gl.constexpr = dv_desc.block_type.shape[3]
-    BLOCK_M: gl.constexpr = q_2d.shape[1]
-    dtype: gl.constexpr = q_2d.dtype
-    st_layout: gl.constexpr = mma_layout(BLOCK_M, num_warps)
-    acc_layout: gl.constexpr = mma_layout(HEAD_DIM, num_warps)
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                  k_width=2)
-    query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
-    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    k_smem, tk_smem = k_2d.index(GROUP), tk_2d.index(GROUP)
-    first_key = k_start + GROUP * GROUP_N
-
-    dv = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
-    dtv = gl.zeros([GROUP_N, HEAD_DIM], gl.float32, acc_layout)
-    st_zero = gl.zeros([GROUP_N, BLOCK_M], gl.float32, st_layout)
-    mbarrier.wait(kv_ready, 0)
-    turn = 0
-    for j in range(group_size * n_blocks):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        head, start_m = _query_visit(j, kv_head, group_size, first_block, n_blocks, BLOCK_M)
-        q_smem, tq_smem = q_2d.index(slot), tq_2d.index(slot)
-        do_smem, dto_smem = do_2d.index(slot), dto_2d.index(slot)
-        head_rows = (batch * n_heads + head).to(gl.int64) * n_q
-        lse, mu = _lse_and_mu(lse_ptr + head_rows, mu_ptr + head_rows, factors_ptr,
-                              start_m + gl.arange(0, BLOCK_M, row_layout), n_q, CARRY)
-        mbarrier.wait(q_ready.index(slot), phase)
-        turn = _take_turn(turns, turn, GROUP, True)
-        st, tst = _tangent_scores(k_smem, tk_smem, q_smem, tq_smem, st_zero)
-        _pass_turn(turns, GROUP, True)
-        st, tst = warpgroup_mma_wait(0, deps=(st, tst))
-        pt, tst = _probabilities(st, tst, _in_columns(lse, query_layout), first_key, start_m,
-                                 factors_ptr, qk_scale, scale, CAUSAL, CARRY)
-        tpt_op = gl.convert_layout((pt * (tst - _in_columns(mu, query_layout))).to(dtype),
-                                   op_layout)
-        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-        mbarrier.wait(do_ready.index(slot), phase)
-        turn = _take_turn(turns, turn, GROUP, True)
-        dv = warpgroup_mma(pt_op, do_smem, dv, is_async=True)
-        dv = warpgroup_mma(tpt_op, dto_smem, dv, is_async=True)
-        dtv = warpgroup_mma(pt_op, dto_smem, dtv, is_async=True)
-        _pass_turn(turns, GROUP, True)
-        dv, dtv, pt_op, tpt_op = warpgroup_mma_wait(0, deps=(dv, dtv, pt_op, tpt_op))
-        mbarrier.arrive(slot_free.index(slot), count=1)
-
-    _store_key_gradients(dv_desc, dtv_desc, k_tiles, tk_tiles,
-                         dv * _carried(factors_ptr, 4, CARRY, 1.0),
-                         dtv * _carried(factors_ptr, 8, CARRY, 1.0), batch, kv_head,
-                         first_key, GROUP)
-
-
-@gluon.jit
-def warp_specialized_dk_tangent_kernel(k_desc, tk_desc, v_desc, tv_desc, q_desc, tq_desc,
-                                       do_desc, dto_desc, dk_desc, dtk_desc, lse_ptr,
-                                       delta_ptr, mu_ptr, c_ptr, factors_ptr, n_kv_heads, n_q,
-                                       group_size, qk_scale, scale, STAGES: gl.constexpr,
-                                       CAUSAL: gl.constexpr, CARRY: gl.constexpr,
-                                       num_warps: gl.constexpr):
-    """Grid (cdiv(Nk, 128), B·Hkv): dK and dtK of 128 keys of one key/value head per
-    program (the backward through the tangent, chapter 6), 64 per compute group, summed
-    over the query heads of its GQA group."""
+def warp_specialized_tangent_pass_kernel(
+        k_desc, tk_desc, v_desc, tv_desc, q_desc, tq_desc, do_desc, dto_desc, out_desc,
+        t_out_desc, lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, n_kv_heads, n_q,
+        group_size, qk_scale, scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        CARRY: gl.constexpr, KEYS: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (cdiv(Nk, 128), B·Hkv): dK and dtK (KEYS) or dV and dtV of 128 keys of one
+    key/value head per program (the backward through the tangent, chapter 6), 64 per
+    compute group, summed over the query heads of its GQA group. The dV pass reads neither
+    V, tV, Delta_2 nor c (their arguments stand in)."""
     k_start, batch, kv_head, first_block, n_blocks = _key_side_program(
         n_kv_heads, n_q, k_desc.block_type.shape[2], q_desc.block_type.shape[2], CAUSAL)
     k_tiles, tk_tiles = _blocks(k_desc, 2), _blocks(tk_desc, 2)
-    v_tiles, tv_tiles = _blocks(v_desc, 2), _blocks(tv_desc, 2)
+    if KEYS:
+        v_tiles, tv_tiles = _blocks(v_desc, 2), _blocks(tv_desc, 2)
+    else:
+        v_tiles, tv_tiles = k_tiles, tk_tiles
     q_ring, tq_ring = _blocks(q_desc, STAGES), _blocks(tq_desc, STAGES)
     do_ring, dto_ring = _blocks(do_desc, STAGES), _blocks(dto_desc, STAGES)
     kv_ready, q_ready, do_ready, slot_free, turns = _ring_barriers(STAGES, 2)
@@ -927,77 +895,44 @@ def warp_specialized_dk_tangent_kernel(k_desc, tk_desc, v_desc, tv_desc, q_desc,
     do_2d, dto_2d = _as_matrices(do_ring, do_desc), _as_matrices(dto_ring, dto_desc)
     n_heads = n_kv_heads * group_size
     gl.warp_specialize([
-        (_dk_tangent_compute_partition, (
+        (_tangent_compute_partition, (
             k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, dto_2d, k_tiles, tk_tiles, kv_ready,
-            q_ready, do_ready, slot_free, turns, dk_desc, dtk_desc, lse_ptr, delta_ptr, mu_ptr,
-            c_ptr, factors_ptr, batch, kv_head, k_start, group_size, first_block, n_blocks,
-            n_heads, n_q, qk_scale, scale, 0, STAGES, CAUSAL, CARRY, num_warps)),
-        (_dk_tangent_compute_partition, (
+            q_ready, do_ready, slot_free, turns, out_desc, t_out_desc, lse_ptr, delta_ptr,
+            mu_ptr, c_ptr, factors_ptr, batch, kv_head, k_start, group_size, first_block,
+            n_blocks, n_heads, n_q, qk_scale, scale, 0, STAGES, CAUSAL, CARRY, KEYS,
+            num_warps)),
+        (_tangent_compute_partition, (
             k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, dto_2d, k_tiles, tk_tiles, kv_ready,
-            q_ready, do_ready, slot_free, turns, dk_desc, dtk_desc, lse_ptr, delta_ptr, mu_ptr,
-            c_ptr, factors_ptr, batch, kv_head, k_start, group_size, first_block, n_blocks,
-            n_heads, n_q, qk_scale, scale, 1, STAGES, CAUSAL, CARRY, num_warps)),
+            q_ready, do_ready, slot_free, turns, out_desc, t_out_desc, lse_ptr, delta_ptr,
+            mu_ptr, c_ptr, factors_ptr, batch, kv_head, k_start, group_size, first_block,
+            n_blocks, n_heads, n_q, qk_scale, scale, 1, STAGES, CAUSAL, CARRY, KEYS,
+            num_warps)),
         (_tangent_load_partition, (k_desc, tk_desc, v_desc, tv_desc, q_desc, tq_desc, do_desc,
                                    dto_desc, k_tiles, tk_tiles, v_tiles, tv_tiles, q_ring,
                                    tq_ring, do_ring, dto_ring, kv_ready, q_ready, do_ready,
                                    slot_free, batch, kv_head, k_start, group_size,
-                                   first_block, n_blocks, STAGES, True)),
+                                   first_block, n_blocks, STAGES, KEYS)),
     ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
 
 
-@gluon.jit
-def warp_specialized_dv_tangent_kernel(k_desc, tk_desc, q_desc, tq_desc, do_desc, dto_desc,
-                                       dv_desc, dtv_desc, lse_ptr, mu_ptr, factors_ptr,
-                                       n_kv_heads, n_q, group_size, qk_scale, scale,
-                                       STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                                       CARRY: gl.constexpr, num_warps: gl.constexpr):
-    """Grid (cdiv(Nk, 128), B·Hkv): dV and dtV of 128 keys of one key/value head per
-    program, as `warp_specialized_dk_tangent_kernel`."""
-    k_start, batch, kv_head, first_block, n_blocks = _key_side_program(
-        n_kv_heads, n_q, k_desc.block_type.shape[2], q_desc.block_type.shape[2], CAUSAL)
-    k_tiles, tk_tiles = _blocks(k_desc, 2), _blocks(tk_desc, 2)
-    q_ring, tq_ring = _blocks(q_desc, STAGES), _blocks(tq_desc, STAGES)
-    do_ring, dto_ring = _blocks(do_desc, STAGES), _blocks(dto_desc, STAGES)
-    kv_ready, q_ready, do_ready, slot_free, turns = _ring_barriers(STAGES, 2)
-    k_2d, tk_2d = _as_matrices(k_tiles, k_desc), _as_matrices(tk_tiles, tk_desc)
-    q_2d, tq_2d = _as_matrices(q_ring, q_desc), _as_matrices(tq_ring, tq_desc)
-    do_2d, dto_2d = _as_matrices(do_ring, do_desc), _as_matrices(dto_ring, dto_desc)
-    n_heads = n_kv_heads * group_size
-    gl.warp_specialize([
-        (_dv_tangent_compute_partition, (
-            k_2d, tk_2d, q_2d, tq_2d, do_2d, dto_2d, k_tiles, tk_tiles, kv_ready, q_ready,
-            do_ready, slot_free, turns, dv_desc, dtv_desc, lse_ptr, mu_ptr, factors_ptr, batch,
-            kv_head, k_start, group_size, first_block, n_blocks, n_heads, n_q, qk_scale, scale,
-            0, STAGES, CAUSAL, CARRY, num_warps)),
-        (_dv_tangent_compute_partition, (
-            k_2d, tk_2d, q_2d, tq_2d, do_2d, dto_2d, k_tiles, tk_tiles, kv_ready, q_ready,
-            do_ready, slot_free, turns, dv_desc, dtv_desc, lse_ptr, mu_ptr, factors_ptr, batch,
-            kv_head, k_start, group_size, first_block, n_blocks, n_heads, n_q, qk_scale, scale,
-            1, STAGES, CAUSAL, CARRY, num_warps)),
-        (_tangent_load_partition, (k_desc, tk_desc, k_desc, tk_desc, q_desc, tq_desc, do_desc,
-                                   dto_desc, k_tiles, tk_tiles, k_tiles, tk_tiles, q_ring,
-                                   tq_ring, do_ring, dto_ring, kv_ready, q_ready, do_ready,
-                                   slot_free, batch, kv_head, k_start, group_size,
-                                   first_block, n_blocks, STAGES, False)),
-    ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
-
-
-def _tangent_pass_launch(kernel, key_side, query_side, outputs, statistics, factors,
+def _tangent_pass_launch(keys: bool, key_side, query_side, outputs, statistics, factors,
                          n_heads: int, n_q: int, is_causal: bool, scale: float,
                          query_rows: int, stages: int) -> None:
-    """Launch a key-side pass of the backward through the tangent: descriptors of 64 keys
-    over `key_side` and `outputs`, of `query_rows` queries over `query_side`, then the row
-    statistics, the factors (the LSE standing in without them), the heads and scales."""
+    """Launch the dK pass (`keys`) or the dV pass: descriptors of 64 keys over `key_side`
+    (K, tK, V, tV) and `outputs`, of `query_rows` queries over `query_side`, then the row
+    statistics (LSE, Delta_2, mu, c), the factors (the LSE standing in without them), the
+    heads and scales."""
     k = key_side[0]
     batch, n_kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
     descriptors = ([_descriptor(t, GROUP_ROWS) for t in key_side]
                    + [_descriptor(t, query_rows) for t in query_side]
                    + [_descriptor(t, GROUP_ROWS) for t in outputs])
     grid = (triton.cdiv(n_k, 2 * GROUP_ROWS), batch * n_kv_heads)
-    cached(kernel)[grid](
+    cached(warp_specialized_tangent_pass_kernel)[grid](
         *descriptors, *statistics, statistics[0] if factors is None else factors, n_kv_heads,
         n_q, n_heads // n_kv_heads, scale * math.log2(math.e), scale, STAGES=stages,
-        CAUSAL=is_causal, CARRY=factors is not None, num_warps=4, maxnreg=LAUNCH_REGS)
+        CAUSAL=is_causal, CARRY=factors is not None, KEYS=keys, num_warps=4,
+        maxnreg=LAUNCH_REGS)
 
 
 def launch_warp_specialized_dk_tangent(q, k, v, tq, tk, tv, grad_out, grad_tangent_out, lse,
@@ -1009,7 +944,7 @@ def launch_warp_specialized_dk_tangent(q, k, v, tq, tk, tv, grad_out, grad_tange
     the forward's `lse`, `mu` and the row statistics' `delta` (Delta_2) and `c`, fp32
     (B, Hq, Nq); `factors` are chapter 5's carried factors of the second order
     (`second_order_operands`) when the operands are its carried copies, else None."""
-    _tangent_pass_launch(warp_specialized_dk_tangent_kernel, (k, tk, v, tv),
+    _tangent_pass_launch(True, (k, tk, v, tv),
                          (q, tq, grad_out, grad_tangent_out), (dk, dtk), (lse, delta, mu, c),
                          factors, q.shape[1], q.shape[2], is_causal, scale, query_rows, stages)
 
@@ -1020,8 +955,8 @@ def launch_warp_specialized_dv_tangent(q, k, tq, tk, grad_out, grad_tangent_out,
                                        stages: int = TANGENT_PASS_STAGES) -> None:
     """Write dv and dtv (in the gradients' dtype) of the backward through the tangent;
     arguments as `launch_warp_specialized_dk_tangent`."""
-    _tangent_pass_launch(warp_specialized_dv_tangent_kernel, (k, tk),
-                         (q, tq, grad_out, grad_tangent_out), (dv, dtv), (lse, mu), factors,
+    _tangent_pass_launch(False, (k, tk, k, tk), (q, tq, grad_out, grad_tangent_out),
+                         (dv, dtv), (lse, lse, mu, mu), factors,
                          q.shape[1], q.shape[2], is_causal, scale, query_rows, stages)
 
 

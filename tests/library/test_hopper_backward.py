@@ -513,7 +513,7 @@ def test_second_order_key_side_compiles_for_hopper(name: str, d: int, query_rows
                                                    max_spills: int) -> None:
     """The dK and dV passes compiled for sm_90 in every form: warpgroup products, shared
     memory within a block's, and (Triton 3.6) spills: none at d = 64; at d = 128 a word or
-    two (dK on 16-query visits, dV on 64), 32 to 108 bytes for dK on 32-query visits."""
+    two (dK on 16-query visits, dV on 64), 32 to 100 bytes for dK on 32-query visits."""
     for causal in (False, True):
         for carry in (False, True):
             report = compiled_for_hopper(
@@ -659,36 +659,40 @@ def test_second_order_key_side_reads_the_carried_factors(monkeypatch, name: str)
 
 
 def test_key_side_launch_plumbing(monkeypatch) -> None:
-    """What the dK and dV passes' launchers hand their kernels (on CPU, the kernels replaced
-    by recorders): a grid of 128 keys by B·Hkv, descriptors over each tensor's own strides,
+    """What the dK and dV passes' launchers hand their kernel (on CPU, the kernel replaced
+    by a recorder): a grid of 128 keys by B·Hkv, descriptors over each tensor's own strides,
     the row statistics, the factors, the GQA group, the scale in log2 units and natural."""
-    dk_launch = recorded_launches(monkeypatch, "warp_specialized_dk_tangent_kernel", hb)
-    dv_launch = recorded_launches(monkeypatch, "warp_specialized_dv_tangent_kernel", hb)
-    q, grad_out = heads(n=300, heads=8, layout="bnhd"), heads(n=300, heads=8)
-    k, v = heads(n=4100, heads=2), heads(n=4100, heads=2)
-    stats = [torch.empty(4, 8, 300) for _ in range(4)]
-    dk, dtk, factors = torch.empty_like(k), torch.empty_like(k), torch.ones(16)
-    hb.launch_warp_specialized_dk_tangent(q, k, v, q, k, v, grad_out, grad_out, *stats,
-                                          factors, dk, dtk, True, 0.5, query_rows=16)
-    hb.launch_warp_specialized_dv_tangent(q, k, q, k, grad_out, grad_out, stats[0], stats[2],
-                                          None, dk, dtk, False, 0.5)
-    for launch, key_side, rows, statistics, carry in (
-            (dk_launch, [k, k, v, v], 16, stats, True),
-            (dv_launch, [k, k], hb.DV_TANGENT_QUERY_ROWS, [stats[0], stats[2]], False)):
+    launches = []
+    for _ in range(2):
+        launches.append(recorded_launches(monkeypatch, "warp_specialized_tangent_pass_kernel",
+                                          hb))
+        q, grad_out = heads(n=300, heads=8, layout="bnhd"), heads(n=300, heads=8)
+        k, v = heads(n=4100, heads=2), heads(n=4100, heads=2)
+        stats = [torch.empty(4, 8, 300) for _ in range(4)]
+        dk, dtk, factors = torch.empty_like(k), torch.empty_like(k), torch.ones(16)
+        if len(launches) == 1:
+            hb.launch_warp_specialized_dk_tangent(q, k, v, q, k, v, grad_out, grad_out,
+                                                  *stats, factors, dk, dtk, True, 0.5,
+                                                  query_rows=16)
+            key_side, rows, statistics, keys = [k, k, v, v], 16, stats, True
+        else:
+            hb.launch_warp_specialized_dv_tangent(q, k, q, k, grad_out, grad_out, stats[0],
+                                                  stats[2], None, dk, dtk, False, 0.5)
+            key_side, rows, keys = [k, k, k, k], hb.DV_TANGENT_QUERY_ROWS, False
+            statistics = [stats[0], stats[0], stats[2], stats[2]]  # Delta_2, c unread
+        launch = launches[-1]
         assert launch["grid"] == (33, 8)
-        count = len(key_side) + 6
-        descriptors, rest = launch["args"][:count], launch["args"][count:]
+        descriptors, rest = launch["args"][:10], launch["args"][10:]
         assert [d.base for d in descriptors] == [*key_side, q, q, grad_out, grad_out, dk, dtk]
-        assert [d.block_shape[2] for d in descriptors] == (
-            [64] * len(key_side) + [rows] * 4 + [64] * 2)
-        assert list(descriptors[len(key_side)].strides) == list(q.stride())
-        n = len(statistics)
-        assert list(rest[:n]) == statistics
-        assert rest[n] is (factors if carry else stats[0])  # without a carry the LSE stands in
-        assert rest[n + 1:n + 4] == (2, 300, 4)
-        assert math.isclose(rest[n + 4], 0.5 * math.log2(math.e)) and rest[n + 5] == 0.5
-        assert launch["kwargs"] == dict(STAGES=hb.TANGENT_PASS_STAGES, CAUSAL=carry,
-                                        CARRY=carry, num_warps=4, maxnreg=ws.LAUNCH_REGS)
+        assert [d.block_shape[2] for d in descriptors] == [64] * 4 + [rows] * 4 + [64] * 2
+        assert list(descriptors[4].strides) == list(q.stride())
+        assert list(rest[:4]) == statistics
+        assert rest[4] is (factors if keys else stats[0])  # without a carry the LSE stands in
+        assert rest[5:8] == (2, 300, 4)
+        assert math.isclose(rest[8], 0.5 * math.log2(math.e)) and rest[9] == 0.5
+        assert launch["kwargs"] == dict(STAGES=hb.TANGENT_PASS_STAGES, CAUSAL=keys,
+                                        CARRY=keys, KEYS=keys, num_warps=4,
+                                        maxnreg=ws.LAUNCH_REGS)
 
 
 def test_backward_through_the_tangent_hands_over_its_key_side(monkeypatch) -> None:
