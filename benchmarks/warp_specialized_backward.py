@@ -100,12 +100,26 @@ def compile_for_hopper(name: str, causal: bool = False, carry: bool = False) -> 
 def compile_tangent_pass_for_hopper(kernel: str = "dk", d: int = 128, causal: bool = False,
                                     carry: bool = False, query_rows: int | None = None,
                                     stages: int = hb.TANGENT_PASS_STAGES) -> dict:
-    """Chapter 12's dK or dV pass (`kernel`) of the backward through the tangent compiled
-    for sm_90 (`compiled_report`); `carry` as `compile_for_hopper`."""
+    """Chapter 12's dQ, dK or dV pass (`kernel`) of the backward through the tangent
+    compiled for sm_90 (`compiled_report`); `carry` as `compile_for_hopper`."""
     keys = kernel == "dk"
-    query_rows = query_rows or (hb.DK_TANGENT_QUERY_ROWS if keys else hb.DV_TANGENT_QUERY_ROWS)
     grads = torch.empty(1, 1, 1024, d, dtype=torch.bfloat16)
     operands = grads.half() if carry else grads
+    if kernel == "dq":  # query_rows: here the keys a visit
+        block = query_rows or hb.DQ_TANGENT_KEY_BLOCK
+        rows = {**{f"{name}_desc": (operands, ws.GROUP_ROWS) for name in ("q", "tq", "do", "dto")},
+                **{f"{name}_desc": (operands, block) for name in ("k", "tk", "v", "tv")},
+                **{f"{name}_desc": (grads, ws.GROUP_ROWS) for name in ("dq", "dtq")}}
+        scalars = {**{f"{name}_ptr": "*fp32" for name in ("lse", "delta", "mu", "c", "factors")},
+                   "n_heads": "i32", "n_q": "i32", "n_k": "i32", "group_size": "i32",
+                   "qk_scale": "fp32", "scale": "fp32"}
+        report = compiled_report(hb.warp_specialized_dq_tangent_kernel,
+                                 {arg: ws._descriptor(t, r) for arg, (t, r) in rows.items()},
+                                 scalars, {"STAGES": stages, "CAUSAL": causal, "CARRY": carry},
+                                 4)
+        return {"kernel": "dq_tangent", "d": d, "key_block": block, "stages": stages,
+                "causal": causal, "carry": carry, **report}
+    query_rows = query_rows or (hb.DK_TANGENT_QUERY_ROWS if keys else hb.DV_TANGENT_QUERY_ROWS)
     rows = {**{f"{name}_desc": (operands, ws.GROUP_ROWS) for name in ("k", "tk", "v", "tv")},
             **{f"{name}_desc": (operands, query_rows) for name in ("q", "tq", "do", "dto")},
             **{f"{name}_desc": (grads, ws.GROUP_ROWS) for name in ("out", "t_out")}}

@@ -1098,9 +1098,9 @@ from jvp_attention.hopper_backward import (  # noqa: E402  (chapter 12)
     launch_warp_specialized_dkdv,
     launch_warp_specialized_dq,
     launched,
-    launched_key_side_pass,
+    launched_tangent_pass,
     warp_specialized_backward_kernels,
-    warp_specialized_key_side,
+    warp_specialized_tangent_passes,
 )
 
 # Tiles that compile for Hopper without register spills at d = 128 (tools/kernel_resources.py):
@@ -1312,10 +1312,11 @@ def flash_attention_backward(
     ws_dq, ws_dkdv = ((False, False) if attn_mask is not None or has_tangent or mask_grad
                       or graph_takes_pointers(q, n_k)
                       else warp_specialized_backward_kernels(q, k, v, grad_out, exact))
-    # Through the tangent, chapter 12's dK and dV passes where its first-order kernel fits.
-    ws_key_side = (has_tangent and attn_mask is None and not mask_grad
-                   and not graph_takes_pointers(q, n_k)
-                   and warp_specialized_key_side(q, k, v, (tq, tk, tv), grad_out, dto, exact))
+    # Through the tangent, chapter 12's passes where its first-order kernels fit.
+    ws_tangent = (has_tangent and attn_mask is None and not mask_grad
+                  and not graph_takes_pointers(q, n_k)
+                  and warp_specialized_tangent_passes(q, k, v, (tq, tk, tv), grad_out, dto,
+                                                      exact))
     # Where its dK/dV kernel sums dQ as well, no dQ kernel runs; not under deterministic
     # algorithms, since the order of that sum's adds varies from run to run.
     fused_dq = (ws_dkdv and fuses_dq(head_dim, is_causal, carry)
@@ -1371,8 +1372,12 @@ def flash_attention_backward(
         fused_dq = fused_dq and launched(launch_warp_specialized_dkdv, *ws_args, dk, dv,
                                          is_causal, scale, dq, dq_sum, summing=True)
         dq_kernel = _backward_dq_tangent if has_tangent else _backward_dq
+        tangent_args = (q, k, v, tq, tk, tv, grad_operand, dto, lse, delta, mu, c,
+                        factors if carry else None, dq, dk, dv, dtq, dtk, dtv, is_causal,
+                        scale)
         if not (fused_dq or ws_dq and launched(launch_warp_specialized_dq, *ws_args, dq,
-                                               is_causal, scale)):
+                                               is_causal, scale)
+                or ws_tangent and launched_tangent_pass("dq", *tangent_args)):
             launchable(dq_kernel, q)[lambda m: (cdiv(n_q, m["BLOCK_M"]), batch * n_heads)](
                 q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, out, residual, lse, delta, mu,
                 c, factors, dq, dtq, dmask, dmask_tangent, *strides, n_heads, *sizes,
@@ -1390,9 +1395,8 @@ def flash_attention_backward(
             else:
                 passes = ((_backward_dkdv_tangent, True, True),)
             for dkdv, keys, values in passes:
-                if ws_key_side and keys != values and launched_key_side_pass(
-                        keys, q, k, v, tq, tk, tv, grad_operand, dto, lse, delta, mu, c,
-                        factors if carry else None, dk, dv, dtk, dtv, is_causal, scale):
+                if ws_tangent and keys != values and launched_tangent_pass(
+                        "dk" if keys else "dv", *tangent_args):
                     continue
                 launchable(dkdv, q)[lambda m: (cdiv(n_k, m["BLOCK_N"]), batch * n_kv_heads)](
                     q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c,

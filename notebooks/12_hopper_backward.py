@@ -595,20 +595,30 @@ def warp_specialized_dkdv_kernel(k_desc, v_desc, q_desc, do_desc, dk_desc, dv_de
 
 # %% tags=["export"]
 @gluon.jit
+def _stream_key_tiles(k_desc, tk_desc, v_desc, tv_desc, k_ring, tk_ring, v_ring, tv_ring,
+                      k_ready, v_ready, slot_free, batch, kv_head, n_blocks,
+                      STAGES: gl.constexpr, TANGENT: gl.constexpr):
+    """Each key tile's K (and with TANGENT tK) on one barrier and V (and tV) on another,
+    into the next ring slot as soon as both compute groups have freed it."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
+        _load_with_tangent(k_desc, tk_desc, batch, kv_head, j * BLOCK_N, k_ready.index(slot),
+                           k_ring.index(slot), tk_ring.index(slot), TANGENT)
+        _load_with_tangent(v_desc, tv_desc, batch, kv_head, j * BLOCK_N, v_ready.index(slot),
+                           v_ring.index(slot), tv_ring.index(slot), TANGENT)
+
+
+@gluon.jit
 def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_tiles, do_tiles, k_ring, v_ring,
                        q_ready, k_ready, v_ready, slot_free, batch, head, kv_head, q_start,
                        n_blocks, STAGES: gl.constexpr):
     """One warp: both groups' Q and dO tiles once, then each key tile's K and V into the
     ring."""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     _load_group_tiles(q_desc, do_desc, q_tiles, do_tiles, q_ready, batch, head, q_start)
-    for j in range(n_blocks):
-        slot = j % STAGES
-        mbarrier.wait(slot_free.index(slot), ((j // STAGES) & 1) ^ 1)
-        _load_with_tangent(k_desc, k_desc, batch, kv_head, j * BLOCK_N, k_ready.index(slot),
-                           k_ring.index(slot), k_ring.index(slot), False)
-        _load_with_tangent(v_desc, v_desc, batch, kv_head, j * BLOCK_N, v_ready.index(slot),
-                           v_ring.index(slot), v_ring.index(slot), False)
+    _stream_key_tiles(k_desc, k_desc, v_desc, v_desc, k_ring, k_ring, v_ring, v_ring, k_ready,
+                      v_ready, slot_free, batch, kv_head, n_blocks, STAGES, False)
 
 
 @gluon.jit
@@ -1153,6 +1163,7 @@ else:
 # %% tags=["export"]
 DK_TANGENT_QUERY_ROWS = 32  # queries a visit: four 64 x 32 fp32 score tiles fit the budget
 DV_TANGENT_QUERY_ROWS = 64  # two score tiles a visit
+DQ_TANGENT_KEY_BLOCK = 32  # keys a visit of the dQ pass: its four score tiles, as dK's
 TANGENT_PASS_STAGES = 2
 
 
@@ -1170,20 +1181,21 @@ def _key_side_program(n_kv_heads, n_q, GROUP_N: gl.constexpr, BLOCK_M: gl.conste
 
 
 @gluon.jit
-def _load_key_side(k_desc, tk_desc, v_desc, tv_desc, k_tiles, tk_tiles, v_tiles, tv_tiles,
-                   barrier, batch, kv_head, k_start, VALUES: gl.constexpr):
-    """Both groups' K and tK tiles (and with VALUES V and tV), from key `k_start` on, on
-    one barrier."""
-    ROWS: gl.constexpr = k_desc.block_type.shape[2]
-    TENSORS: gl.constexpr = 4 if VALUES else 2
-    mbarrier.expect(barrier, 2 * TENSORS * k_desc.block_type.nbytes)
+def _load_program_tiles(a_desc, ta_desc, b_desc, tb_desc, a_tiles, ta_tiles, b_tiles,
+                        tb_tiles, barrier, batch, head, start, PAIRS: gl.constexpr):
+    """Both groups' tiles of `a_desc` and `ta_desc` (and with PAIRS == 2 of `b_desc` and
+    `tb_desc`; all alike in shape), from row `start` on, on one barrier: what a program
+    loads once before its ring starts (K, tK, V, tV of the keys; Q, tQ, dO, dtO of the
+    queries)."""
+    ROWS: gl.constexpr = a_desc.block_type.shape[2]
+    mbarrier.expect(barrier, 2 * 2 * PAIRS * a_desc.block_type.nbytes)
     for g in gl.static_range(2):
-        row = k_start + g * ROWS
-        tma_load(k_desc, [batch, kv_head, row, 0], barrier, k_tiles.index(g))
-        tma_load(tk_desc, [batch, kv_head, row, 0], barrier, tk_tiles.index(g))
-        if VALUES:
-            tma_load(v_desc, [batch, kv_head, row, 0], barrier, v_tiles.index(g))
-            tma_load(tv_desc, [batch, kv_head, row, 0], barrier, tv_tiles.index(g))
+        row = start + g * ROWS
+        tma_load(a_desc, [batch, head, row, 0], barrier, a_tiles.index(g))
+        tma_load(ta_desc, [batch, head, row, 0], barrier, ta_tiles.index(g))
+        if PAIRS == 2:
+            tma_load(b_desc, [batch, head, row, 0], barrier, b_tiles.index(g))
+            tma_load(tb_desc, [batch, head, row, 0], barrier, tb_tiles.index(g))
 
 
 @gluon.jit
@@ -1194,8 +1206,8 @@ def _tangent_load_partition(k_desc, tk_desc, v_desc, tv_desc, q_desc, tq_desc, d
                             STAGES: gl.constexpr, VALUES: gl.constexpr):
     """One warp: the key side's tiles once, then each visit's Q and tQ (one barrier) and
     dO and dtO (another) into the ring, as soon as both groups have freed the slot."""
-    _load_key_side(k_desc, tk_desc, v_desc, tv_desc, k_tiles, tk_tiles, v_tiles, tv_tiles,
-                   kv_ready, batch, kv_head, k_start, VALUES)
+    _load_program_tiles(k_desc, tk_desc, v_desc, tv_desc, k_tiles, tk_tiles, v_tiles,
+                        tv_tiles, kv_ready, batch, kv_head, k_start, 2 if VALUES else 1)
     _stream_query_tiles(q_desc, tq_desc, do_desc, dto_desc, q_ring, tq_ring, do_ring, dto_ring,
                         q_ready, do_ready, slot_free, batch, kv_head, group_size, first_block,
                         n_blocks, STAGES, True)
@@ -1233,26 +1245,53 @@ def _tangent_scores(k_smem, tk_smem, q_smem, tq_smem, st_zero):
 
 
 @gluon.jit
-def _probabilities(st, tst, lse, first_key, start_m, factors_ptr, qk_scale, scale,
-                   CAUSAL: gl.constexpr, CARRY: gl.constexpr):
-    """Pᵀ (times P's carried shift) and tSᵀ in the tangent's carried units, from the raw
-    products and the visit's LSE in columns."""
-    st = _causal_transposed(st, first_key, start_m, CAUSAL)
-    pt = gl.exp2(st * (qk_scale * _carried(factors_ptr, 0, CARRY, 1.0)) - lse)
-    return pt, tst * (scale * _carried(factors_ptr, 9, CARRY, 1.0))
+def _probabilities(s, ts, lse, mu, factors_ptr, qk_scale, scale, CARRY: gl.constexpr):
+    """P (times its carried shift) and tS - mu in the tangent's carried units, from the
+    masked scores, the raw tangent scores and the LSE and mu broadcast over the tile (either
+    orientation)."""
+    p = gl.exp2(s * (qk_scale * _carried(factors_ptr, 0, CARRY, 1.0)) - lse)
+    return p, ts * (scale * _carried(factors_ptr, 9, CARRY, 1.0)) - mu
 
 
 @gluon.jit
-def _store_key_gradients(desc, t_desc, tiles, t_tiles, grad, t_grad, batch, kv_head,
-                         first_key, GROUP: gl.constexpr):
-    """A group's two gradients out through its own key-side tiles, which no product reads
-    any more, viewed in the gradients' type."""
+def _score_gradients(p, centred, dp, g, c, c_mu, delta, factors_ptr, CARRY: gl.constexpr):
+    """dS and dtS (either orientation, fp32) in their carried units, from P, tS - mu, the raw
+    dP0 = dO Vᵀ + dtO tVᵀ and G = dtO Vᵀ, and c, c·mu and Delta_2 broadcast over the tile:
+    dP = dP0 + G (tS - mu) - c tS = dP0 + (G - c)(tS - mu) - c mu, so that G - c, which dtS
+    needs too, replaces G, and c mu is a per-query term."""
+    g = g - c
+    dp = dp + g * centred - c_mu
+    ds = p * (dp - delta) * _carried(factors_ptr, 12, CARRY, 1.0)
+    dts = p * g * _carried(factors_ptr, 13, CARRY, 1.0)
+    return ds, dts
+
+
+@gluon.jit
+def _issue_gradient_products(acc, t_acc, ds_op, dts_op, x_smem, tx_smem, factors_ptr,
+                             CARRY: gl.constexpr):
+    """Issue acc += dS X + dtS tX and t_acc += dtS X (X: Q for the keys, K for the
+    queries); "accurate" steps acc into dtS tX's units before that product, and the caller
+    steps it back (`_carried` 15) once the products are done."""
+    acc = warpgroup_mma(ds_op, x_smem, acc, is_async=True)
+    t_acc = warpgroup_mma(dts_op, x_smem, t_acc, is_async=True)
+    if CARRY:
+        acc = warpgroup_mma_wait(1, deps=(acc,)) * _carried(factors_ptr, 14, CARRY, 1.0)
+    acc = warpgroup_mma(dts_op, tx_smem, acc, is_async=True)
+    return acc, t_acc
+
+
+@gluon.jit
+def _store_group_gradients(desc, t_desc, tiles, t_tiles, grad, t_grad, batch, head,
+                           first_row, GROUP: gl.constexpr):
+    """A compute group's two gradients out through its own tiles of the program's operands
+    (K and tK, or Q and tQ), which no product reads any more, viewed in the gradients'
+    type."""
     _store_rows(desc, _as_matrices(tiles, desc).index(GROUP),
-                _as_blocks(tiles, desc).index(GROUP), grad.to(desc.dtype), batch, kv_head,
-                first_key)
+                _as_blocks(tiles, desc).index(GROUP), grad.to(desc.dtype), batch, head,
+                first_row)
     _store_rows(t_desc, _as_matrices(t_tiles, t_desc).index(GROUP),
                 _as_blocks(t_tiles, t_desc).index(GROUP), t_grad.to(t_desc.dtype), batch,
-                kv_head, first_key)
+                head, first_row)
 
 
 @gluon.jit
@@ -1315,27 +1354,21 @@ def _tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, dto
             st, tst = _tangent_scores(k_smem, tk_smem, q_smem, tq_smem, st_zero)
             _pass_turn(turns, GROUP, True)
             st, tst = warpgroup_mma_wait(0, deps=(st, tst))
-        pt, tst = _probabilities(st, tst, _in_columns(lse, query_layout), first_key, start_m,
-                                 factors_ptr, qk_scale, scale, CAUSAL, CARRY)
-        tst = tst - _in_columns(mu, query_layout)
+        st = _causal_transposed(st, first_key, start_m, CAUSAL)
+        pt, tst = _probabilities(st, tst, _in_columns(lse, query_layout),
+                                 _in_columns(mu, query_layout), factors_ptr, qk_scale, scale,
+                                 CARRY)
         if KEYS:
-            # dP = dP0 + G (tS - mu) - c tS = dP0 + (G - c)(tS - mu) - c mu: G - c, which
-            # dtS needs too, replaces G, and c mu is a per-query term
-            gt = gt - _in_columns(c, query_layout)
-            dpt = dpt + gt * tst - _in_columns(c * mu, query_layout)
             delta = _scaled_rows(delta_ptr + head_rows, rows, n_q,
                                  _carried(factors_ptr, 1, CARRY, 1.0))
-            a_op = gl.convert_layout(
-                (pt * (dpt - _in_columns(delta, query_layout))
-                 * _carried(factors_ptr, 12, CARRY, 1.0)).to(dtype), op_layout)  # dSᵀ
-            b_op = gl.convert_layout(
-                (pt * gt * _carried(factors_ptr, 13, CARRY, 1.0)).to(dtype), op_layout)  # dtSᵀ
+            dst, dtst = _score_gradients(pt, tst, dpt, gt, _in_columns(c, query_layout),
+                                         _in_columns(c * mu, query_layout),
+                                         _in_columns(delta, query_layout), factors_ptr, CARRY)
+            a_op = gl.convert_layout(dst.to(dtype), op_layout)
+            b_op = gl.convert_layout(dtst.to(dtype), op_layout)
             turn = _take_turn(turns, turn, GROUP, True)
-            acc = warpgroup_mma(a_op, q_smem, acc, is_async=True)
-            t_acc = warpgroup_mma(b_op, q_smem, t_acc, is_async=True)
-            if CARRY:  # dK's second product in dtS tQ's units: step there and back
-                acc = warpgroup_mma_wait(1, deps=(acc,)) * _carried(factors_ptr, 14, CARRY, 1.0)
-            acc = warpgroup_mma(b_op, tq_smem, acc, is_async=True)
+            acc, t_acc = _issue_gradient_products(acc, t_acc, a_op, b_op, q_smem, tq_smem,
+                                                  factors_ptr, CARRY)
         else:
             a_op = gl.convert_layout(pt.to(dtype), op_layout)  # Pᵀ
             b_op = gl.convert_layout((pt * tst).to(dtype), op_layout)  # tPᵀ
@@ -1356,7 +1389,7 @@ def _tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, dto
     else:
         acc = acc * _carried(factors_ptr, 4, CARRY, 1.0)
         t_acc = t_acc * _carried(factors_ptr, 8, CARRY, 1.0)
-    _store_key_gradients(out_desc, t_out_desc, k_tiles, tk_tiles, acc, t_acc, batch, kv_head,
+    _store_group_gradients(out_desc, t_out_desc, k_tiles, tk_tiles, acc, t_acc, batch, kv_head,
                          first_key, GROUP)
 
 
@@ -1406,6 +1439,152 @@ def warp_specialized_tangent_pass_kernel(
     ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
 
 
+@gluon.jit
+def _dq_tangent_load_partition(q_desc, tq_desc, do_desc, dto_desc, k_desc, tk_desc, v_desc,
+                               tv_desc, q_tiles, tq_tiles, do_tiles, dto_tiles, k_ring,
+                               tk_ring, v_ring, tv_ring, q_ready, k_ready, v_ready, slot_free,
+                               batch, head, kv_head, q_start, n_blocks, STAGES: gl.constexpr):
+    """One warp: both groups' Q, tQ, dO and dtO once, then each key tile's K and tK, V and
+    tV into the ring."""
+    _load_program_tiles(q_desc, tq_desc, do_desc, dto_desc, q_tiles, tq_tiles, do_tiles,
+                        dto_tiles, q_ready, batch, head, q_start, 2)
+    _stream_key_tiles(k_desc, tk_desc, v_desc, tv_desc, k_ring, tk_ring, v_ring, tv_ring,
+                      k_ready, v_ready, slot_free, batch, kv_head, n_blocks, STAGES, True)
+
+
+@gluon.jit
+def _dq_tangent_compute_partition(q_2d, tq_2d, do_2d, dto_2d, q_tiles, tq_tiles, k_2d, tk_2d,
+                                  v_2d, tv_2d, q_ready, k_ready, v_ready, slot_free, turns,
+                                  dq_desc, dtq_desc, lse_ptr, delta_ptr, mu_ptr, c_ptr,
+                                  factors_ptr, batch, head, n_heads, q_start, n_q, n_k,
+                                  n_blocks, qk_scale, scale, GROUP: gl.constexpr,
+                                  STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                  CARRY: gl.constexpr, num_warps: gl.constexpr):
+    """One group of 64 queries: its row statistics once; per key tile a turn for S, tS,
+    dP0 and G, then dS and dtS, a turn for dQ += dS K + dtS tK and dtQ += dtS K; then s·dQ
+    and s·dtQ."""
+    GROUP_M: gl.constexpr = dq_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = dq_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_2d.shape[1]
+    dtype: gl.constexpr = q_2d.dtype
+    s_layout: gl.constexpr = mma_layout(BLOCK_N, num_warps)
+    acc_layout: gl.constexpr = mma_layout(HEAD_DIM, num_warps)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                  k_width=2)
+    q_smem, tq_smem = q_2d.index(GROUP), tq_2d.index(GROUP)
+    do_smem, dto_smem = do_2d.index(GROUP), dto_2d.index(GROUP)
+    first_row = q_start + GROUP * GROUP_M
+    rows = first_row + gl.arange(0, GROUP_M, gl.SliceLayout(1, s_layout))
+    head_rows = (batch * n_heads + head).to(gl.int64) * n_q
+    lse, mu = _lse_and_mu(lse_ptr + head_rows, mu_ptr + head_rows, factors_ptr, rows, n_q,
+                          CARRY)
+    c = _scaled_rows(c_ptr + head_rows, rows, n_q, _carried(factors_ptr, 11, CARRY, 1.0))
+    delta = _scaled_rows(delta_ptr + head_rows, rows, n_q, _carried(factors_ptr, 1, CARRY, 1.0))
+    lse, mu, c, c_mu, delta = (gl.expand_dims(lse, 1), gl.expand_dims(mu, 1),
+                               gl.expand_dims(c, 1), gl.expand_dims(c * mu, 1),
+                               gl.expand_dims(delta, 1))
+
+    acc = gl.zeros([GROUP_M, HEAD_DIM], gl.float32, acc_layout)
+    t_acc = gl.zeros([GROUP_M, HEAD_DIM], gl.float32, acc_layout)
+    s_zero = gl.zeros([GROUP_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_ready, 0)
+    turn = 0
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        k_smem, tk_smem = k_2d.index(slot), tk_2d.index(slot)
+        v_smem, tv_smem = v_2d.index(slot), tv_2d.index(slot)
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.wait(v_ready.index(slot), phase)
+        turn = _take_turn(turns, turn, GROUP, True)
+        s, ts = _tangent_scores(q_smem, tq_smem, k_smem, tk_smem, s_zero)
+        dp = warpgroup_mma(do_smem, v_smem.permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)
+        dp = warpgroup_mma(dto_smem, tv_smem.permute((1, 0)), dp, is_async=True)
+        g = warpgroup_mma(dto_smem, v_smem.permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        _pass_turn(turns, GROUP, True)
+        s, ts, dp, g = warpgroup_mma_wait(0, deps=(s, ts, dp, g))
+        s = _masked(s, j * BLOCK_N, first_row, n_k, CAUSAL)
+        p, ts = _probabilities(s, ts, lse, mu, factors_ptr, qk_scale, scale, CARRY)
+        ds, dts = _score_gradients(p, ts, dp, g, c, c_mu, delta, factors_ptr, CARRY)
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+        dts_op = gl.convert_layout(dts.to(dtype), op_layout)
+        turn = _take_turn(turns, turn, GROUP, True)
+        acc, t_acc = _issue_gradient_products(acc, t_acc, ds_op, dts_op, k_smem, tk_smem,
+                                              factors_ptr, CARRY)
+        _pass_turn(turns, GROUP, True)
+        acc, t_acc, ds_op, dts_op = warpgroup_mma_wait(0, deps=(acc, t_acc, ds_op, dts_op))
+        if CARRY:
+            acc = acc * _carried(factors_ptr, 15, CARRY, 1.0)
+        mbarrier.arrive(slot_free.index(slot), count=1)
+
+    # The group's Q and tQ tiles, read by no product any more, carry the gradients out.
+    _store_group_gradients(dq_desc, dtq_desc, q_tiles, tq_tiles,
+                         acc * (scale * _carried(factors_ptr, 2, CARRY, 1.0)),
+                         t_acc * (scale * _carried(factors_ptr, 6, CARRY, 1.0)), batch, head,
+                         first_row, GROUP)
+
+
+@gluon.jit
+def warp_specialized_dq_tangent_kernel(
+        q_desc, tq_desc, do_desc, dto_desc, k_desc, tk_desc, v_desc, tv_desc, dq_desc,
+        dtq_desc, lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, n_heads, n_q, n_k,
+        group_size, qk_scale, scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        CARRY: gl.constexpr, num_warps: gl.constexpr):
+    """Grid (cdiv(Nq, 128), B·Hq): dQ and dtQ of 128 queries of one head per program (the
+    backward through the tangent, chapter 6), 64 per compute group, over streamed key
+    tiles; causal programs longest first (chapter 11's `_program_tile`)."""
+    GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    q_start, _, batch, head, n_blocks = _program_tile(n_heads, n_k, 2 * GROUP_M, BLOCK_N,
+                                                      CAUSAL, 1)
+    q_tiles, tq_tiles = _blocks(q_desc, 2), _blocks(tq_desc, 2)
+    do_tiles, dto_tiles = _blocks(do_desc, 2), _blocks(dto_desc, 2)
+    k_ring, tk_ring = _blocks(k_desc, STAGES), _blocks(tk_desc, STAGES)
+    v_ring, tv_ring = _blocks(v_desc, STAGES), _blocks(tv_desc, STAGES)
+    q_ready, k_ready, v_ready, slot_free, turns = _ring_barriers(STAGES, 2)
+    q_2d, tq_2d = _as_matrices(q_tiles, q_desc), _as_matrices(tq_tiles, tq_desc)
+    do_2d, dto_2d = _as_matrices(do_tiles, do_desc), _as_matrices(dto_tiles, dto_desc)
+    k_2d, tk_2d = _as_matrices(k_ring, k_desc), _as_matrices(tk_ring, tk_desc)
+    v_2d, tv_2d = _as_matrices(v_ring, v_desc), _as_matrices(tv_ring, tv_desc)
+    gl.warp_specialize([
+        (_dq_tangent_compute_partition, (
+            q_2d, tq_2d, do_2d, dto_2d, q_tiles, tq_tiles, k_2d, tk_2d, v_2d, tv_2d, q_ready,
+            k_ready, v_ready, slot_free, turns, dq_desc, dtq_desc, lse_ptr, delta_ptr, mu_ptr,
+            c_ptr, factors_ptr, batch, head, n_heads, q_start, n_q, n_k, n_blocks, qk_scale,
+            scale, 0, STAGES, CAUSAL, CARRY, num_warps)),
+        (_dq_tangent_compute_partition, (
+            q_2d, tq_2d, do_2d, dto_2d, q_tiles, tq_tiles, k_2d, tk_2d, v_2d, tv_2d, q_ready,
+            k_ready, v_ready, slot_free, turns, dq_desc, dtq_desc, lse_ptr, delta_ptr, mu_ptr,
+            c_ptr, factors_ptr, batch, head, n_heads, q_start, n_q, n_k, n_blocks, qk_scale,
+            scale, 1, STAGES, CAUSAL, CARRY, num_warps)),
+        (_dq_tangent_load_partition, (q_desc, tq_desc, do_desc, dto_desc, k_desc, tk_desc,
+                                      v_desc, tv_desc, q_tiles, tq_tiles, do_tiles, dto_tiles,
+                                      k_ring, tk_ring, v_ring, tv_ring, q_ready, k_ready,
+                                      v_ready, slot_free, batch, head, head // group_size,
+                                      q_start, n_blocks, STAGES)),
+    ], [num_warps, 1], [COMPUTE_REGS, LOADER_REGS])
+
+
+def launch_warp_specialized_dq_tangent(q, k, v, tq, tk, tv, grad_out, grad_tangent_out, lse,
+                                       delta, mu, c, factors, dq, dtq, is_causal: bool,
+                                       scale: float, *,
+                                       key_block: int = DQ_TANGENT_KEY_BLOCK,
+                                       stages: int = TANGENT_PASS_STAGES) -> None:
+    """Write dq and dtq (in the gradients' dtype) of the backward through the tangent;
+    arguments as `launch_warp_specialized_dk_tangent`, `key_block` keys a visit."""
+    batch, n_heads, n_q, _ = q.shape
+    descriptors = ([_descriptor(t, GROUP_ROWS) for t in (q, tq, grad_out, grad_tangent_out)]
+                   + [_descriptor(t, key_block) for t in (k, tk, v, tv)]
+                   + [_descriptor(t, GROUP_ROWS) for t in (dq, dtq)])
+    grid = (triton.cdiv(n_q, 2 * GROUP_ROWS), batch * n_heads)
+    cached(warp_specialized_dq_tangent_kernel)[grid](
+        *descriptors, lse, delta, mu, c, lse if factors is None else factors, n_heads, n_q,
+        k.shape[2], n_heads // k.shape[1], scale * math.log2(math.e), scale, STAGES=stages,
+        CAUSAL=is_causal, CARRY=factors is not None, num_warps=4, maxnreg=LAUNCH_REGS)
+
+
 def _tangent_pass_launch(keys: bool, key_side, query_side, outputs, statistics, factors,
                          n_heads: int, n_q: int, is_causal: bool, scale: float,
                          query_rows: int, stages: int) -> None:
@@ -1452,23 +1631,25 @@ def launch_warp_specialized_dv_tangent(q, k, tq, tk, grad_out, grad_tangent_out,
 
 
 # %% [markdown]
-# Chapter 5's launcher hands the backward through the tangent's two key-side passes to
-# these kernels where the first-order dK/dV kernel would take the call (unmasked, D = Dv
-# in (64, 128), long enough rows, the carried copies in "accurate" bf16, tensors the copy
-# engine can address in "fast") and the tangents and the tangent's cotangent match the
-# primals; the $dQ$ kernel stays chapter 6's. `SECOND_ORDER_KEY_SIDE` turns them off.
+# Chapter 5's launcher hands the backward through the tangent's three passes ($dQ$, then
+# $dV$ and $dK$) to these kernels where the first-order Hopper kernels would take the call
+# (unmasked, D = Dv in (64, 128), long enough rows, the carried copies in "accurate" bf16,
+# tensors the copy engine can address in "fast") and the tangents and the tangent's
+# cotangent match the primals. `SECOND_ORDER_PASSES` names the passes handed over.
 
 # %% tags=["export"]
-SECOND_ORDER_KEY_SIDE = True
+SECOND_ORDER_PASSES = frozenset({"dq", "dk", "dv"})
 
 
-def warp_specialized_key_side(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              tangents: tuple[torch.Tensor, ...], grad_out: torch.Tensor,
-                              grad_tangent_out: torch.Tensor, exact: bool) -> bool:
-    """Whether the backward through the tangent runs this chapter's dK and dV passes: the
-    first-order dK/dV kernel would run (`warp_specialized_backward_kernels`) and the
-    tangents and dtO are alike to the primals and dO (and addressable in "fast")."""
-    if not (SECOND_ORDER_KEY_SIDE
+def warp_specialized_tangent_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    tangents: tuple[torch.Tensor, ...],
+                                    grad_out: torch.Tensor, grad_tangent_out: torch.Tensor,
+                                    exact: bool) -> bool:
+    """Whether the backward through the tangent hands its passes (`SECOND_ORDER_PASSES`) to
+    this chapter's kernels: the first-order dK/dV kernel would run
+    (`warp_specialized_backward_kernels`) and the tangents and dtO are alike to the primals
+    and dO (and addressable in "fast")."""
+    if not (SECOND_ORDER_PASSES
             and warp_specialized_backward_kernels(q, k, v, grad_out, exact)[1]):
         return False
     alike = all(t.shape == x.shape and t.dtype == x.dtype for t, x in zip(
@@ -1476,18 +1657,20 @@ def warp_specialized_key_side(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return alike and (exact or all(_describable(t) for t in (*tangents, grad_tangent_out)))
 
 
-def launched_key_side_pass(keys: bool, q, k, v, tq, tk, tv, grad_out, grad_tangent_out, lse,
-                           delta, mu, c, factors, dk, dv, dtk, dtv, is_causal: bool,
-                           scale: float) -> bool:
-    """Run the dK pass (`keys`) or the dV pass in this chapter's form; False where its
-    gradients cannot be stored by the copy engine or this Triton cannot compile it: chapter
-    6's pass runs instead."""
-    outputs = (dk, dtk) if keys else (dv, dtv)
-    if not all(_describable(t) for t in outputs):
+def launched_tangent_pass(name: str, q, k, v, tq, tk, tv, grad_out, grad_tangent_out, lse,
+                          delta, mu, c, factors, dq, dk, dv, dtq, dtk, dtv, is_causal: bool,
+                          scale: float) -> bool:
+    """Run pass `name` ("dq", "dk" or "dv") of the backward through the tangent in this
+    chapter's form; False where it is not in `SECOND_ORDER_PASSES`, its gradients cannot
+    be stored by the copy engine or this Triton cannot compile it: chapter 6's pass runs
+    instead."""
+    outputs = {"dq": (dq, dtq), "dk": (dk, dtk), "dv": (dv, dtv)}[name]
+    if name not in SECOND_ORDER_PASSES or not all(_describable(t) for t in outputs):
         return False
-    if keys:
-        return launched(launch_warp_specialized_dk_tangent, q, k, v, tq, tk, tv, grad_out,
-                        grad_tangent_out, lse, delta, mu, c, factors, dk, dtk, is_causal,
-                        scale)
-    return launched(launch_warp_specialized_dv_tangent, q, k, tq, tk, grad_out,
-                    grad_tangent_out, lse, mu, factors, dv, dtv, is_causal, scale)
+    if name == "dv":
+        return launched(launch_warp_specialized_dv_tangent, q, k, tq, tk, grad_out,
+                        grad_tangent_out, lse, mu, factors, dv, dtv, is_causal, scale)
+    launch = (launch_warp_specialized_dq_tangent if name == "dq"
+              else launch_warp_specialized_dk_tangent)
+    return launched(launch, q, k, v, tq, tk, tv, grad_out, grad_tangent_out, lse, delta, mu,
+                    c, factors, *outputs, is_causal, scale)

@@ -439,18 +439,37 @@ def test_deterministic_algorithms_keep_the_split_kernels_on_hopper() -> None:
         torch.use_deterministic_algorithms(deterministic)
 
 
-# --- the second order's key side in chapter 12's form (not yet the library's) -----------------
-KEY_SIDE = {"dk": "_backward_dk_tangent", "dv": "_backward_dv_tangent"}
+# --- the second order's passes in chapter 12's form --------------------------------------------
+CHAPTER6_PASSES = {"dq": "_backward_dq_tangent", "dk": "_backward_dk_tangent",
+                   "dv": "_backward_dv_tangent"}
 
 
-def route_key_side_pass(monkeypatch, name: str, query_rows: int, ran: list | None = None,
-                        launch=None) -> None:
-    """Send the library's `name` ("dk" or "dv") pass of the backward through the tangent
-    (chapter 6's `KEY_SIDE[name]`) to chapter 12's Gluon kernel, `query_rows` queries a
-    visit, or to `launch`, which takes the Gluon launcher's arguments."""
+def chapter12_arguments(name: str, args, switches) -> tuple:
+    """The arguments of chapter 12's launcher for pass `name`, from those the library hands
+    chapter 6's kernel for it (positional `args`, keyword `switches`)."""
+    factors = args[15 if name == "dq" else 13] if switches["CARRY"] else None
+    causal, scale = switches["IS_CAUSAL"], args[-3]
+    q, k, v, tq, tk, tv, _, grad_out, dto = args[:9]
+    if name == "dq":  # ..., out, residual, lse, delta, mu, c, factors, dq, dtq, ...
+        return (q, k, v, tq, tk, tv, grad_out, dto, *args[11:15], factors, args[16], args[17],
+                causal, scale)
+    lse, delta, mu, c = args[9:13]  # ..., factors, dk, dv, dtk, dtv, ...
+    if name == "dk":
+        return (q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu, c, factors, args[14],
+                args[16], causal, scale)
+    return q, k, tq, tk, grad_out, dto, lse, mu, factors, args[15], args[17], causal, scale
+
+
+def route_tangent_pass(monkeypatch, name: str, tile: int, ran: list | None = None,
+                       launch=None) -> None:
+    """Send the library's pass `name` ("dq", "dk" or "dv") of the backward through the
+    tangent (chapter 6's kernel `CHAPTER6_PASSES[name]`) to chapter 12's Gluon kernel, `tile`
+    queries (dK, dV) or keys (dQ) a visit, or to `launch`, which takes the Gluon launcher's
+    arguments."""
     launchable = backward_module.launchable
-    chapter6 = getattr(backward_module, KEY_SIDE[name])
+    chapter6 = getattr(backward_module, CHAPTER6_PASSES[name])
     launch = launch or getattr(hb, f"launch_warp_specialized_{name}_tangent")
+    keyword = "key_block" if name == "dq" else "query_rows"
 
     def routed(kernel, q):
         if kernel is not chapter6:
@@ -458,19 +477,11 @@ def route_key_side_pass(monkeypatch, name: str, query_rows: int, ran: list | Non
 
         class Launch:
             def __getitem__(self, grid):
-                def run(q, k, v, tq, tk, tv, mask, grad_out, dto, lse, delta, mu, c, factors,
-                        dk, dv, dtk, dtv, *rest, **switches):
+                def run(*args, **switches):
                     assert switches["MASK_KIND"] == 0 and switches["HAS_TANGENT"]
-                    factors = factors if switches["CARRY"] else None
-                    causal, scale = switches["IS_CAUSAL"], rest[-3]
-                    if name == "dk":
-                        launch(q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu, c, factors,
-                               dk, dtk, causal, scale, query_rows=query_rows)
-                    else:
-                        launch(q, k, tq, tk, grad_out, dto, lse, mu, factors, dv, dtv, causal,
-                               scale, query_rows=query_rows)
+                    launch(*chapter12_arguments(name, args, switches), **{keyword: tile})
                     if ran is not None:
-                        ran.append((name, query_rows))
+                        ran.append((name, tile))
                 return run
         return Launch()
 
@@ -482,44 +493,47 @@ SECOND_ORDER_SPECS = [
     Spec(batch=2, hq=8, hkv=2, nq=1100, nk=900, d=64, causal=True),
     Spec(batch=1, hq=4, hkv=4, nq=700, nk=1300, d=128, causal=True, layout="bnhd"),
 ]
-GLUON_PASSES = [("dk", 16), ("dk", 32), ("dv", 32), ("dv", 64)]
+GLUON_PASSES = [("dq", 16), ("dq", 32), ("dk", 16), ("dk", 32), ("dv", 32), ("dv", 64)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("name", "query_rows"), GLUON_PASSES)
+@pytest.mark.parametrize(("name", "tile"), GLUON_PASSES)
 @pytest.mark.parametrize(("dtype", "mode"), PATHS, ids=lambda x: getattr(x, "__name__", x))
 @pytest.mark.parametrize("spec", SECOND_ORDER_SPECS, ids=lambda s: s.id)
-def test_second_order_key_side_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype,
-                                         mode: str, name: str, query_rows: int) -> None:
-    """Chapter 12's dK or dV pass in place of chapter 6's: every gradient of the backward
-    through both outputs within the math path's error."""
+def test_second_order_pass_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype, mode: str,
+                                     name: str, tile: int) -> None:
+    """Chapter 12's dQ, dK or dV pass in place of chapter 6's: every gradient of the
+    backward through both outputs within the math path's error."""
     if DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warpgroup products need an sm_90 GPU")
+    monkeypatch.setattr(hb, "SECOND_ORDER_PASSES", frozenset())  # chapter 6's elsewhere
     p = make_problem(spec, dtype, device="cuda")
     truth, floor = expected_second_order(p)
     ran = []
-    route_key_side_pass(monkeypatch, name, query_rows, ran)
+    route_tangent_pass(monkeypatch, name, tile, ran)
     with precision(mode):
         ours = kernel_second_order(p)
-    assert ran == [(name, query_rows)]
+    assert ran == [(name, tile)]
     assert_accurate(ours, truth, floor, dtype, p.label, f"Gluon {name} pass, {mode}",
                     cancellation=cancellation_scale(p, second_order=True))
 
 
-@pytest.mark.parametrize(("name", "d", "query_rows", "max_spills"), [
-    ("dk", 64, 32, 0), ("dk", 128, 16, 8), ("dk", 128, 32, 128), ("dv", 64, 64, 0),
-    ("dv", 128, 32, 0), ("dv", 128, 64, 8)])
-def test_second_order_key_side_compiles_for_hopper(name: str, d: int, query_rows: int,
-                                                   max_spills: int) -> None:
-    """The dK and dV passes compiled for sm_90 in every form: warpgroup products, shared
-    memory within a block's, and (Triton 3.6) spills: none at d = 64; at d = 128 a word or
-    two (dK on 16-query visits, dV on 64), 32 to 100 bytes for dK on 32-query visits."""
+@pytest.mark.parametrize(("name", "d", "tile", "max_spills"), [
+    ("dq", 64, 32, 0), ("dq", 128, 16, 0), ("dq", 128, 32, 64), ("dk", 64, 32, 0),
+    ("dk", 128, 16, 8), ("dk", 128, 32, 128), ("dv", 64, 64, 0), ("dv", 128, 32, 0),
+    ("dv", 128, 64, 32)])
+def test_second_order_passes_compile_for_hopper(name: str, d: int, tile: int,
+                                                max_spills: int) -> None:
+    """The three passes compiled for sm_90 in every form: warpgroup products, shared memory
+    within a block's, and (Triton 3.6) spills: none at d = 64; at d = 128 none for dQ on
+    16-key visits, a few words for dQ on 32 and dV on 64, 36 to 108 bytes for dK on
+    32-query visits."""
     for causal in (False, True):
         for carry in (False, True):
             report = compiled_for_hopper(
                 "warp_specialized_backward",
                 "__import__('warp_specialized_backward').compile_tangent_pass_for_hopper("
-                f"{name!r}, {d}, causal={causal}, carry={carry}, query_rows={query_rows})")
+                f"{name!r}, {d}, causal={causal}, carry={carry}, query_rows={tile})")
             assert report["spills"] <= max_spills, report
             assert report["shared"] <= 232448 and report["wgmma"] > 0, report
 
@@ -528,11 +542,11 @@ def _factor(factors, index: int, identity: float) -> float:
     return identity if factors is None else factors[index].item()
 
 
-def _key_side_tiles_in_torch(q, k, tq, tk, lse, mu, factors, is_causal: bool, scale: float):
-    """K, tK in the query heads' layout, and Pᵀ's and tSᵀ's arithmetic of the Gluon passes
-    (untransposed, fp32): P (times its carried shift), tS and mu in the carried units."""
+def _tiles_in_torch(q, k, v, tq, tk, tv, lse, mu, factors, is_causal: bool, scale: float):
+    """K, V, tK, tV in the query heads' layout (fp32), and P (times its carried shift), tS
+    and mu in the carried units, as the Gluon passes make them (untransposed)."""
     group = q.shape[1] // k.shape[1]
-    k, tk = (x.repeat_interleave(group, dim=1).float() for x in (k, tk))
+    k, v, tk, tv = (x.repeat_interleave(group, dim=1).float() for x in (k, v, tk, tv))
     s = q.float() @ k.transpose(-1, -2)
     if is_causal:
         s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), -math.inf)
@@ -540,31 +554,48 @@ def _key_side_tiles_in_torch(q, k, tq, tk, lse, mu, factors, is_causal: bool, sc
     p = torch.exp2(s * (scale * math.log2(math.e) * _factor(factors, 0, 1.0)) - lse2[..., None])
     ts = (tq.float() @ k.transpose(-1, -2) + q.float() @ tk.transpose(-1, -2)) * (
         scale * _factor(factors, 9, 1.0))
-    return k, p, ts, mu * _factor(factors, 10, 1.0)
+    return (k, v, tk, tv), p, ts, mu * _factor(factors, 10, 1.0)
+
+
+def _score_gradients_in_torch(p, ts, mu, v, tv, grad_out, dto, c, delta, factors, dtype):
+    """dS and dtS rounded to the products' 16-bit type, as `_score_gradients`."""
+    g = dto.float() @ v.transpose(-1, -2)
+    dp = grad_out.float() @ v.transpose(-1, -2) + dto.float() @ tv.transpose(-1, -2)
+    c, delta = c * _factor(factors, 11, 1.0), delta * _factor(factors, 1, 1.0)
+    g = g - c[..., None]  # G - c replaces G: dP = dP0 + (G - c)(tS - mu) - c mu
+    dp = dp + g * (ts - mu[..., None]) - (c * mu)[..., None]
+    ds = (p * (dp - delta[..., None]) * _factor(factors, 12, 1.0)).to(dtype).float()
+    dts = (p * g * _factor(factors, 13, 1.0)).to(dtype).float()
+    return ds, dts
 
 
 def _store_summed(out: torch.Tensor, grad: torch.Tensor, factor: float) -> None:
-    """Sum a query head's key gradient over its GQA group into `out`, times `factor`."""
+    """Sum a query head's gradient over its GQA group into `out` (query heads: itself),
+    times `factor`."""
     group = grad.shape[1] // out.shape[1]
     out.copy_((grad.unflatten(1, (-1, group)).sum(2) * factor).to(out.dtype))
 
 
-def dk_tangent_pass_in_torch(q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu, c, factors,
-                             dk, dtk, is_causal: bool, scale: float,
-                             query_rows: int = 0) -> None:
-    """The Gluon dK pass's arithmetic in PyTorch, step for step (fp32, 16-bit operands of the
+def dq_tangent_pass_in_torch(q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu, c, factors,
+                             dq, dtq, is_causal: bool, scale: float, **tiles) -> None:
+    """The Gluon dQ pass's arithmetic in PyTorch, step for step (fp32, 16-bit operands of the
     accumulating products, the same carried factors), on whole (B, H, Nq, Nk) tiles."""
-    k32, p, ts, mu = _key_side_tiles_in_torch(q, k, tq, tk, lse, mu, factors, is_causal, scale)
-    group = q.shape[1] // k.shape[1]
-    v, tv = (x.repeat_interleave(group, dim=1).float() for x in (v, tv))
-    do32, dto32 = grad_out.float(), dto.float()
-    g = dto32 @ v.transpose(-1, -2)
-    dp = do32 @ v.transpose(-1, -2) + dto32 @ tv.transpose(-1, -2)
-    c, delta = c * _factor(factors, 11, 1.0), delta * _factor(factors, 1, 1.0)
-    g = g - c[..., None]  # G - c replaces G: dP = dP0 + (G - c)(tS - mu) - c mu
-    dp = dp + g * (ts - mu[..., None]) - (c * mu)[..., None]
-    dts = (p * g * _factor(factors, 13, 1.0)).to(q.dtype).float()
-    ds = (p * (dp - delta[..., None]) * _factor(factors, 12, 1.0)).to(q.dtype).float()
+    (k, v, tk, tv), p, ts, mu = _tiles_in_torch(q, k, v, tq, tk, tv, lse, mu, factors,
+                                                is_causal, scale)
+    ds, dts = _score_gradients_in_torch(p, ts, mu, v, tv, grad_out, dto, c, delta, factors,
+                                        q.dtype)
+    _store_summed(dq, ds @ k + dts @ tk * _factor(factors, 15, 1.0),
+                  scale * _factor(factors, 2, 1.0))
+    _store_summed(dtq, dts @ k, scale * _factor(factors, 6, 1.0))
+
+
+def dk_tangent_pass_in_torch(q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu, c, factors,
+                             dk, dtk, is_causal: bool, scale: float, **tiles) -> None:
+    """The Gluon dK pass's arithmetic in PyTorch, as `dq_tangent_pass_in_torch`."""
+    (_, v, _, tv), p, ts, mu = _tiles_in_torch(q, k, v, tq, tk, tv, lse, mu, factors,
+                                               is_causal, scale)
+    ds, dts = _score_gradients_in_torch(p, ts, mu, v, tv, grad_out, dto, c, delta, factors,
+                                        q.dtype)
     grad_k = (ds.transpose(-1, -2) @ q.float()
               + dts.transpose(-1, -2) @ tq.float() * _factor(factors, 15, 1.0))
     _store_summed(dk, grad_k, scale * _factor(factors, 3, 1.0))
@@ -572,9 +603,9 @@ def dk_tangent_pass_in_torch(q, k, v, tq, tk, tv, grad_out, dto, lse, delta, mu,
 
 
 def dv_tangent_pass_in_torch(q, k, tq, tk, grad_out, dto, lse, mu, factors, dv, dtv,
-                             is_causal: bool, scale: float, query_rows: int = 0) -> None:
-    """The Gluon dV pass's arithmetic in PyTorch, as `dk_tangent_pass_in_torch`."""
-    _, p, ts, mu = _key_side_tiles_in_torch(q, k, tq, tk, lse, mu, factors, is_causal, scale)
+                             is_causal: bool, scale: float, **tiles) -> None:
+    """The Gluon dV pass's arithmetic in PyTorch, as `dq_tangent_pass_in_torch`."""
+    _, p, ts, mu = _tiles_in_torch(q, k, k, tq, tk, tk, lse, mu, factors, is_causal, scale)
     tp = (p * (ts - mu[..., None])).to(q.dtype).float()
     p = p.to(q.dtype).float()
     do32, dto32 = grad_out.float(), dto.float()
@@ -583,22 +614,23 @@ def dv_tangent_pass_in_torch(q, k, tq, tk, grad_out, dto, lse, mu, factors, dv, 
     _store_summed(dtv, p.transpose(-1, -2) @ dto32, _factor(factors, 8, 1.0))
 
 
-IN_TORCH = {"dk": dk_tangent_pass_in_torch, "dv": dv_tangent_pass_in_torch}
+IN_TORCH = {"dq": dq_tangent_pass_in_torch, "dk": dk_tangent_pass_in_torch,
+            "dv": dv_tangent_pass_in_torch}
 
 
-@pytest.mark.parametrize("name", ["dk", "dv"])
+@pytest.mark.parametrize("name", ["dq", "dk", "dv"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_name)
 @pytest.mark.parametrize("spec", [Spec(hq=4, hkv=2, nq=40, nk=56, d=16, causal=True),
                                   Spec(nq=48, nk=33, d=32)], ids=lambda s: s.id)
-def test_second_order_key_side_arithmetic(monkeypatch, spec: Spec, dtype: torch.dtype,
-                                          name: str) -> None:
+def test_second_order_pass_arithmetic(monkeypatch, spec: Spec, dtype: torch.dtype,
+                                      name: str) -> None:
     """The Gluon passes' arithmetic and arguments, in PyTorch on the CPU (the kernels need
     Hopper): routed where chapter 6's pass runs, the library's inputs (Delta_2, mu, c, the
     scale) make every gradient within the math path's error. The carried factors: below."""
     p = make_problem(spec, dtype)
     truth, floor = expected_second_order(p)
     ran = []
-    route_key_side_pass(monkeypatch, name, 0, ran, IN_TORCH[name])
+    route_tangent_pass(monkeypatch, name, 0, ran, IN_TORCH[name])
     with precision("fast"):
         ours = kernel_second_order(p)
     assert ran == [(name, 0)]
@@ -607,15 +639,16 @@ def test_second_order_key_side_arithmetic(monkeypatch, spec: Spec, dtype: torch.
 
 
 # Powers of two for the sixteen carried factors, distinct where two quantities could be read
-# in each other's place (scores and tS, mu and c, dS and dtS, dK, dtK, dV and dtV), so that an
-# index read in the wrong place changes the result (entry 5 is P's exponent shift; 14 and 15,
-# the steps of dK's accumulator, are inverses, as the carry makes them).
-TEST_FACTOR_EXPONENTS = [1, -1, 0, 2, -2, 1, 0, -1, 1, 2, -1, 1, -2, 1, 1, -1]
+# in each other's place (scores and tS, mu and c, dS and dtS, dQ, dtQ, dK, dtK, dV and dtV),
+# so that an index read in the wrong place changes the result (entry 5 is P's exponent
+# shift; 14 and 15, the steps of dQ's and dK's accumulators, are inverses, as the carry
+# makes them).
+TEST_FACTOR_EXPONENTS = [1, -1, 1, 2, -2, 1, -2, -1, 1, 2, -1, 1, -2, 1, 1, -1]
 
 
-@pytest.mark.parametrize("name", ["dk", "dv"])
-def test_second_order_key_side_reads_the_carried_factors(monkeypatch, name: str) -> None:
-    """The PyTorch forms of the passes read each carried factor as chapter 6's passes do:
+@pytest.mark.parametrize("name", ["dq", "dk", "dv"])
+def test_second_order_passes_read_the_carried_factors(monkeypatch, name: str) -> None:
+    """The PyTorch forms of the passes read each carried factor as chapter 6's kernels do:
     both given the same operands and made-up factors (the carry is bf16's, which the CPU's
     interpreter cannot run), their gradients agree to fp16's rounding."""
     p = make_problem(Spec(hq=4, hkv=2, nq=40, nk=56, d=16, causal=True), torch.float16)
@@ -624,27 +657,21 @@ def test_second_order_key_side_reads_the_carried_factors(monkeypatch, name: str)
 
     def routed(kernel, q):
         launch = launchable(kernel, q)
-        if kernel is not getattr(backward_module, KEY_SIDE[name]):
+        if kernel is not getattr(backward_module, CHAPTER6_PASSES[name]):
             return launch
 
         class Both:
             def __getitem__(self, grid):
                 def run(*args, **switches):
                     args = list(args)
-                    args[13] = factors = torch.tensor(
+                    args[15 if name == "dq" else 13] = torch.tensor(
                         [2.0 ** e for e in TEST_FACTOR_EXPONENTS] + [1.0] * 8)
-                    launch[grid](*args, **{**switches, "CARRY": True})
-                    chapter6 = [args[14], args[16]] if name == "dk" else [args[15], args[17]]
-                    ours = [torch.empty_like(x) for x in chapter6]
-                    q, k, v, tq, tk, tv, _, grad_out, dto, lse, delta, mu, c = args[:13]
-                    if name == "dk":
-                        dk_tangent_pass_in_torch(q, k, v, tq, tk, tv, grad_out, dto, lse,
-                                                 delta, mu, c, factors, *ours,
-                                                 switches["IS_CAUSAL"], args[-3], 0)
-                    else:
-                        dv_tangent_pass_in_torch(q, k, tq, tk, grad_out, dto, lse, mu,
-                                                 factors, *ours, switches["IS_CAUSAL"],
-                                                 args[-3], 0)
+                    switches = {**switches, "CARRY": True}
+                    launch[grid](*args, **switches)
+                    arguments = list(chapter12_arguments(name, args, switches))
+                    chapter6 = arguments[-4:-2]
+                    arguments[-4:-2] = ours = [torch.empty_like(x) for x in chapter6]
+                    IN_TORCH[name](*arguments)
                     compared.append((ours, chapter6))
                 return run
         return Both()
@@ -658,29 +685,26 @@ def test_second_order_key_side_reads_the_carried_factors(monkeypatch, name: str)
         assert scale > 0 and (ours - chapter6).abs().max().item() <= 1e-2 * scale
 
 
-def test_key_side_launch_plumbing(monkeypatch) -> None:
-    """What the dK and dV passes' launchers hand their kernel (on CPU, the kernel replaced
-    by a recorder): a grid of 128 keys by B·Hkv, descriptors over each tensor's own strides,
-    the row statistics, the factors, the GQA group, the scale in log2 units and natural."""
-    launches = []
-    for _ in range(2):
-        launches.append(recorded_launches(monkeypatch, "warp_specialized_tangent_pass_kernel",
-                                          hb))
-        q, grad_out = heads(n=300, heads=8, layout="bnhd"), heads(n=300, heads=8)
-        k, v = heads(n=4100, heads=2), heads(n=4100, heads=2)
-        stats = [torch.empty(4, 8, 300) for _ in range(4)]
-        dk, dtk, factors = torch.empty_like(k), torch.empty_like(k), torch.ones(16)
-        if len(launches) == 1:
-            hb.launch_warp_specialized_dk_tangent(q, k, v, q, k, v, grad_out, grad_out,
-                                                  *stats, factors, dk, dtk, True, 0.5,
-                                                  query_rows=16)
-            key_side, rows, statistics, keys = [k, k, v, v], 16, stats, True
-        else:
-            hb.launch_warp_specialized_dv_tangent(q, k, q, k, grad_out, grad_out, stats[0],
-                                                  stats[2], None, dk, dtk, False, 0.5)
-            key_side, rows, keys = [k, k, k, k], hb.DV_TANGENT_QUERY_ROWS, False
-            statistics = [stats[0], stats[0], stats[2], stats[2]]  # Delta_2, c unread
-        launch = launches[-1]
+def test_second_order_launch_plumbing(monkeypatch) -> None:
+    """What the three passes' launchers hand their kernels (on CPU, the kernels replaced by
+    recorders): grids of 128 keys by B·Hkv (dK, dV) or 128 queries by B·Hq (dQ),
+    descriptors over each tensor's own strides in the design's tiles, the row statistics,
+    the factors, the heads, the scale in log2 units and natural."""
+    q, grad_out = heads(n=300, heads=8, layout="bnhd"), heads(n=300, heads=8)
+    k, v = heads(n=4100, heads=2), heads(n=4100, heads=2)
+    stats = [torch.empty(4, 8, 300) for _ in range(4)]
+    dk, dtk, factors = torch.empty_like(k), torch.empty_like(k), torch.ones(16)
+    dq, dtq = torch.empty_like(grad_out), torch.empty_like(grad_out)
+    recorded = recorded_launches(monkeypatch, "warp_specialized_tangent_pass_kernel", hb)
+    hb.launch_warp_specialized_dk_tangent(q, k, v, q, k, v, grad_out, grad_out, *stats,
+                                          factors, dk, dtk, True, 0.5, query_rows=16)
+    dk_launch = dict(recorded)
+    hb.launch_warp_specialized_dv_tangent(q, k, q, k, grad_out, grad_out, stats[0], stats[2],
+                                          None, dk, dtk, False, 0.5)
+    for launch, key_side, rows, statistics, keys in (
+            (dk_launch, [k, k, v, v], 16, stats, True),
+            (recorded, [k, k, k, k], hb.DV_TANGENT_QUERY_ROWS,
+             [stats[0], stats[0], stats[2], stats[2]], False)):  # Delta_2, c unread
         assert launch["grid"] == (33, 8)
         descriptors, rest = launch["args"][:10], launch["args"][10:]
         assert [d.base for d in descriptors] == [*key_side, q, q, grad_out, grad_out, dk, dtk]
@@ -693,14 +717,26 @@ def test_key_side_launch_plumbing(monkeypatch) -> None:
         assert launch["kwargs"] == dict(STAGES=hb.TANGENT_PASS_STAGES, CAUSAL=keys,
                                         CARRY=keys, KEYS=keys, num_warps=4,
                                         maxnreg=ws.LAUNCH_REGS)
+    dq_launch = recorded_launches(monkeypatch, "warp_specialized_dq_tangent_kernel", hb)
+    hb.launch_warp_specialized_dq_tangent(q, k, v, q, k, v, grad_out, grad_out, *stats,
+                                          factors, dq, dtq, True, 0.5)
+    assert dq_launch["grid"] == (3, 32)
+    descriptors, rest = dq_launch["args"][:10], dq_launch["args"][10:]
+    assert [d.base for d in descriptors] == [q, q, grad_out, grad_out, k, k, v, v, dq, dtq]
+    assert [d.block_shape[2] for d in descriptors] == (
+        [64] * 4 + [hb.DQ_TANGENT_KEY_BLOCK] * 4 + [64] * 2)
+    assert list(rest[:5]) == [*stats, factors] and rest[5:9] == (8, 300, 4100, 4)
+    assert math.isclose(rest[9], 0.5 * math.log2(math.e)) and rest[10] == 0.5
+    assert dq_launch["kwargs"] == dict(STAGES=hb.TANGENT_PASS_STAGES, CAUSAL=True, CARRY=True,
+                                       num_warps=4, maxnreg=ws.LAUNCH_REGS)
 
 
-def test_backward_through_the_tangent_hands_over_its_key_side(monkeypatch) -> None:
+def test_backward_through_the_tangent_hands_over_its_passes(monkeypatch) -> None:
     """Chapter 5's launcher asks chapter 12 for unmasked calls through the tangent and hands
-    over the dV pass, then the dK pass (here to their PyTorch forms, the kernels needing
-    Hopper), with the gradients within the math path's error; a mask keeps chapter 6's
-    passes; a Triton that cannot compile them warns and runs chapter 6's, with the same
-    gradients as without the hand-over."""
+    over the dQ pass, then the dV and dK passes (here to their PyTorch forms, the kernels
+    needing Hopper), with the gradients within the math path's error; a mask keeps chapter
+    6's kernels; so do passes left out of SECOND_ORDER_PASSES; a Triton that cannot compile
+    them warns and runs chapter 6's, with the same gradients as without the hand-over."""
     import triton
 
     asked, ran = [], []
@@ -715,7 +751,7 @@ def test_backward_through_the_tangent_hands_over_its_key_side(monkeypatch) -> No
             IN_TORCH[name](*args)
         return launch
 
-    monkeypatch.setattr(backward_module, "warp_specialized_key_side", fits)
+    monkeypatch.setattr(backward_module, "warp_specialized_tangent_passes", fits)
     for name in IN_TORCH:
         monkeypatch.setattr(hb, f"launch_warp_specialized_{name}_tangent", recorded(name))
     p = make_problem(Spec(hq=4, hkv=2, nq=40, nk=56, d=16, causal=True), torch.float16,
@@ -723,25 +759,31 @@ def test_backward_through_the_tangent_hands_over_its_key_side(monkeypatch) -> No
     truth, floor = expected_second_order(p)
     with precision("fast"):
         ours = kernel_second_order(p)
-    assert asked == [False] and ran == ["dv", "dk"]
+    assert asked == [False] and ran == ["dq", "dv", "dk"]
     assert_accurate(ours, truth, floor, torch.float16, p.label, "handed over",
                     cancellation=cancellation_scale(p, second_order=True))
     masked = make_problem(Spec(hq=4, hkv=2, nq=40, nk=56, d=16, mask="additive"),
                           torch.float16, device=DEVICE)
     with precision("fast"):
         kernel_second_order(masked)
-    assert asked == [False] and ran == ["dv", "dk"]
+    assert asked == [False] and ran == ["dq", "dv", "dk"]
+    monkeypatch.setattr(hb, "SECOND_ORDER_PASSES", frozenset({"dk"}))
+    with precision("fast"):
+        kernel_second_order(p)
+    assert ran == ["dq", "dv", "dk", "dk"]
 
     def broken(*args, **kwargs):
         raise triton.CompilationError(None, None, "an API this Triton no longer has")
 
+    monkeypatch.setattr(hb, "SECOND_ORDER_PASSES", frozenset({"dq", "dk", "dv"}))
     monkeypatch.setattr(hb, "_failed", False)
     for name in IN_TORCH:
         monkeypatch.setattr(hb, f"launch_warp_specialized_{name}_tangent", broken)
     with precision("fast"), pytest.warns(RuntimeWarning, match="does not compile"):
         fallen_back = kernel_second_order(p)
     assert hb._failed
-    monkeypatch.setattr(backward_module, "warp_specialized_key_side", lambda *args: False)
+    monkeypatch.setattr(backward_module, "warp_specialized_tangent_passes",
+                        lambda *args: False)
     with precision("fast"):
         chapter6 = kernel_second_order(p)
     assert all(torch.equal(fallen_back[name], chapter6[name]) for name in chapter6)
@@ -754,7 +796,7 @@ def test_backward_through_the_tangent_hands_over_its_key_side(monkeypatch) -> No
 def test_second_order_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype,
                                 mode: str) -> None:
     """The library's backward through the tangent on Hopper, unrouted: it takes this
-    chapter's dV and dK passes, and every gradient is within the math path's error."""
+    chapter's dQ, dV and dK passes, and every gradient is within the math path's error."""
     if DEVICE != "cuda" or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warpgroup products need an sm_90 GPU")
     ran = []
@@ -767,6 +809,6 @@ def test_second_order_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype,
     truth, floor = expected_second_order(p)
     with precision(mode):
         ours = kernel_second_order(p)
-    assert ran == ["dv", "dk"]
+    assert ran == ["dq", "dv", "dk"]
     assert_accurate(ours, truth, floor, dtype, p.label, f"second order on Hopper, {mode}",
                     cancellation=cancellation_scale(p, second_order=True))
