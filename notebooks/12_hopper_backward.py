@@ -1115,16 +1115,18 @@ else:
 # one. The second-order backward still runs chapter 6's kernels.
 
 # %% [markdown]
-# ## The second order's key side
+# ## The backward through the tangent
 #
-# The backward through both outputs (chapter 6) spends most of its time on the key side:
-# at (4, 16, 4096, 128), bf16 "accurate", its two passes took 14.7 ms of the backward's
-# 21.5 on an H100, about 260 TFLOP/s for their fourteen products a tile, where the $dQ$
-# kernel's nine ran at 415. The $dK$ pass, eight products a tile, holds two fp32
-# accumulators, $dK$ and $dt_K$; at $d = 128$ its only spill-free Triton tiles take 16 or
-# 32 queries and multiply on Ampere's `mma.sync` (chapter 6). In this chapter's form a
-# compute group owns 64 keys, and with the scores transposed (keys as rows) every product
-# takes 64 rows, `wgmma`'s shape, whatever the query tile:
+# The backward through both outputs (chapter 6) runs three passes of Triton kernels: $dQ$
+# and $dt_Q$, then on the key side $dV$ and $dt_V$, then $dK$ and $dt_K$. At (4, 16, 4096,
+# 128), bf16 "accurate", they took 21.5 ms on an H100: 14.7 for the two key-side passes,
+# about 260 TFLOP/s for their fourteen products a tile, and 6.0 for the $dQ$ kernel's nine,
+# 415. Each pass holds two fp32 accumulators the size of its block; at $d = 128$ the $dK$
+# pass's only spill-free Triton tiles take 16 or 32 queries and multiply on Ampere's
+# `mma.sync` (chapter 6). This section writes the three passes in this chapter's form: a
+# loader warp and two compute groups of 64 rows in ping-pong. On the key side the scores
+# are transposed (keys as rows), so that every product takes 64 rows, `wgmma`'s shape,
+# whatever the query tile. Per visit the $dK$ pass makes
 #
 # $$S^\top = K Q^\top,\quad t_S^\top = t_K Q^\top + K t_Q^\top,\quad
 # dP_0^\top = V dO^\top + t_V dt_O^\top,\quad G^\top = V dt_O^\top,$$
@@ -1135,30 +1137,28 @@ else:
 #
 # $$dK \mathrel{+}= dS^\top Q + dt_S^\top t_Q,\qquad dt_K \mathrel{+}= dt_S^\top Q.$$
 #
-# **The budget.** $dK$ and $dt_K$, 64 × 128 fp32 each, take 128 of a compute thread's 240
-# registers; the four score-sized tiles of a 32-query visit ($S^\top$, $t_S^\top$,
-# $dP^\top$, $G^\top$, 64 × 32 fp32) take 64 more, and the two operands in 16 bits 16.
-# A 64-query visit would need 128 for the four tiles: over the budget. So a visit takes
-# 32 queries, and shared memory holds the program's $K$, $t_K$, $V$, $t_V$ (128 keys,
-# 128 KB at $d = 128$) and a two-slot ring of $Q$, $t_Q$, $dO$, $dt_O$ (64 KB). Compiled
-# for sm_90 (Triton 3.6) that still spills at $d = 128$: 32 to 100 bytes a thread,
-# depending on the mask and the carry, after writing $dP$'s tangent terms as
-# $(G - c) \circ (t_S - \mu) - c\mu$, so that $G - c$, which $dt_S$ needs too, replaces
-# $G$ and $c\mu$ is a per-query term (84 to 120 bytes before). 16-query visits spill at
-# most a word; $d = 64$ nothing. Which pays, a spill or twice the visits on narrower
-# products, is for the GPU to say.
-# "Accurate" carries as chapter 5's pass does: $dK$'s two products are in different units,
-# and the accumulator steps into the second's units and back (powers of two, exact in
-# fp32) around it.
-#
-# The $dV$ pass is the lighter one: $S^\top$ and $t_S^\top$ (three products), then
+# The $dQ$ pass is the same with the roles swapped: a group owns 64 queries, streams key
+# tiles, makes $S$, $t_S$, $dP_0$, $G$ untransposed and adds $dQ \mathrel{+}= dS\,K +
+# dt_S\,t_K$, $dt_Q \mathrel{+}= dt_S\,K$; its row statistics are loaded once. The $dV$
+# pass is the lighter one: $S^\top$ and $t_S^\top$ (three products), then
 #
 # $$dV \mathrel{+}= P^\top dO + t_P^\top dt_O,\qquad dt_V \mathrel{+}= P^\top dt_O,
-# \qquad t_P^\top = P^\top \circ (t_S^\top - \mu),$$
+# \qquad t_P^\top = P^\top \circ (t_S^\top - \mu).$$
 #
-# two score-sized tiles a visit, so it can take 64 queries a visit at $d = 128$; its key
-# side needs $K$ and $t_K$ only. Both passes share the loader, the scores and the row
-# statistics below.
+# **The budget.** Two accumulators of 64 × 128 fp32 take 128 of a compute thread's 240
+# registers; the four score-sized tiles of a 32-row visit of the $dK$ or $dQ$ pass (64 × 32
+# fp32) take 64 more, and the two operands in 16 bits 16. A 64-row visit would need 128
+# for the four tiles: over the budget. So those visits take 32 queries (keys), and shared
+# memory holds the program's own four tiles (128 rows, 128 KB at $d = 128$) and a two-slot
+# ring of the streamed four (64 KB). The $dV$ pass has two score tiles and takes 64. Compiled
+# for sm_90 (Triton 3.6) the 32-row visits still spill at $d = 128$: the $dK$ pass 36 to 108
+# bytes a thread, depending on the mask and the carry, $dQ$ 4 to 36, after writing $dP$'s
+# tangent terms as $(G - c) \circ (t_S - \mu) - c\mu$, so that $G - c$, which $dt_S$ needs
+# too, replaces $G$ and $c\mu$ is a per-query term (the $dK$ pass spilled 84 to 120 bytes
+# before). 16-row visits spill at most a word; $d = 64$ nothing. Which pays, a spill or twice
+# the visits on narrower products, is for the GPU to say. "Accurate" carries as chapter 6's
+# kernels do: $dQ$'s and $dK$'s two products are in different units, and the accumulator
+# steps into the second's units and back (powers of two, exact in fp32) around it.
 
 # %% tags=["export"]
 DK_TANGENT_QUERY_ROWS = 32  # queries a visit: four 64 x 32 fp32 score tiles fit the budget
