@@ -1090,7 +1090,9 @@ def _attention_backward_dq_kernel(
 # against 21.39 in two in "accurate" precision (183 against 193 TFLOP/s), 18.62 against
 # 16.21 ms in "fast" (221 against 254); at (4, 32, 4096, 64) 23.75 ms "accurate" and 16.76 "fast", where the one
 # pass took 26.68 and 22.22 in an earlier run (`benchmarks/results/second_order_h200.json`).
-# `SPLIT_KEY_SIDE = False` brings back the one pass.
+# `SPLIT_KEY_SIDE = False` brings back the one pass. On an sm_90 GPU, unmasked calls through
+# the tangent that chapter 12's first-order kernels would take hand its three passes to
+# that chapter's warp-specialised forms (`SECOND_ORDER_PASSES` there says which).
 
 # %% tags=["export"]
 from jvp_attention.hopper_backward import (  # noqa: E402  (chapter 12)
