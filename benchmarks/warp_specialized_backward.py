@@ -115,8 +115,8 @@ def compile_tangent_pass_for_hopper(kernel: str = "dk", d: int = 128, causal: bo
                    "qk_scale": "fp32", "scale": "fp32"}
         report = compiled_report(hb.warp_specialized_dq_tangent_kernel,
                                  {arg: ws._descriptor(t, r) for arg, (t, r) in rows.items()},
-                                 scalars, {"STAGES": stages, "CAUSAL": causal, "CARRY": carry},
-                                 4)
+                                 scalars, {"STAGES": stages, "CAUSAL": causal, "CARRY": carry,
+                                           "HEAD_GROUP": 8 if causal else 1}, 4)
         return {"kernel": "dq_tangent", "d": d, "key_block": block, "stages": stages,
                 "causal": causal, "carry": carry, **report}
     query_rows = query_rows or (hb.DK_TANGENT_QUERY_ROWS if keys else hb.DV_TANGENT_QUERY_ROWS)

@@ -1531,14 +1531,15 @@ def warp_specialized_dq_tangent_kernel(
         q_desc, tq_desc, do_desc, dto_desc, k_desc, tk_desc, v_desc, tv_desc, dq_desc,
         dtq_desc, lse_ptr, delta_ptr, mu_ptr, c_ptr, factors_ptr, n_heads, n_q, n_k,
         group_size, qk_scale, scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        CARRY: gl.constexpr, num_warps: gl.constexpr):
+        CARRY: gl.constexpr, HEAD_GROUP: gl.constexpr, num_warps: gl.constexpr):
     """Grid (cdiv(Nq, 128), B·Hq): dQ and dtQ of 128 queries of one head per program (the
     backward through the tangent, chapter 6), 64 per compute group, over streamed key
-    tiles; causal programs longest first (chapter 11's `_program_tile`)."""
+    tiles; causal programs in chapter 11's order (`_program_tile`: groups of HEAD_GROUP
+    heads, the longest tiles first), as the forward's, whose keys these are."""
     GROUP_M: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     q_start, _, batch, head, n_blocks = _program_tile(n_heads, n_k, 2 * GROUP_M, BLOCK_N,
-                                                      CAUSAL, 1)
+                                                      CAUSAL, HEAD_GROUP)
     q_tiles, tq_tiles = _blocks(q_desc, 2), _blocks(tq_desc, 2)
     do_tiles, dto_tiles = _blocks(do_desc, 2), _blocks(dto_desc, 2)
     k_ring, tk_ring = _blocks(k_desc, STAGES), _blocks(tk_desc, STAGES)
@@ -1582,7 +1583,9 @@ def launch_warp_specialized_dq_tangent(q, k, v, tq, tk, tv, grad_out, grad_tange
     cached(warp_specialized_dq_tangent_kernel)[grid](
         *descriptors, lse, delta, mu, c, lse if factors is None else factors, n_heads, n_q,
         k.shape[2], n_heads // k.shape[1], scale * math.log2(math.e), scale, STAGES=stages,
-        CAUSAL=is_causal, CARRY=factors is not None, num_warps=4, maxnreg=LAUNCH_REGS)
+        CAUSAL=is_causal, CARRY=factors is not None,
+        HEAD_GROUP=head_group(is_causal, k, v, tk, tv, queries_per_head=n_heads // k.shape[1]),
+        num_warps=4, maxnreg=LAUNCH_REGS)
 
 
 def _tangent_pass_launch(keys: bool, key_side, query_side, outputs, statistics, factors,

@@ -728,6 +728,7 @@ def test_second_order_launch_plumbing(monkeypatch) -> None:
     assert list(rest[:5]) == [*stats, factors] and rest[5:9] == (8, 300, 4100, 4)
     assert math.isclose(rest[9], 0.5 * math.log2(math.e)) and rest[10] == 0.5
     assert dq_launch["kwargs"] == dict(STAGES=hb.TANGENT_PASS_STAGES, CAUSAL=True, CARRY=True,
+                                       HEAD_GROUP=hb.head_group(True, k, v, k, v, queries_per_head=4),
                                        num_warps=4, maxnreg=ws.LAUNCH_REGS)
 
 
