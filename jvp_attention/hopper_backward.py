@@ -899,7 +899,7 @@ def _tangent_compute_partition(k_2d, tk_2d, v_2d, tv_2d, q_2d, tq_2d, do_2d, dto
         acc = acc * _carried(factors_ptr, 4, CARRY, 1.0)
         t_acc = t_acc * _carried(factors_ptr, 8, CARRY, 1.0)
     _store_group_gradients(out_desc, t_out_desc, k_tiles, tk_tiles, acc, t_acc, batch, kv_head,
-                         first_key, GROUP)
+                           first_key, GROUP)
 
 
 @gluon.jit
@@ -1030,9 +1030,9 @@ def _dq_tangent_compute_partition(q_2d, tq_2d, do_2d, dto_2d, q_tiles, tq_tiles,
 
     # The group's Q and tQ tiles, read by no product any more, carry the gradients out.
     _store_group_gradients(dq_desc, dtq_desc, q_tiles, tq_tiles,
-                         acc * (scale * _carried(factors_ptr, 2, CARRY, 1.0)),
-                         t_acc * (scale * _carried(factors_ptr, 6, CARRY, 1.0)), batch, head,
-                         first_row, GROUP)
+                           acc * (scale * _carried(factors_ptr, 2, CARRY, 1.0)),
+                           t_acc * (scale * _carried(factors_ptr, 6, CARRY, 1.0)), batch, head,
+                           first_row, GROUP)
 
 
 @gluon.jit
