@@ -6,6 +6,8 @@ chapter 12 and chapter 8).
     python benchmarks/warp_specialized_backward.py --out benchmarks/results/warp_specialized_backward_h200.json
     python benchmarks/warp_specialized_backward.py --resources \
         --out benchmarks/results/warp_specialized_backward_resources_sm90.json
+    python benchmarks/warp_specialized_backward.py --tangent-resources \
+        --out benchmarks/results/warp_specialized_second_order_resources_sm90.json
 
 Calls: `ours_accurate` and `ours_fast` are the library's first-order backward,
 `flash_attention_backward` as autograd calls it (chapter 5's launcher, which hands its dQ
@@ -14,7 +16,9 @@ and dK/dV to chapter 12's kernels where they take the call); `triton_accurate` a
 `sdpa_cudnn` SDPA's cuDNN backward through autograd. Each library row also records its GPU
 kernels' times from the profiler. `ws_<tile>` rows launch one of chapter 12's kernels alone
 with another tile ("fast"); `ws_fused_*` the dK/dV kernel that sums dQ too, with the
-zeroing of its sum and the pass that scales it. FLOPs: the backward's five products,
+zeroing of its sum and the pass that scales it. `--tangent-resources` compiles the three
+passes of the backward through the tangent (dQ, dK, dV) at each tile for sm_90 instead.
+FLOPs: the backward's five products,
 10·B·H·N²·d (half when causal); a dK/dV kernel alone is credited four of them, a dQ kernel
 three (it recomputes S and dP), a fused one all five. Gradients are checked against float64
 (each error over PyTorch math's in the same dtype) up to --check-n.
@@ -147,6 +151,32 @@ def resources() -> list[dict]:
     for case in cases:
         rows.append(compile_for_hopper(*case))
         print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+TANGENT_TILES = {"dq": (16, 32, 64), "dk": (16, 32, 64), "dv": (32, 64, 128)}
+
+
+def tangent_resources() -> list[dict]:
+    """Each pass of the backward through the tangent compiled for sm_90 at d = 64 and 128,
+    at each of its tiles (`TANGENT_TILES`: keys a visit for dQ, queries for dK and dV),
+    causal or not, plain or carried; a tile that does not compile is recorded with the
+    error."""
+    rows = []
+    for name, tiles in TANGENT_TILES.items():
+        for d in (64, 128):
+            for tile in tiles:
+                for causal in (False, True):
+                    for carry in (False, True):
+                        try:
+                            row = compile_tangent_pass_for_hopper(name, d, causal, carry,
+                                                                  tile)
+                        except Exception as error:  # noqa: BLE001 - recorded, not hidden
+                            row = {"kernel": f"{name}_tangent", "d": d, "tile": tile,
+                                   "causal": causal, "carry": carry,
+                                   "error": f"{type(error).__name__}: {str(error)[:200]}"}
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -283,8 +313,12 @@ def main() -> None:
                                                          "4,32,4096,64"])
     parser.add_argument("--tiles", nargs="*", choices=[*DKDV_TILES, *DQ_TILES, *FUSED_TILES],
                         help="time only these tiles alone (ws_* rows; the flag alone: none)")
+    parser.add_argument("--tangent-resources", action="store_true",
+                        help="compile the backward through the tangent's passes instead")
     args = parser.parse_args()
-    if args.resources:
+    if args.tangent_resources:
+        rows = tangent_resources()
+    elif args.resources:
         rows = resources()
     else:
         rows = measure([tuple(int(x) for x in s.split(",")) for s in args.shapes], args.check_n,
