@@ -110,7 +110,7 @@ def compile_tangent_pass_for_hopper(kernel: str = "dk", d: int = 128, causal: bo
     grads = torch.empty(1, 1, 1024, d, dtype=torch.bfloat16)
     operands = grads.half() if carry else grads
     if kernel == "dq":  # query_rows: here the keys a visit
-        block = query_rows or hb.DQ_TANGENT_KEY_BLOCK
+        block = query_rows or hb.dq_tangent_key_block(d)
         rows = {**{f"{name}_desc": (operands, ws.GROUP_ROWS) for name in ("q", "tq", "do", "dto")},
                 **{f"{name}_desc": (operands, block) for name in ("k", "tk", "v", "tv")},
                 **{f"{name}_desc": (grads, ws.GROUP_ROWS) for name in ("dq", "dtq")}}

@@ -672,8 +672,13 @@ def launched(launch, *args, summing: bool = False) -> bool:
 
 DK_TANGENT_QUERY_ROWS = 32  # queries a visit: four 64 x 32 fp32 score tiles fit the budget
 DV_TANGENT_QUERY_ROWS = 64  # two score tiles a visit
-DQ_TANGENT_KEY_BLOCK = 32  # keys a visit of the dQ pass: its four score tiles, as dK's
 TANGENT_PASS_STAGES = 2
+
+
+def dq_tangent_key_block(head_dim: int) -> int:
+    """Keys a visit of the dQ pass: 64 at d = 64, where its four score tiles fit without
+    spills; 32 at d = 128, where a 64-key ring is over the shared memory."""
+    return 64 if head_dim <= 64 else 32
 
 
 @gluon.jit
@@ -1080,11 +1085,13 @@ def warp_specialized_dq_tangent_kernel(
 def launch_warp_specialized_dq_tangent(q, k, v, tq, tk, tv, grad_out, grad_tangent_out, lse,
                                        delta, mu, c, factors, dq, dtq, is_causal: bool,
                                        scale: float, *,
-                                       key_block: int = DQ_TANGENT_KEY_BLOCK,
+                                       key_block: int | None = None,
                                        stages: int = TANGENT_PASS_STAGES) -> None:
     """Write dq and dtq (in the gradients' dtype) of the backward through the tangent;
-    arguments as `launch_warp_specialized_dk_tangent`, `key_block` keys a visit."""
+    arguments as `launch_warp_specialized_dk_tangent`, `key_block` keys a visit (default
+    `dq_tangent_key_block`)."""
     batch, n_heads, n_q, _ = q.shape
+    key_block = key_block or dq_tangent_key_block(q.shape[-1])
     descriptors = ([_descriptor(t, GROUP_ROWS) for t in (q, tq, grad_out, grad_tangent_out)]
                    + [_descriptor(t, key_block) for t in (k, tk, v, tv)]
                    + [_descriptor(t, GROUP_ROWS) for t in (dq, dtq)])

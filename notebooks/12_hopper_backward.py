@@ -1163,8 +1163,13 @@ else:
 # %% tags=["export"]
 DK_TANGENT_QUERY_ROWS = 32  # queries a visit: four 64 x 32 fp32 score tiles fit the budget
 DV_TANGENT_QUERY_ROWS = 64  # two score tiles a visit
-DQ_TANGENT_KEY_BLOCK = 32  # keys a visit of the dQ pass: its four score tiles, as dK's
 TANGENT_PASS_STAGES = 2
+
+
+def dq_tangent_key_block(head_dim: int) -> int:
+    """Keys a visit of the dQ pass: 64 at d = 64, where its four score tiles fit without
+    spills; 32 at d = 128, where a 64-key ring is over the shared memory."""
+    return 64 if head_dim <= 64 else 32
 
 
 @gluon.jit
@@ -1571,11 +1576,13 @@ def warp_specialized_dq_tangent_kernel(
 def launch_warp_specialized_dq_tangent(q, k, v, tq, tk, tv, grad_out, grad_tangent_out, lse,
                                        delta, mu, c, factors, dq, dtq, is_causal: bool,
                                        scale: float, *,
-                                       key_block: int = DQ_TANGENT_KEY_BLOCK,
+                                       key_block: int | None = None,
                                        stages: int = TANGENT_PASS_STAGES) -> None:
     """Write dq and dtq (in the gradients' dtype) of the backward through the tangent;
-    arguments as `launch_warp_specialized_dk_tangent`, `key_block` keys a visit."""
+    arguments as `launch_warp_specialized_dk_tangent`, `key_block` keys a visit (default
+    `dq_tangent_key_block`)."""
     batch, n_heads, n_q, _ = q.shape
+    key_block = key_block or dq_tangent_key_block(q.shape[-1])
     descriptors = ([_descriptor(t, GROUP_ROWS) for t in (q, tq, grad_out, grad_tangent_out)]
                    + [_descriptor(t, key_block) for t in (k, tk, v, tv)]
                    + [_descriptor(t, GROUP_ROWS) for t in (dq, dtq)])
@@ -1677,3 +1684,154 @@ def launched_tangent_pass(name: str, q, k, v, tq, tk, tv, grad_out, grad_tangent
               else launch_warp_specialized_dk_tangent)
     return launched(launch, q, k, v, tq, tk, tv, grad_out, grad_tangent_out, lse, delta, mu,
                     c, factors, *outputs, is_causal, scale)
+
+# %% [markdown]
+# ### Same numbers, second order
+#
+# Through the library's call as a user makes it (`torch.func.jvp` of `attention`, then
+# `torch.autograd.grad` of both outputs), each of the six gradients against chapter 1's
+# float64 reference, over PyTorch's math path's error in the same dtype: GQA, the $(B, N,
+# H, D)$ layout, causal rows, lengths that are not multiples of the tiles.
+
+# %%
+from jvp_attention.accuracy import float64_truth, math_path  # noqa: E402
+
+SECOND_ORDER_CASES = [  # (B, Hq, Hkv, N, d, causal, layout), each long enough for the passes
+    (1, 16, 4, 4096, 128, True, "bnhd"), (2, 16, 16, 4100, 64, False, "bhnd"),
+    (1, 16, 8, 4500, 128, False, "bhnd"), (2, 16, 2, 4160, 64, True, "bnhd"),
+]
+GRADIENTS = ("dq", "dk", "dv", "dtq", "dtk", "dtv")
+
+
+def second_order_gradients(q, k, v, tangents, grad_out, grad_tangent_out, is_causal):
+    """The six gradients of <dO, out> + <dtO, tangent_out> through the library's call."""
+    primals = [x.detach().requires_grad_() for x in (q, k, v)]
+    tangents = [t.detach().requires_grad_() for t in tangents]
+    out, tangent_out = torch.func.jvp(
+        lambda *x: jvp_attention.attention(*x, is_causal=is_causal, enable_gqa=True),
+        tuple(primals), tuple(tangents))
+    return torch.autograd.grad((out, tangent_out), (*primals, *tangents),
+                               (grad_out, grad_tangent_out))
+
+
+def batch_by_batch(reference, q, k, v, tangents, grad_out, grad_tangent_out, is_causal):
+    """`reference`'s six gradients, one batch element at a time (the float64 score
+    matrices of a whole batch would not fit)."""
+    parts = []
+    for b in range(q.shape[0]):
+        one = [x[b:b + 1] for x in (q, k, v, *tangents, grad_out, grad_tangent_out)]
+        result = reference(*one[:3], is_causal=is_causal, enable_gqa=True,
+                           tangents=tuple(one[3:6]), grad_out=one[6],
+                           grad_tangent_out=one[7])
+        parts.append([result[name] for name in GRADIENTS])
+    return [torch.cat(grads) for grads in zip(*parts, strict=True)]
+
+
+def second_order_errors(q, k, v, tangents, grad_out, grad_tangent_out, is_causal, precision):
+    """Each gradient's max error against float64 over the math path's."""
+    inputs = (q, k, v, tangents, grad_out, grad_tangent_out, is_causal)
+    with jvp_attention.precision(precision):
+        ours = second_order_gradients(*inputs)
+    exact = batch_by_batch(float64_truth, *inputs)
+    floor = batch_by_batch(math_path, *inputs)
+    return [(mine.double() - truth).abs().max().item()
+            / (low.double() - truth).abs().max().item()
+            for mine, low, truth in zip(ours, floor, exact, strict=True)]
+
+
+if HOPPER:
+    torch.manual_seed(0)
+    for B, HQ, HKV, N, D, causal, layout in SECOND_ORDER_CASES:
+        for dtype, precision in ((torch.bfloat16, "accurate"), (torch.bfloat16, "fast"),
+                                 (torch.float16, "fast")):
+            q, tq, grad_out, grad_tangent_out = (random_heads(B, HQ, N, D, layout, dtype)
+                                                 for _ in range(4))
+            k, v, tk, tv = (random_heads(B, HKV, N, D, layout, dtype) for _ in range(4))
+            assert warp_specialized_tangent_passes(q, k, v, (tq, tk, tv), grad_out,
+                                                   grad_tangent_out, precision == "accurate")
+            ratios = second_order_errors(q, k, v, (tq, tk, tv), grad_out, grad_tangent_out,
+                                         causal, precision)
+            print(f"({B}, {HQ}/{HKV}, {N}, {D}) {layout} causal={causal!s:5} "
+                  f"{str(dtype)[6:]:8} {precision:8}: "
+                  + ", ".join(f"{name} {ratio:.2f}x"
+                              for name, ratio in zip(GRADIENTS, ratios, strict=True))
+                  + " the math path's error")
+            # the test-suite's rule is 2x the math path's error; "fast" rounds more
+            assert max(ratios) < (2.0 if precision == "accurate" else 4.0), ratios
+else:
+    print("no sm_90 GPU here: the passes are checked by the GPU tests and the executed "
+          "chapter")
+
+# %% [markdown]
+# ### Does it pay, second order?
+#
+# The backward through both outputs timed as above, chapter 6's three passes
+# (`SECOND_ORDER_PASSES` empty) against this chapter's, with each kernel's GPU time from
+# the profiler; FLOPs credited as fifteen products, $30BHN^2d$ (half when causal).
+
+# %%
+import collections  # noqa: E402
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from jvp_attention import hopper_backward  # noqa: E402
+
+TIMED_SHAPES = [  # (B, H, N, d, causal, precision)
+    (4, 16, 4096, 128, False, "accurate"), (4, 16, 4096, 128, True, "accurate"),
+    (4, 16, 4096, 128, False, "fast"), (4, 16, 4096, 64, False, "accurate"),
+    (2, 16, 8192, 128, False, "accurate"),
+]
+
+
+def kernel_times(run, repeats=5):
+    """GPU time (ms) of each kernel `run()` launches, averaged over `repeats` calls."""
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+    times = collections.defaultdict(float)
+    for event in trace.events():
+        if event.device_type.name == "CUDA":
+            times[event.name] += event.device_time / repeats / 1000
+    return times
+
+
+def time_second_order(B, H, N, D, causal, precision):
+    """{form: {kernel: ms}} of the backward through both outputs, chapter 6's passes and
+    this chapter's."""
+    q, k, v, tq, tk, tv = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.bfloat16,
+                                       requires_grad=True) for _ in range(6))
+    grad_out, grad_tangent_out = (torch.randn_like(q) for _ in range(2))
+    with jvp_attention.precision(precision):
+        out, tangent_out = torch.func.jvp(
+            lambda *x: jvp_attention.attention(*x, is_causal=causal), (q, k, v), (tq, tk, tv))
+
+    def backward():
+        with jvp_attention.precision(precision):
+            torch.autograd.grad((out, tangent_out), (q, k, v, tq, tk, tv),
+                                (grad_out, grad_tangent_out), retain_graph=True)
+
+    chosen, forms = hopper_backward.SECOND_ORDER_PASSES, {}
+    try:
+        for form, passes in (("chapter 6", frozenset()), ("chapter 12", chosen)):
+            hopper_backward.SECOND_ORDER_PASSES = passes
+            forms[form] = kernel_times(backward)
+    finally:
+        hopper_backward.SECOND_ORDER_PASSES = chosen
+    return forms
+
+
+if HOPPER:
+    print(f"{torch.cuda.get_device_name()}, bf16; ms (TFLOP/s); the three largest kernels")
+    for B, H, N, D, causal, precision in TIMED_SHAPES:
+        flops = 30 * B * H * N * N * D / (2 if causal else 1)
+        for form, times in time_second_order(B, H, N, D, causal, precision).items():
+            total = sum(times.values())
+            top = sorted(times.items(), key=lambda item: -item[1])[:3]
+            print(f"({B}, {H}, {N}, {D}) {'causal' if causal else 'full':6} {precision:8} "
+                  f"{form:10}: {total:6.2f} ms ({flops / total / 1e9:3.0f}) | "
+                  + ", ".join(f"{name[:34]} {ms:.2f}" for name, ms in top))
+else:
+    print("no sm_90 GPU here: the timings are in the executed chapter")

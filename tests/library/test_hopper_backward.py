@@ -493,7 +493,9 @@ SECOND_ORDER_SPECS = [
     Spec(batch=2, hq=8, hkv=2, nq=1100, nk=900, d=64, causal=True),
     Spec(batch=1, hq=4, hkv=4, nq=700, nk=1300, d=128, causal=True, layout="bnhd"),
 ]
-GLUON_PASSES = [("dq", 16), ("dq", 32), ("dk", 16), ("dk", 32), ("dv", 32), ("dv", 64)]
+# tile None: the launcher's own (`dq_tangent_key_block`: 64 keys at d = 64, 32 at d = 128)
+GLUON_PASSES = [("dq", 16), ("dq", 32), ("dq", None), ("dk", 16), ("dk", 32), ("dv", 32),
+                ("dv", 64)]
 
 
 @pytest.mark.gpu
@@ -519,7 +521,7 @@ def test_second_order_pass_on_hopper(monkeypatch, spec: Spec, dtype: torch.dtype
 
 
 @pytest.mark.parametrize(("name", "d", "tile", "max_spills"), [
-    ("dq", 64, 32, 0), ("dq", 128, 16, 0), ("dq", 128, 32, 64), ("dk", 64, 32, 0),
+    ("dq", 64, 32, 0), ("dq", 64, 64, 0), ("dq", 128, 16, 0), ("dq", 128, 32, 64), ("dk", 64, 32, 0),
     ("dk", 128, 16, 8), ("dk", 128, 32, 128), ("dv", 64, 64, 0), ("dv", 128, 32, 0),
     ("dv", 128, 64, 32)])
 def test_second_order_passes_compile_for_hopper(name: str, d: int, tile: int,
@@ -724,7 +726,7 @@ def test_second_order_launch_plumbing(monkeypatch) -> None:
     descriptors, rest = dq_launch["args"][:10], dq_launch["args"][10:]
     assert [d.base for d in descriptors] == [q, q, grad_out, grad_out, k, k, v, v, dq, dtq]
     assert [d.block_shape[2] for d in descriptors] == (
-        [64] * 4 + [hb.DQ_TANGENT_KEY_BLOCK] * 4 + [64] * 2)
+        [64] * 4 + [hb.dq_tangent_key_block(q.shape[-1])] * 4 + [64] * 2)
     assert list(rest[:5]) == [*stats, factors] and rest[5:9] == (8, 300, 4100, 4)
     assert math.isclose(rest[9], 0.5 * math.log2(math.e)) and rest[10] == 0.5
     assert dq_launch["kwargs"] == dict(STAGES=hb.TANGENT_PASS_STAGES, CAUSAL=True, CARRY=True,
