@@ -1839,3 +1839,31 @@ if HOPPER:
                   + ", ".join(f"{name[:34]} {ms:.2f}" for name, ms in top))
 else:
     print("no sm_90 GPU here: the timings are in the executed chapter")
+
+# %% [markdown]
+# What the numbers said on an H100 (bf16, GPU time from the profiler, one run before this
+# chapter was executed; the cell above prints the executing GPU's):
+#
+# * **The three passes together: 1.6x chapter 6's.** At (4, 16, 4096, 128) "accurate"
+#   13.22 against 21.22 ms, 312 against 194 TFLOP/s; the key-side passes 8.16 against
+#   14.64 ms, the $dQ$ pass 4.43 against 5.95. Causal 7.02 against 11.53 ms (294 against
+#   179: within 6% of the unmasked rate), "fast" 11.32 against 19.57 (364 against 211),
+#   (2, 16, 8192, 128) 25.44 against 41.86 (324 against 197). At $d = 64$ the gain is
+#   small, 8.20 against 8.77 ms at (4, 16, 4096, 64) (251 against 235), with 32-key $dQ$
+#   visits; 64-key ones took the $dQ$ kernel from 2.45 to 1.86 ms, hence
+#   `dq_tangent_key_block`.
+# * **Each pass alone**, in place of chapter 6's at (4, 16, 4096, 128): $dK$ 5.48 ms (the
+#   Triton key side then 4.09 for $dV$ alone), $dV$ 2.38 (10.50 left for $dK$), $dQ$ 4.27
+#   against 5.95. Every pass pays on its own, most the $dK$ pass, whose nine products a
+#   visit chapter 6's Triton kernel could only hold on 16- or 32-query tiles of `mma.sync`.
+# * **Where it stays as it was.** Calls the first-order kernels do not take (masks, fewer
+#   than 4096 keys, fp16 "accurate", tangents of another shape or dtype) run chapter 6's
+#   kernels: (16, 16, 1024, 128) took 6.05 ms either way. In "accurate" the carried
+#   copies (0.36 ms) and the range pass (0.18) are now 4% of the call at 4096 tokens.
+# * **Errors** are chapter 6's: the same products in the same precision, summed in
+#   another order; each gradient's ratio to the math path's error came out the same as
+#   chapter 6's to two digits (bf16 "accurate" 1.00x to 1.04x). In "fast", fp16, both
+#   pass the test-suite's 2x at a few shapes (dk 2.14x at (1, 4, 700 x 1300, 128) causal,
+#   dv 2.52x at (4, 8, 4096, 64)): one more 16-bit rounding of $P$ and $dS$ before each
+#   product, as in the first order; the tests hold this chapter's passes to chapter 6's
+#   error there.
