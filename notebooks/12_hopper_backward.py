@@ -1702,7 +1702,7 @@ from jvp_attention.accuracy import float64_truth, math_path  # noqa: E402
 
 SECOND_ORDER_CASES = [  # (B, Hq, Hkv, N, d, causal, layout), each long enough for the passes
     (1, 16, 4, 4096, 128, True, "bnhd"), (2, 16, 16, 4100, 64, False, "bhnd"),
-    (1, 16, 8, 4500, 128, False, "bhnd"), (2, 16, 2, 4160, 64, True, "bnhd"),
+    (1, 16, 8, 4500, 128, False, "bhnd"),
 ]
 GRADIENTS = ("dq", "dk", "dv", "dtq", "dtk", "dtv")
 
@@ -1769,80 +1769,56 @@ else:
 # %% [markdown]
 # ### Does it pay, second order?
 #
-# The backward through both outputs timed as above, chapter 6's three passes
-# (`SECOND_ORDER_PASSES` empty) against this chapter's, with each kernel's GPU time from
-# the profiler; FLOPs credited as fifteen products, $30BHN^2d$ (half when causal).
+# `python benchmarks/second_order_passes.py` times the backward through both outputs as a
+# user calls it, with chapter 6's three passes (`chapter6`), with one pass handed over at
+# one tile (`dk:32`: the $dK$ pass on 32-query visits) and with the library's choice
+# (`all`), each kernel's GPU time from the profiler; FLOPs credited as fifteen products,
+# $30BHN^2d$ (half when causal). The chart shows each variant's rate.
 
-# %%
-import collections  # noqa: E402
-
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from jvp_attention import hopper_backward  # noqa: E402
-
-TIMED_SHAPES = [  # (B, H, N, d, causal, precision)
-    (4, 16, 4096, 128, False, "accurate"), (4, 16, 4096, 128, True, "accurate"),
-    (4, 16, 4096, 128, False, "fast"), (4, 16, 4096, 64, False, "accurate"),
-    (2, 16, 8192, 128, False, "accurate"),
-]
+# %% tags=["hide_input"]
+PASSES_RESULTS = Path("../benchmarks/results/second_order_passes_h200.json")
 
 
-def kernel_times(run, repeats=5):
-    """GPU time (ms) of each kernel `run()` launches, averaged over `repeats` calls."""
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as trace:
-        for _ in range(repeats):
-            run()
-        torch.cuda.synchronize()
-    times = collections.defaultdict(float)
-    for event in trace.events():
-        if event.device_type.name == "CUDA":
-            times[event.name] += event.device_time / repeats / 1000
-    return times
+def plot_second_order_passes(rows, title):
+    """A table of each variant's time (ms) and a chart of its TFLOP/s, by case."""
+    cases = list(dict.fromkeys((tuple(row["shape"]), row["causal"], row["precision"])
+                               for row in rows))
+    variants = list(dict.fromkeys(row["variant"] for row in rows))
+    ms = {(tuple(row["shape"]), row["causal"], row["precision"], row["variant"]): row
+          for row in rows}
+    print(f"{'(B, H, N, d)':20} {'':6} {'':8} " + " ".join(f"{v:>9}" for v in variants)
+          + "   (ms)")
+    for shape, causal, precision in cases:
+        cells = [ms.get((shape, causal, precision, v), {}).get("call_ms") for v in variants]
+        print(f"{str(shape):20} {'causal' if causal else 'full':6} {precision:8} "
+              + " ".join(f"{c:>9.2f}" if c else f"{'-':>9}" for c in cells))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        ax.bar([x + i * width for x in range(len(cases))],
+               [ms.get((*case, variant), {}).get("tflops") or 0 for case in cases], width,
+               label=variant)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))],
+                  [f"{shape}\n{'causal' if causal else 'full'} {precision}"
+                   for shape, causal, precision in cases], fontsize=7)
+    ax.set_ylabel("TFLOP/s (30 BHN²d)")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=5)
+    plt.tight_layout()
+    plt.show()
 
 
-def time_second_order(B, H, N, D, causal, precision):
-    """{form: {kernel: ms}} of the backward through both outputs, chapter 6's passes and
-    this chapter's."""
-    q, k, v, tq, tk, tv = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.bfloat16,
-                                       requires_grad=True) for _ in range(6))
-    grad_out, grad_tangent_out = (torch.randn_like(q) for _ in range(2))
-    with jvp_attention.precision(precision):
-        out, tangent_out = torch.func.jvp(
-            lambda *x: jvp_attention.attention(*x, is_causal=causal), (q, k, v), (tq, tk, tv))
-
-    def backward():
-        with jvp_attention.precision(precision):
-            torch.autograd.grad((out, tangent_out), (q, k, v, tq, tk, tv),
-                                (grad_out, grad_tangent_out), retain_graph=True)
-
-    chosen, forms = hopper_backward.SECOND_ORDER_PASSES, {}
-    try:
-        for form, passes in (("chapter 6", frozenset()), ("chapter 12", chosen)):
-            hopper_backward.SECOND_ORDER_PASSES = passes
-            forms[form] = kernel_times(backward)
-    finally:
-        hopper_backward.SECOND_ORDER_PASSES = chosen
-    return forms
-
-
-if HOPPER:
-    print(f"{torch.cuda.get_device_name()}, bf16; ms (TFLOP/s); the three largest kernels")
-    for B, H, N, D, causal, precision in TIMED_SHAPES:
-        flops = 30 * B * H * N * N * D / (2 if causal else 1)
-        for form, times in time_second_order(B, H, N, D, causal, precision).items():
-            total = sum(times.values())
-            top = sorted(times.items(), key=lambda item: -item[1])[:3]
-            print(f"({B}, {H}, {N}, {D}) {'causal' if causal else 'full':6} {precision:8} "
-                  f"{form:10}: {total:6.2f} ms ({flops / total / 1e9:3.0f}) | "
-                  + ", ".join(f"{name[:34]} {ms:.2f}" for name, ms in top))
+if PASSES_RESULTS.exists():
+    record = json.loads(PASSES_RESULTS.read_text())
+    print(f"command: {record['command']}")
+    plot_second_order_passes(record["rows"], f"The backward through both outputs on the "
+                             f"{record['gpu']}, bf16: chapter 6's passes and chapter 12's")
 else:
-    print("no sm_90 GPU here: the timings are in the executed chapter")
+    print(f"no saved run at {PASSES_RESULTS}")
 
 # %% [markdown]
-# What the numbers said on an H100 (bf16, GPU time from the profiler, one run before this
-# chapter was executed; the cell above prints the executing GPU's):
+# What the numbers said on an H100 (bf16, GPU time from the profiler, one run of the same
+# method before the script, and before the saved run the cell above shows):
 #
 # * **The three passes together: 1.6x chapter 6's.** At (4, 16, 4096, 128) "accurate"
 #   13.22 against 21.22 ms, 312 against 194 TFLOP/s; the key-side passes 8.16 against
