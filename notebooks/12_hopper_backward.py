@@ -1695,14 +1695,15 @@ def launched_tangent_pass(name: str, q, k, v, tq, tk, tv, grad_out, grad_tangent
 # Through the library's call as a user makes it (`torch.func.jvp` of `attention`, then
 # `torch.autograd.grad` of both outputs), each of the six gradients against chapter 1's
 # float64 reference, over PyTorch's math path's error in the same dtype: GQA, the $(B, N,
-# H, D)$ layout, causal rows, lengths that are not multiples of the tiles.
+# H, D)$ layout, causal rows, lengths that are not multiples of the tiles (each form of the
+# three kernels compiles on first use, so the chapter keeps to two cases;
+# `tests/library/test_hopper_backward.py` runs more on the GPU).
 
 # %%
 from jvp_attention.accuracy import float64_truth, math_path  # noqa: E402
 
 SECOND_ORDER_CASES = [  # (B, Hq, Hkv, N, d, causal, layout), each long enough for the passes
     (1, 16, 4, 4096, 128, True, "bnhd"), (2, 16, 16, 4100, 64, False, "bhnd"),
-    (1, 16, 8, 4500, 128, False, "bhnd"),
 ]
 GRADIENTS = ("dq", "dk", "dv", "dtq", "dtk", "dtv")
 
