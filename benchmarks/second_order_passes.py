@@ -138,15 +138,17 @@ def main() -> None:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     causal_modes = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
+    cases = [(tuple(int(x) for x in text.split(",")), causal, precision)
+             for text in args.shape or (SMOKE_SHAPES if args.smoke else SHAPES)
+             for causal in causal_modes for precision in args.precision]
     rows = []
-    for text in args.shape or (SMOKE_SHAPES if args.smoke else SHAPES):
-        shape = tuple(int(x) for x in text.split(","))
-        for causal in causal_modes:
-            for precision in args.precision:
-                rows += measure(shape, causal, precision, args.variants, args.calls, device)
-    record = run_record(SCHEMA, rows, smoke=args.smoke, calls=args.calls)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    for done, (shape, causal, precision) in enumerate(cases, 1):
+        rows += measure(shape, causal, precision, args.variants, args.calls, device)
+        # Saved after every case, so that a run cut short keeps what it measured.
+        record = run_record(SCHEMA, rows, smoke=args.smoke, calls=args.calls,
+                            cases_done=f"{done} of {len(cases)}")
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
