@@ -12,8 +12,10 @@ import triton
 import triton.language as tl
 
 from jvp_attention.launch import (
+    ReplayedLaunch,
     accurate,
     autotuned,
+    call_facts,
     carried_fakes,
     carried_operands,
     carries,
@@ -26,12 +28,13 @@ from jvp_attention.launch import (
     head_group,
     kernel_meta,
     launch_column_tiles,
-    launchable,
     mask_operand,
     next_power_of_2,
     on_device,
     pair_tails,
-    prepare_descriptors,
+    record_launch,
+    remember,
+    replay_table,
     row_alignment,
     row_strides,
     tma_eligible,
@@ -384,10 +387,20 @@ def flash_attention_forward(
         ValueError: For mismatched shapes, a bad `precision`, or a `mask_tangent` without
             `tangents` or without an additive attn_mask.
     """
+    exact = accurate(precision)
+    has_tangent = tangents is not None
+    key = None
+    if attn_mask is None and mask_tangent is None:  # a call that can be replayed
+        facts = call_facts(q, k, v, *(tangents if has_tangent else ()))
+        key = None if facts is None else (is_causal, scale, residuals, exact, *facts)
+        replay = FORWARD_REPLAYS.get(key) if key is not None else None
+        if replay is not None and replay.usable():
+            buffers = forward_buffers(q, v.shape[3], has_tangent, residuals)
+            replay(forward_tensors(q, k, v, tangents, q, lse_factors(buffers), buffers))
+            return forward_results(buffers, has_tangent, residuals)
     check_kernel_shapes(q, k, v)
     batch, n_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    exact = accurate(precision)
     check_mask_tangent(attn_mask, mask_tangent, (batch, n_heads, n_q, n_k))
     if mask_tangent is not None and tangents is None:
         raise ValueError("mask_tangent is part of the tangent: pass tangents=(tq, tk, tv) too")
@@ -400,15 +413,10 @@ def flash_attention_forward(
                                        tangents, jvp_operands if exact else None)
         if ran is not None:
             return ran
-    out = torch.empty((batch, n_heads, n_q, value_dim), device=q.device, dtype=q.dtype)
-    lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=torch.float32)
-    has_tangent = tangents is not None
+    buffers = forward_buffers(q, value_dim, has_tangent, residuals)
+    inputs = (q, k, v, *(tangents if has_tangent else ()))
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     tq, tk, tv = (unit_last_stride(x) for x in tangents) if has_tangent else (q, k, v)
-    t_out = torch.empty_like(out) if has_tangent else out
-    mu = torch.empty_like(lse) if has_tangent else lse
-    out_res = torch.empty_like(out) if residuals else out
-    t_out_res = torch.empty_like(out) if residuals and has_tangent else out_res
     mask, mask_strides, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k),
                                                  mask_tangent)
 
@@ -418,7 +426,7 @@ def flash_attention_forward(
     # as accurate.
     carry = (has_tangent and exact and carries(q, n_k) and mask_tangent is None
              and min(q.numel(), k.numel()) > 0)
-    factors = lse  # not read without CARRY
+    factors = lse_factors(buffers)  # not read without CARRY
     if carry:
         with on_device(q):
             v, tv, factors = carried_jvp_operands(q, k, v, tq, tk, tv, scale)
@@ -430,20 +438,63 @@ def flash_attention_forward(
         return cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
 
     with on_device(q):
-        prepare_descriptors(use_tma)
-        launchable(_attention_forward_jvp if has_tangent else _attention_forward, q)[grid](
-            q, k, v, tq, tk, tv, q if mask is None else mask, out, t_out, lse, mu,
-            out_res, t_out_res, factors, *row_strides(q, k, v, tq, tk, tv), *mask_strides,
-            n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
-            scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k),
-            IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
-            STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
-            HEAD_GROUP=head_group(is_causal, k, v, *((tk, tv) if has_tangent else ()),
-                                  queries_per_head=n_heads // n_kv_heads),
-            ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
-            **{**constants, **tiles},  # the column tiles' widths replace the padded ones
-            **pair_tails(tiles, head_dim, value_dim, constants["SPLIT"] and not use_tma),
-        )
+        replay = record_launch(
+            _attention_forward_jvp if has_tangent else _attention_forward, grid,
+            forward_tensors(q, k, v, (tq, tk, tv) if has_tangent else None,
+                            q if mask is None else mask, factors, buffers),
+            (*row_strides(q, k, v, tq, tk, tv), *mask_strides,
+             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
+             scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k)),
+            dict(IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
+                 STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
+                 HEAD_GROUP=head_group(is_causal, k, v, *((tk, tv) if has_tangent else ()),
+                                       queries_per_head=n_heads // n_kv_heads),
+                 ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
+                 **{**constants, **tiles},  # the column tiles' widths replace the padded ones
+                 **pair_tails(tiles, head_dim, value_dim, constants["SPLIT"] and not use_tma)),
+            use_tma)
+    # A replay repeats this one launch with the inputs themselves: not after a carry (its
+    # copies are launches of their own) nor after copying a column-strided input.
+    if (key is not None and replay is not None and not carry
+            and all(a is b for a, b in zip(inputs, (q, k, v, tq, tk, tv), strict=False))):
+        remember(FORWARD_REPLAYS, key, replay)
+    return forward_results(buffers, has_tangent, residuals)
+
+
+# Replays of earlier calls (`record_launch`), by everything their launch decisions read.
+FORWARD_REPLAYS: dict[tuple, ReplayedLaunch] = replay_table()
+
+
+def forward_buffers(q: torch.Tensor, value_dim: int, has_tangent: bool,
+                    residuals: bool) -> tuple[torch.Tensor, ...]:
+    """The forward's outputs, uninitialised, in the kernel's order: out, tangent_out, lse,
+    mu and the residuals of out and tangent_out. Those the call does not compute alias out
+    and lse, which the kernel then never writes through them."""
+    batch, n_heads, n_q, _ = q.shape
+    out = torch.empty((batch, n_heads, n_q, value_dim), device=q.device, dtype=q.dtype)
+    lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=torch.float32)
+    t_out = torch.empty_like(out) if has_tangent else out
+    mu = torch.empty_like(lse) if has_tangent else lse
+    out_res = torch.empty_like(out) if residuals else out
+    t_out_res = torch.empty_like(out) if residuals and has_tangent else out_res
+    return out, t_out, lse, mu, out_res, t_out_res
+
+
+def lse_factors(buffers: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The carry-factors operand of a call without a carry (never read): lse."""
+    return buffers[2]
+
+
+def forward_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    tangents: tuple | None, mask: torch.Tensor, factors: torch.Tensor,
+                    buffers: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The kernel's tensor arguments in order; without tangents q, k, v stand in for them."""
+    return (q, k, v, *(tangents or (q, k, v)), mask, *buffers, factors)
+
+
+def forward_results(buffers: tuple[torch.Tensor, ...], has_tangent: bool, residuals: bool):
+    """What `flash_attention_forward` returns, from `forward_buffers`."""
+    out, t_out, lse, mu, out_res, t_out_res = buffers
     outputs = AttentionOutputs(out, lse, t_out if has_tangent else None,
                                mu if has_tangent else None)
     if residuals:

@@ -9,10 +9,12 @@ guard, the mask operand, the shape checks and the host side of the bf16 carry.
 import functools
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from typing import NamedTuple
 
 import torch
 import triton
@@ -351,9 +353,11 @@ class CachedLauncher:
                 grid = grid(kwargs)
             except KeyError:
                 grid = grid(dict(zip(self.names, values, strict=True)))
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                     driver.active.get_current_stream(device), compiled.function,
+        grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        compiled.run(*grid, driver.active.get_current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *values)
+        if RECORDER.launches is not None:  # a call being planned (`ReplayedLaunch`)
+            RECORDER.launches.append(DirectLaunch(compiled, grid, values, device))
         return compiled
 
 
@@ -459,7 +463,11 @@ class KeyedAutotuner(Autotuner):
         if known is not None and self.tuned.get(known[0]) is known[1]:
             _, config, tile, launched = known
             self.best_config = config
-            return launcher.launch(launched, args, {**kwargs, **tile}, grid, match[0])
+            compiled = launcher.launch(launched, args, {**kwargs, **tile}, grid, match[0])
+            if RECORDER.launches:  # valid while this key keeps this tile
+                RECORDER.launches[-1] = RECORDER.launches[-1]._replace(
+                    tuned=(self, known[0], config))
+            return compiled
         key = self.launch_key(args, kwargs)
         config = self.tuned.get(key)
         if config is None or warmup:  # first launch at this key: tune (or read the disk cache)
@@ -923,3 +931,126 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
     """The batch, head and row strides of each (B, H, N, D) tensor, in order: the kernels'
     stride arguments (their columns are at unit stride, see `unit_last_stride`)."""
     return tuple([stride for t in tensors for stride in t.stride()[:-1]])
+
+
+class LaunchRecorder(threading.local):
+    """The direct launches made on this thread while a call is being recorded (None when
+    none is): `CachedLauncher.launch` appends each, as a `DirectLaunch`."""
+
+    launches: list | None = None
+
+
+RECORDER = LaunchRecorder()
+
+
+class DirectLaunch(NamedTuple):
+    """A launch made by calling a compiled kernel's C launcher (`CachedLauncher.launch`):
+    every argument in signature order, the grid, the device; `tuned` is (autotuner, key,
+    tile) when an autotuner chose the tile, which it must still hold for a replay."""
+
+    compiled: object
+    grid: tuple[int, int, int]
+    values: tuple
+    device: int
+    tuned: tuple | None = None
+
+
+class ReplayedLaunch(NamedTuple):
+    """A launch to repeat for later calls that differ from it only in their tensors (see
+    `record_launch`): `launch(*tensors, *rest, **kwargs)` through this library's launch
+    path, or, where it was a direct launch (`direct`), the compiled kernel's C launcher
+    called with the new tensors in front of its other arguments."""
+
+    launch: Callable
+    rest: tuple
+    kwargs: dict
+    descriptors: bool
+    direct: DirectLaunch | None
+
+    def usable(self) -> bool:
+        """Whether a replay does what the full path would: no launch hook to call, and the
+        autotuner still on the recorded tile."""
+        direct = self.direct
+        if direct is None:
+            return True
+        if launch_hooks():
+            return False
+        if direct.tuned is None:
+            return True
+        autotuner, key, tile = direct.tuned
+        return autotuner.tuned.get(key) is tile
+
+    def __call__(self, tensors: tuple) -> None:
+        """Launch with `tensors` in place of the recorded ones."""
+        prepare_descriptors(self.descriptors)
+        direct = self.direct
+        if direct is None:
+            self.launch(*tensors, *self.rest, **self.kwargs)
+            return
+        if direct.tuned is not None:
+            direct.tuned[0].best_config = direct.tuned[2]
+        compiled = direct.compiled
+        compiled.run(*direct.grid, driver.active.get_current_stream(direct.device),
+                     compiled.function, compiled.packed_metadata, None, None, None,
+                     *tensors, *direct.values[len(tensors):])
+
+
+def record_launch(kernel, grid, tensors: tuple, rest: tuple, kwargs: dict,
+                  descriptors: bool) -> ReplayedLaunch | None:
+    """Launch `kernel[grid](*tensors, *rest, **kwargs)` as `launchable` does (`descriptors`:
+    with Triton's allocator for tensor descriptors set) and return what repeats it for
+    other tensors of the same kind, or None where a replay would not be the same launch: a
+    traced call, a launch through Triton's own path (the first at a key, a hooked one),
+    or more than one launch."""
+    launcher = launchable(kernel, tensors[0])
+    launch = launcher[grid]
+    prepare_descriptors(descriptors)
+    outer, RECORDER.launches = RECORDER.launches, []
+    launches = RECORDER.launches
+    try:
+        launch(*tensors, *rest, **kwargs)
+    finally:
+        RECORDER.launches = outer
+    if not isinstance(launcher, (KeyedAutotuner, CachedLauncher)):
+        return None  # a traced launch (or a tool's stand-in)
+    if interpreting():
+        return ReplayedLaunch(launch, rest, kwargs, descriptors, None)
+    if len(launches) != 1 or not all(
+            a is b for a, b in zip(launches[0].values, tensors, strict=False)):
+        return None
+    if isinstance(launcher, KeyedAutotuner) and launches[0].tuned is None:
+        return None  # its tile was not read from the autotuner's memory: not yet settled
+    return ReplayedLaunch(launch, rest, kwargs, descriptors, launches[0])
+
+
+# Every launcher's table of replays (key -> ReplayedLaunch), for `forget_replays`.
+REPLAY_TABLES: list[dict] = []
+
+
+def replay_table() -> dict:
+    """A new, registered table of replays for a launcher."""
+    REPLAY_TABLES.append({})
+    return REPLAY_TABLES[-1]
+
+
+def forget_replays() -> None:
+    """Drop every recorded replay. The keys hold what the launchers read of the inputs and
+    of the settings; code that changes a launcher's decisions by other means (a test that
+    patches one of its functions) calls this, so that the next call decides afresh."""
+    for table in REPLAY_TABLES:
+        table.clear()
+
+
+def call_facts(*tensors: torch.Tensor) -> tuple | None:
+    """What the launchers' decisions read of these tensors (type, shape, strides, dtype,
+    device, 16-byte alignment) with the current CUDA device and the settings that change
+    the launch; None unless they are plain tensors (a traced or fake tensor has no
+    address, and is never replayed)."""
+    first = tensors[0]
+    if type(first) is not torch.Tensor:
+        return None
+    device = driver.active.get_current_device() if first.is_cuda else None
+    settings = (os.environ.get("JVP_ATTENTION_TMA"), os.environ.get("JVP_ATTENTION_WARP_SPECIALIZED"),
+                CARRY_MIN_KEYS, *code_options())
+    return (device, settings, *[(type(t), t.shape, t.stride(), t.dtype, t.device,
+                                 t.data_ptr() % 16 == 0) for t in tensors])

@@ -85,3 +85,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def fresh_replays():
+    """Each test's launches decide afresh: the launchers replay a call at a key seen before
+    (chapter 2, "Replaying a call"), and a test that patches one of their decisions (the
+    carry, say) must neither meet another test's replay nor leave its own behind."""
+    launch = sys.modules.get("jvp_attention.launch")
+    if launch is not None:
+        launch.forget_replays()
+    yield
+    launch = sys.modules.get("jvp_attention.launch")
+    if launch is not None:
+        launch.forget_replays()

@@ -63,14 +63,20 @@ PRIMAL_BACKWARD_OPS = 7  # with the test's own ones_like
 # descriptors (`long_forward_rows`, chapter 2), asked apart from whether a traced graph may
 # take them, adds one: 147. The causal launch order's heads per group (`head_group`, chapter
 # 2), asked on every launch and answering 1 at once without the mask, adds one: 148.
-FORWARD_JVP_PYTHON_CALLS = 148
+# Replaying a call at a key seen before (chapter 2, "Replaying a call": what the decisions
+# read of the inputs and settings, then the outputs' allocation and the launch) skips the
+# decisions: 109 (here the replay still launches through the autotuner, as the
+# interpreter needs; on a GPU it calls the C launcher directly).
+FORWARD_JVP_PYTHON_CALLS = 109
 PRIMAL_BACKWARD_PYTHON_CALLS = 110
 # Carried (bf16 "accurate" from 1024 keys, forced here on float16), each direction adds
 # the carry's launcher (`carried_operands`: strides, shapes and allocations for the range
 # pass and the copies, then their two cached launches) and the copy kernel's epilogue
 # arguments: 228 and 181 on 2026-12-05. Most of the difference is generator steps over the
-# copied tensors' strides and shapes (about 50 a direction). `head_group`: 229.
-CARRIED_FORWARD_JVP_PYTHON_CALLS = 229
+# copied tensors' strides and shapes (about 50 a direction). `head_group`: 229. A carried
+# call is not replayed (its copies are launches of their own), and pays for the key and
+# the recording that would let a plain one be (chapter 2): 249.
+CARRIED_FORWARD_JVP_PYTHON_CALLS = 249
 CARRIED_PRIMAL_BACKWARD_PYTHON_CALLS = 181
 # Operations that are no GPU kernel: what a call may dispatch besides our launches.
 NO_KERNEL = {"jvp_attention.forward_jvp.default", "jvp_attention.backward.default",

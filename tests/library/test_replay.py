@@ -1,0 +1,190 @@
+"""Replaying a call (chapter 2): a forward call at a key seen before repeats the earlier
+call's launch with its own tensors, skipping the launcher's decisions. It must give the
+bits that the whole path gives, be keyed by everything those decisions read, and step aside
+where a replay would not be the same launch.
+
+On CPU the replay launches through the autotuner (the interpreter has no C launcher); the
+test marked `gpu` checks the direct launch of the compiled kernel.
+"""
+
+import pytest
+import torch
+from helpers import DEVICE, HAS_CUDA
+
+import jvp_attention.forward as forward
+import jvp_attention.launch as launch
+from jvp_attention.forward import FORWARD_REPLAYS, flash_attention_forward
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SHAPE = (1, 2, 24, 16) if not HAS_CUDA else (4, 8, 256, 64)
+
+
+def _inputs(dtype=torch.float16, shape=SHAPE, seed=0, heads_kv=None):
+    generator = torch.Generator().manual_seed(seed)
+    kv_shape = (shape[0], heads_kv or shape[1], *shape[2:])
+    made = [torch.randn(s, generator=generator, dtype=torch.float32).to(DEVICE, dtype)
+            for s in (shape, kv_shape, kv_shape, shape, kv_shape, kv_shape)]
+    return made[:3], tuple(made[3:])
+
+
+def _flat(result) -> list[torch.Tensor]:
+    outputs, extra = (result if isinstance(result, tuple) and len(result) == 2
+                      and isinstance(result[1], tuple) else (result, ()))
+    return [t for t in (*outputs, *extra) if t is not None]
+
+
+def _settle(*args, **kwargs):
+    """Calls until a replay is recorded: on a GPU the first call at a key tunes, the
+    second launches through Triton and the third is the first direct launch."""
+    for _ in range(3):
+        flash_attention_forward(*args, **kwargs)
+
+
+def _whole_path(*args, **kwargs):
+    """The call as the whole path makes it (no replay recorded or used)."""
+    launch.forget_replays()
+    result = flash_attention_forward(*args, **kwargs)
+    launch.forget_replays()
+    return result
+
+
+@pytest.mark.parametrize("tangents", [False, True], ids=["plain", "tangents"])
+@pytest.mark.parametrize("residuals", [False, True], ids=["", "residuals"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_replay_gives_the_whole_paths_bits(tangents, residuals, causal) -> None:
+    (q, k, v), tan = _inputs()
+    kwargs = dict(is_causal=causal, tangents=tan if tangents else None, residuals=residuals)
+    _settle(q, k, v, **kwargs)
+    assert len(FORWARD_REPLAYS) == 1
+    (q2, k2, v2), tan2 = _inputs(seed=1)
+    kwargs2 = dict(kwargs, tangents=tan2 if tangents else None)
+    replayed = _flat(flash_attention_forward(q2, k2, v2, **kwargs2))
+    whole = _flat(_whole_path(q2, k2, v2, **kwargs2))
+    assert len(replayed) == len(whole) == 2 + 2 * tangents + (1 + tangents) * residuals
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_replay_skips_the_decisions(monkeypatch) -> None:
+    """At a key seen before none of the launcher's checks or choices run again."""
+    (q, k, v), tan = _inputs(heads_kv=1)  # GQA
+    expected = _flat(flash_attention_forward(q, k, v, tangents=tan))
+    _settle(q, k, v, tangents=tan)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a replayed call decided again")
+
+    for name in ("check_kernel_shapes", "takes_warp_specialized", "tma_eligible",
+                 "launch_column_tiles", "kernel_meta", "row_alignment", "carries"):
+        monkeypatch.setattr(forward, name, refuse)
+    for a, b in zip(_flat(flash_attention_forward(q, k, v, tangents=tan)), expected,
+                    strict=True):
+        assert torch.equal(a, b)
+
+
+def _key_count_after(*calls) -> int:
+    launch.forget_replays()
+    for args, kwargs in calls:
+        _settle(*args, **kwargs)
+    return len(FORWARD_REPLAYS)
+
+
+def test_keys_hold_what_the_decisions_read(monkeypatch) -> None:
+    """Each of these differs from the first call in one thing a decision reads: each must
+    get a replay of its own."""
+    (q, k, v), tan = _inputs()
+    transposed = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)]
+    storage = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)
+    unaligned = storage[1:].view(q.shape).copy_(q)  # 2 bytes past a 16-byte boundary
+    calls = [((q, k, v), {}),
+             ((q, k, v), {"is_causal": True}),
+             ((q, k, v), {"scale": 0.5}),
+             ((q, k, v), {"residuals": True}),
+             ((q, k, v), {"tangents": tan}),
+             ((q, k, v), {"tangents": tan, "precision": "fast"}),
+             ((q.float(), k.float(), v.float()), {}),
+             (tuple(transposed), {}),
+             ((unaligned, k, v), {})]
+    assert _key_count_after(*calls) == len(calls)
+    monkeypatch.setenv("JVP_ATTENTION_TMA", "0")
+    assert _key_count_after(calls[0]) == 1
+    monkeypatch.setenv("JVP_ATTENTION_TMA", "auto")
+    _settle(q, k, v)
+    assert len(FORWARD_REPLAYS) == 2  # the switch is part of the key
+
+
+def test_masks_copies_and_traced_calls_are_not_replayed() -> None:
+    (q, k, v), tan = _inputs()
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+    bias = torch.zeros(q.shape[2], k.shape[2], dtype=q.dtype, device=q.device)
+    column_strided = q.transpose(2, 3).contiguous().transpose(2, 3)  # last stride != 1
+    calls = [((q, k, v, mask), {}), ((q, k, v, bias), {"tangents": tan, "mask_tangent": bias}),
+             ((column_strided, k, v), {})]
+    assert _key_count_after(*calls) == 0
+    # A fake tensor (a traced call's) has no address: no key.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(q)
+        assert launch.call_facts(fake, k, v) is None
+
+
+def test_forget_replays_empties_every_table() -> None:
+    (q, k, v), _ = _inputs()
+    _settle(q, k, v)
+    assert FORWARD_REPLAYS and FORWARD_REPLAYS in [t for t in launch.REPLAY_TABLES]
+    launch.forget_replays()
+    assert not any(launch.REPLAY_TABLES)
+
+
+class _Tuner:
+    """Stands in for a KeyedAutotuner: its memory of tuned tiles."""
+
+    def __init__(self, tuned):
+        self.tuned = tuned
+        self.best_config = None
+
+
+def test_a_direct_replay_steps_aside_for_hooks_and_new_tiles(monkeypatch) -> None:
+    """`usable`: while a launch hook is installed (a profiler's), or once the autotuner
+    holds another tile for the key (a tile sweep), the call takes the whole path."""
+    import triton
+
+    tile = object()
+    tuner = _Tuner({"key": tile})
+    direct = launch.DirectLaunch(None, (1, 1, 1), (), 0, (tuner, "key", tile))
+    replay = launch.ReplayedLaunch(lambda *a, **k: None, (), {}, False, direct)
+    assert replay.usable()
+    tuner.tuned = {"key": object()}
+    assert not replay.usable()
+    tuner.tuned = {}
+    assert not replay.usable()
+    tuner.tuned = {"key": tile}
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *args: None)
+    assert not replay.usable()
+    untuned = replay._replace(direct=direct._replace(tuned=None))
+    assert not untuned.usable()
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    assert untuned.usable()
+    assert replay._replace(direct=None).usable()  # through the launch path: always
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=str)
+@pytest.mark.parametrize("tangents", [False, True], ids=["plain", "tangents"])
+def test_direct_replay_gpu(dtype, tangents) -> None:
+    """On the GPU a replay calls the compiled kernel's C launcher, once the autotuner has
+    settled the key's tile, and gives the whole path's bits."""
+    (q, k, v), tan = _inputs(dtype)
+    kwargs = dict(tangents=tan if tangents else None, residuals=True)
+    _settle(q, k, v, **kwargs)
+    (replay,) = FORWARD_REPLAYS.values()
+    assert replay.direct is not None and replay.direct.tuned is not None
+    (q2, k2, v2), tan2 = _inputs(dtype, seed=1)
+    kwargs2 = dict(kwargs, tangents=tan2 if tangents else None)
+    replayed = _flat(flash_attention_forward(q2, k2, v2, **kwargs2))
+    whole = _flat(_whole_path(q2, k2, v2, **kwargs2))
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
