@@ -333,10 +333,12 @@ class CachedLauncher:
     def run(self, *args, grid, warmup: bool = False, **kwargs):
         """Launch as `kernel[grid](*args, **kwargs)` would; returns the compiled kernel."""
         if not self.direct:  # the interpreter runs the kernel: nothing to save here
+            note_untraced_launch()
             return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
         key = None if warmup else self.match(args, kwargs)
         known = None if key is None else self.launches.get(key)
         if known is None:
+            note_untraced_launch()
             compiled = self.through_triton(args, kwargs, grid, warmup)
             if not warmup:
                 self.remember(key, compiled, len(args))
@@ -359,6 +361,13 @@ class CachedLauncher:
         if RECORDER.launches is not None:  # a call being planned (`ReplayedLaunch`)
             RECORDER.launches.append(DirectLaunch(compiled, grid, values, device))
         return compiled
+
+
+def note_untraced_launch() -> None:
+    """While a call is being recorded (`RECORDER`), mark a launch that does not go through
+    `CachedLauncher.launch` (None): such a call cannot be replayed."""
+    if RECORDER.launches is not None:
+        RECORDER.launches.append(None)
 
 
 def remember(launches: dict, key: tuple, value: tuple) -> None:
@@ -471,6 +480,7 @@ class KeyedAutotuner(Autotuner):
         key = self.launch_key(args, kwargs)
         config = self.tuned.get(key)
         if config is None or warmup:  # first launch at this key: tune (or read the disk cache)
+            note_untraced_launch()
             self.tuning_call = (args, {**kwargs, "grid": grid})
             try:
                 with sound_compiler() if launcher.direct else nullcontext():
@@ -481,6 +491,7 @@ class KeyedAutotuner(Autotuner):
             return result
         self.best_config = config
         tile = config.all_kwargs()
+        note_untraced_launch()  # its tile is not checked against `tuned` on a replay
         compiled = launcher.run(*args, grid=grid, **kwargs, **tile)
         if match is not None:  # from the next launch on, one lookup
             launched = launcher.launches.get(launcher.match(args, {**kwargs, **tile}) or ())
@@ -1015,12 +1026,34 @@ def record_launch(kernel, grid, tensors: tuple, rest: tuple, kwargs: dict,
         return None  # a traced launch (or a tool's stand-in)
     if interpreting():
         return ReplayedLaunch(launch, rest, kwargs, descriptors, None)
-    if len(launches) != 1 or not all(
-            a is b for a, b in zip(launches[0].values, tensors, strict=False)):
-        return None
-    if isinstance(launcher, KeyedAutotuner) and launches[0].tuned is None:
-        return None  # its tile was not read from the autotuner's memory: not yet settled
-    return ReplayedLaunch(launch, rest, kwargs, descriptors, launches[0])
+    found = launch_slots(launches, tensors)
+    if found is None or len(found) != 1 or len(found[0][1]) != len(tensors):
+        return None  # (the tensors lead the arguments: a replay puts new ones in front)
+    return ReplayedLaunch(launch, rest, kwargs, descriptors, found[0][0])
+
+
+def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple]] | None:
+    """For each recorded launch, where in `pool` each of its leading tensor arguments is
+    (by identity; None for a None argument), or None when the launches cannot be
+    replayed from `pool`: one went through Triton's own path or took a tile the autotuner
+    had not settled yet, a tensor argument is not in `pool` (a copy made during the call), or
+    an argument after the leading tensors is not a plain value (a tensor descriptor holds
+    an address)."""
+    found = []
+    for direct in launches:
+        if direct is None:
+            return None
+        values = direct.values
+        lead = next((i for i, x in enumerate(values)
+                     if x is not None and not isinstance(x, torch.Tensor)), len(values))
+        if any(x.__class__ not in PLAIN_TYPES for x in values[lead:]):
+            return None
+        slots = tuple(None if x is None else next((i for i, t in enumerate(pool) if t is x), -1)
+                      for x in values[:lead])
+        if -1 in slots:
+            return None
+        found.append((direct, slots))
+    return found
 
 
 # Every launcher's table of replays (key -> ReplayedLaunch), for `forget_replays`.

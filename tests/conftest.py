@@ -87,15 +87,28 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+def _forget_replays() -> None:
+    launch = sys.modules.get("jvp_attention.launch")
+    if launch is not None:
+        launch.forget_replays()
+
+
+def _then_forget_replays(change):
+    def changed(*args, **kwargs):
+        change(*args, **kwargs)
+        _forget_replays()
+    return changed
+
+
 @pytest.fixture(autouse=True)
-def fresh_replays():
+def fresh_replays(monkeypatch):
     """Each test's launches decide afresh: the launchers replay a call at a key seen before
     (chapter 2, "Replaying a call"), and a test that patches one of their decisions (the
-    carry, say) must neither meet another test's replay nor leave its own behind."""
-    launch = sys.modules.get("jvp_attention.launch")
-    if launch is not None:
-        launch.forget_replays()
+    carry, say) must neither meet an earlier call's replay, its own or another test's, nor
+    leave one behind. So replays are forgotten before and after each test and after each
+    of its `monkeypatch` changes."""
+    for name in ("setattr", "delattr", "setitem", "delitem", "setenv", "delenv"):
+        setattr(monkeypatch, name, _then_forget_replays(getattr(monkeypatch, name)))
+    _forget_replays()
     yield
-    launch = sys.modules.get("jvp_attention.launch")
-    if launch is not None:
-        launch.forget_replays()
+    _forget_replays()

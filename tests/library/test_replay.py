@@ -7,6 +7,10 @@ On CPU the replay launches through the autotuner (the interpreter has no C launc
 test marked `gpu` checks the direct launch of the compiled kernel.
 """
 
+import os
+from contextlib import ExitStack
+from unittest import mock
+
 import pytest
 import torch
 from helpers import DEVICE, HAS_CUDA
@@ -66,8 +70,9 @@ def test_a_replay_gives_the_whole_paths_bits(tangents, residuals, causal) -> Non
         assert torch.equal(a, b)
 
 
-def test_a_replay_skips_the_decisions(monkeypatch) -> None:
-    """At a key seen before none of the launcher's checks or choices run again."""
+def test_a_replay_skips_the_decisions() -> None:
+    """At a key seen before none of the launcher's checks or choices run again (patched
+    with `mock`, which, unlike the tests' `monkeypatch`, keeps the replays)."""
     (q, k, v), tan = _inputs(heads_kv=1)  # GQA
     expected = _flat(flash_attention_forward(q, k, v, tangents=tan))
     _settle(q, k, v, tangents=tan)
@@ -75,11 +80,13 @@ def test_a_replay_skips_the_decisions(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a replayed call decided again")
 
-    for name in ("check_kernel_shapes", "takes_warp_specialized", "tma_eligible",
-                 "launch_column_tiles", "kernel_meta", "row_alignment", "carries"):
-        monkeypatch.setattr(forward, name, refuse)
-    for a, b in zip(_flat(flash_attention_forward(q, k, v, tangents=tan)), expected,
-                    strict=True):
+    names = ("check_kernel_shapes", "takes_warp_specialized", "tma_eligible",
+             "launch_column_tiles", "kernel_meta", "row_alignment", "carries")
+    with ExitStack() as patches:
+        for name in names:
+            patches.enter_context(mock.patch.object(forward, name, refuse))
+        replayed = _flat(flash_attention_forward(q, k, v, tangents=tan))
+    for a, b in zip(replayed, expected, strict=True):
         assert torch.equal(a, b)
 
 
@@ -90,7 +97,7 @@ def _key_count_after(*calls) -> int:
     return len(FORWARD_REPLAYS)
 
 
-def test_keys_hold_what_the_decisions_read(monkeypatch) -> None:
+def test_keys_hold_what_the_decisions_read() -> None:
     """Each of these differs from the first call in one thing a decision reads: each must
     get a replay of its own."""
     (q, k, v), tan = _inputs()
@@ -107,10 +114,10 @@ def test_keys_hold_what_the_decisions_read(monkeypatch) -> None:
              (tuple(transposed), {}),
              ((unaligned, k, v), {})]
     assert _key_count_after(*calls) == len(calls)
-    monkeypatch.setenv("JVP_ATTENTION_TMA", "0")
-    assert _key_count_after(calls[0]) == 1
-    monkeypatch.setenv("JVP_ATTENTION_TMA", "auto")
-    _settle(q, k, v)
+    with mock.patch.dict(os.environ, {"JVP_ATTENTION_TMA": "0"}):
+        assert _key_count_after(calls[0]) == 1
+    with mock.patch.dict(os.environ, {"JVP_ATTENTION_TMA": "auto"}):
+        _settle(q, k, v)
     assert len(FORWARD_REPLAYS) == 2  # the switch is part of the key
 
 
@@ -186,5 +193,48 @@ def test_direct_replay_gpu(dtype, tangents) -> None:
     kwargs2 = dict(kwargs, tangents=tan2 if tangents else None)
     replayed = _flat(flash_attention_forward(q2, k2, v2, **kwargs2))
     whole = _flat(_whole_path(q2, k2, v2, **kwargs2))
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_patched_decision_is_not_met_by_a_replay(monkeypatch) -> None:
+    """The tests' own guard (conftest): a `monkeypatch` change forgets the replays, so that
+    a test comparing two settings of a decision at one key compares two launches."""
+    (q, k, v), _ = _inputs()
+    _settle(q, k, v)
+    assert FORWARD_REPLAYS
+    monkeypatch.setattr(forward, "carries", lambda q, n_keys: True)
+    assert not FORWARD_REPLAYS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("precision", ["accurate", "fast"])
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_backward_replay_gpu(dtype, precision, order) -> None:
+    """The backward's launches (the row statistics where they run, dQ, dK/dV or the
+    second order's passes) replayed from its inputs and new buffers give the whole path's
+    bits."""
+    from jvp_attention.backward import BACKWARD_REPLAYS, flash_attention_backward
+
+    def call(seed):
+        (q, k, v), tan = _inputs(dtype, seed=seed)
+        fwd = flash_attention_forward(q, k, v, tangents=tan, precision=precision)
+        grad_out, grad_tangent_out = (torch.randn_like(fwd.out) for _ in range(2))
+        second = order == "second"
+        return lambda: flash_attention_backward(
+            q, k, v, fwd.out, fwd.lse, grad_out, tangents=tan if second else None,
+            tangent_out=fwd.tangent_out if second else None, mu=fwd.mu if second else None,
+            grad_tangent_out=grad_tangent_out if second else None, precision=precision)
+
+    settle = call(0)
+    for _ in range(3):
+        settle()
+    assert len(BACKWARD_REPLAYS) == 1
+    later = call(1)
+    replayed = later()
+    launch.forget_replays()
+    whole = later()
+    assert len(replayed) == (6 if order == "second" else 3)
     for a, b in zip(replayed, whole, strict=True):
         assert torch.equal(a, b)
