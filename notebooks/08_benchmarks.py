@@ -731,6 +731,16 @@ def saved(name):
         return None
 
 
+def newest_saved(*names):
+    """The most recent (by its date) of these saved runs of one measurement (on the H200
+    and on the H100, say) and its file name, or (None, None)."""
+    runs = [(run["date"], name, run) for name in names if (run := saved(name)) is not None]
+    if not runs:
+        return None, None
+    _, name, run = max(runs, key=lambda entry: entry[0])
+    return run, name
+
+
 def shape_label(shape, causal):
     B, H, N, d = shape
     return f"B{B} H{H} N{N} d{d}" + (" causal" if causal else "")
@@ -800,15 +810,26 @@ def target_rows():
                 shape = (case["B"], case["H"], case["N"], case["d"])
                 rows.append(("backward >= 0.8x SDPA's best", shape_label(shape, case["causal"]),
                              f"{ratio:.2f}x", "0.8x", ratio / 0.8, Path(SOURCE).name))
-    second = saved("second_order_h200.json")
+    second, second_name = newest_saved("second_order_h200.json", "second_order_h100.json")
     if second is not None:
         for case in second["cases"]:
             if case["impl"] == "ours" and case["mode"] == "bwd2" and case.get("tflops"):
                 shape = (case["B"], case["H"], case["N"], case["d"])
                 rows.append(("second-order backward >= 250 TFLOP/s",
                              shape_label(shape, case["causal"]), f"{case['tflops']:.0f}",
-                             "250", case["tflops"] / 250, "second_order_h200.json"))
-        rows += tvm_rows(second, jvp)
+                             "250", case["tflops"] / 250, second_name))
+        for case in second["cases"]:
+            full = next((c for c in second["cases"] if c["impl"] == case["impl"]
+                         and c["mode"] == "bwd2" and not c["causal"] and c.get("tflops")
+                         and all(c[k] == case[k] for k in ("B", "H", "N", "d"))), None)
+            if (case["impl"], case["mode"]) == ("ours", "bwd2") and case["causal"] \
+                    and case.get("tflops") and full is not None:
+                shape = (case["B"], case["H"], case["N"], case["d"])
+                ratio = case["tflops"] / full["tflops"]
+                rows.append(("second-order backward: causal >= 0.9x full",
+                             shape_label(shape, True), f"{ratio:.2f}x", "0.9x", ratio / 0.9,
+                             second_name))
+        rows += tvm_rows(second, second_name, jvp)
     return rows
 
 
@@ -833,14 +854,15 @@ def one_run_steps(run):
     return steps
 
 
-def tvm_rows(second, jvp):
+def tvm_rows(second, second_name, jvp):
     """The second-order backward against TVM's kernel, and the TVM-style step (the forward
     with its JVP, then the backward through both outputs) against the math path's: from
-    the run that timed the whole step (`tvm_step_h200.json`) where it did, else ours from
-    chapter 11's run (`jvp`) and the second-order run (`second`) and the math path's from
-    the grid run, a ratio between runs."""
+    the newest run that timed the whole step (`tvm_step_*.json`) where it did, else ours
+    from chapter 11's run (`jvp`) and the second-order run (`second`) and the math path's
+    from the grid run, a ratio between runs."""
     rows = []
-    one_run = one_run_steps(saved("tvm_step_h200.json"))
+    step_run, step_name = newest_saved("tvm_step_h200.json", "tvm_step_h100.json")
+    one_run = one_run_steps(step_run)
     forward = {} if jvp is None else {(tuple(r["shape"]), r["causal"]): r["ms"]
                                       for r in jvp["rows"] if r["impl"] == "ours_accurate"}
     for case in second["cases"]:
@@ -850,15 +872,15 @@ def tvm_rows(second, jvp):
         if shape[3] == 128 and not causal:
             ratio = case["tflops"] / TVM_SECOND_ORDER_TFLOPS
             rows.append(("second-order backward >= 2x TVM", shape_label(shape, causal),
-                         f"{ratio:.2f}x", "2x", ratio / 2, "second_order_h200.json"))
+                         f"{ratio:.2f}x", "2x", ratio / 2, second_name))
         math = [find("sdpa_math", mode, *shape, causal) for mode in ("fwd_jvp", "bwd2")]
         if (shape, causal) in one_run:
             ours_ms, math_ms = one_run[shape, causal]
-            source = "tvm_step_h200.json"
+            source = step_name
         elif (shape, causal) in forward and all(m and m.get("median_ms") for m in math):
             ours_ms = forward[shape, causal] + case["median_ms"]
             math_ms = sum(m["median_ms"] for m in math)
-            source = (f"second_order_h200.json, warp_specialized_jvp_h200.json, "
+            source = (f"{second_name}, warp_specialized_jvp_h200.json, "
                       f"{Path(SOURCE).name}")
         else:
             continue
@@ -878,7 +900,7 @@ ax.axvline(1.0, color="k", lw=1)
 ax.set_yticks(range(len(TARGETS)), labels, fontsize=6)
 ax.invert_yaxis()
 ax.set_xlabel("measured / target (green: met)")
-ax.set_title("The kernels against their targets, H200, bf16, accurate")
+ax.set_title("The kernels against their targets, bf16, accurate (H200; H100 where the file says)")
 plt.tight_layout()
 plt.show()
 HTML(html_table(["target", "shape", "measured", "target", "met", "results file"],
@@ -908,42 +930,30 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # run before it had "accurate" at 0.76x to 0.79x causal at $d = 128$ and 0.77x to 0.80x
 # at $d = 64$ up to 8192 tokens. What keeps "accurate" behind "fast" now is mostly the
 # carried copies' pass (0.26 ms at B4 H16 N4096). The second-order backward runs chapter
-# 6's Triton kernels, with its key side in two passes (chapter 5, `SPLIT_KEY_SIDE`) and,
-# since 2026-12-04, bf16 "accurate" through exact fp16 copies of its eight inputs (chapter
-# 5, "Through the tangent") instead of hi + lo products: 206 to 233 TFLOP/s at $d = 128$
-# (180 to 195 with the split) and 193 to 227 at $d = 64$ (159 to 174), 1.07x to 1.15x the
-# time of "fast" (231 to 254 at $d = 128$, 217 to 249 at $d = 64$). The 250 TFLOP/s line is
-# met only in "fast" at B4 H16 N4096 $d = 128$ without the mask (254; 249.7 at B1 H16
-# N16384 $d = 128$, 248.8 at B1 H32 N16384 $d = 64$). What bounds "fast", and so
-# "accurate" above it, is the work per tile: fifteen product-sized units on the key side's
-# two passes and the dQ kernel where the first-order backward does five, and the registers
-# of the dK pass at $d = 128$, which still spills on its larger tiles (chapter 4), so that
-# its spill-free tiles, with key blocks of 16 or 32 keys, multiply the key gradients on
-# Ampere's `mma.sync` rather than Hopper's `wgmma`; "accurate" adds the copies' two passes
-# over eight tensors and two multiplies of a tile and of an accumulator per tile. Each
-# key-side pass now tunes its accumulators' layout with its tile (chapter 6): transposed
-# (head dim x keys), they compile onto `wgmma` alone without spilling at tiles where the
-# stored layout cannot. Timed inside the backward through both outputs at B4 H16 N4096
-# $d = 128$ (`tools/tile_sweep.py`, the last two runs of `tile_sweep_h200.json`), the dV
-# pass's transposed 64 x 32 on 4 warps took 14.04 ms against 16.54 for the stored list's
-# best, and the autotuner takes it; the dK pass's transposed tiles took 18.68 to 29.78 ms
-# against 14.69 for the stored 16 x 32, which stays.
+# 12's three Gluon passes on Hopper since 2026-12-05 (unmasked calls, $d = 64$ or 128, from
+# 4096 tokens), and the newest second-order run is the H100's of that day
+# (`second_order_h100.json`, `benchmarks/bench.py --mode bwd2`; the H200's file holds
+# chapter 6's kernels). In "accurate" precision it runs at 313 TFLOP/s at B4 H16 N4096
+# $d = 128$ (chapter 6's kernels: 194 in chapter 12's profile of the same call), 337 at
+# B1 H16 N16384, 278 and 272 at $d = 64$ (B4 H32 N4096, B1 H32 N16384); causal 278, 341,
+# 260, 296; "fast" 314 to 357. So the 250 TFLOP/s line is met at every one of these
+# shapes, and causal is within 10% of full but at B4 H16 N4096 $d = 128$, 0.89x (0.90x in
+# chapter 12's profile; 0.97x at 8192 tokens), where the causal programs' last wave is
+# short of work, as the forward's was before its grouped order.
 #
 # The last two targets read the second-order backward inside what it serves. The
 # TVM-style step (the forward with its JVP, then the backward through both outputs, as
 # Terminal Velocity Matching trains), timed in one run with the math path beside it
 # (`benchmarks/bench.py --impl ours sdpa_math --mode fwd_jvp bwd2 --n 4096 --d 128
-# --causal both`, `tvm_step_h200.json`, 2026-12-05), takes 20.79 ms at B4 H16 N4096
-# $d = 128$ in "accurate" precision (2.84 + 17.96, the backward at 230 TFLOP/s with the
-# transposed dV pass), 9.3x the math path's 193.84 ms (69.89 + 123.95), and 11.59
-# against 200.15 ms causal, 17.3x; the runs before, combined between runs, had given the
-# same 9.3x and 17.2x. At 16384 tokens and at $d = 64$ the math path's backward does not
-# fit in memory. Without the mask, 10x needs the backward at 16.5 ms, which is 250
-# TFLOP/s: the same line as the target above. Against
-# lumalabs' TVM kernel, whose second-order backward ran at 118 TFLOP/s when it was timed
-# beside ours (H200, bf16, $d = 128$, 2026-11-30; its non-commercial licence keeps it out
-# of `bench.py`), ours runs 1.93x at 4096 tokens and 1.94x at 16384: 2x is 236 TFLOP/s,
-# again just under the 250 line, and bounded by what bounds it.
+# --causal both`, `tvm_step_h100.json`, H100, 2026-12-05), takes 16.00 ms at B4 H16 N4096
+# $d = 128$ in "accurate" precision (2.89 + 13.11), 13.9x the math path's 222.25 ms
+# (79.72 + 142.53), and 8.82 against 229.93 ms causal, 26.1x; on the H200 with chapter
+# 6's kernels it was 9.3x and 17.3x (`tvm_step_h200.json`). At 16384 tokens and at
+# $d = 64$ the math path's backward does not fit in memory. Against lumalabs' TVM kernel,
+# whose second-order backward ran at 118 TFLOP/s when it was timed beside ours (H200,
+# bf16, $d = 128$, 2026-11-30; its non-commercial licence keeps it out of `bench.py`),
+# ours runs 2.65x at 4096 tokens and 2.86x at 16384, a ratio across the two GPUs (both
+# have 132 SMs and the kernel is bound by its products, not by memory).
 
 # %% [markdown]
 # ### The causal calls' last wave
