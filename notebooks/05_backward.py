@@ -1098,6 +1098,19 @@ def _attention_backward_dq_kernel(
 # against 21.39 in two in "accurate" precision (183 against 193 TFLOP/s), 18.62 against
 # 16.21 ms in "fast" (221 against 254); at (4, 32, 4096, 64) 23.75 ms "accurate" and 16.76 "fast", where the one
 # pass took 26.68 and 22.22 in an earlier run (`benchmarks/results/second_order_h200.json`).
+#
+# A training loop calls the backward with the same shapes step after step, so, like the
+# forward (chapter 2, "Replaying a call"), it replays a call at a key seen before. Its
+# launches are several (the row statistics where they run, dQ, one or two key-side
+# passes), and each takes tensors the call allocates (the gradients, $\Delta$, $c$) as
+# well as its inputs. So the buffers come from one function (`backward_buffers`), the call
+# records its direct launches, and `launch_slots` finds each launch's tensor arguments
+# among the inputs and those buffers by identity. A replay allocates new buffers and calls
+# each compiled kernel with the tensors at those places. A call none of whose launches
+# went through Triton's own path, and whose tensors all come from there, is replayable:
+# not a carried one (its copies are new tensors), not chapter 12's kernels (their
+# descriptors hold addresses), not a masked one. Only on the GPU: under the interpreter
+# no launch is direct.
 # `SPLIT_KEY_SIDE = False` brings back the one pass. On an sm_90 GPU, unmasked calls through
 # the tangent that chapter 12's first-order kernels would take hand its three passes to
 # that chapter's warp-specialised forms (`SECOND_ORDER_PASSES` there says which).

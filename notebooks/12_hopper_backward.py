@@ -1821,8 +1821,19 @@ else:
     print(f"no saved run at {PASSES_RESULTS}")
 
 # %% [markdown]
-# What the numbers said on an H100 (bf16, GPU time from the profiler, one run of the same
-# method before the script, and before the saved run the cell above shows):
+# The saved run above (`second_order_passes_h100.json`, an H100, 2026-12-05): with all
+# three passes, 12.83 against chapter 6's 21.30 ms at (4, 16, 4096, 128) "accurate" (321
+# against 194 TFLOP/s), causal 7.11 against 11.56 (290 against 178, 0.90x the unmasked
+# rate), "fast" 11.26 against 19.59 (366 against 210); 25.74 against 41.71 ms at
+# (2, 16, 8192, 128) (320 against 198), causal 13.30 (310, 0.97x); at $d = 64$ 7.82
+# against 8.78 (264 against 235), causal 4.06 against 4.80 (254 against 215). Each
+# variant's gradients stay within 0.34% of chapter 6's largest entry. At $d = 128$ the
+# $dQ$ pass on 64-key visits does not fit (262,848 bytes of shared memory against the
+# H100's 232,448), as the tile choice expected; at $d = 64$ it is the faster one (8.37
+# against 9.11 ms on 32-key visits, the others chapter 6's).
+#
+# What the numbers said on an H100 before that (bf16, GPU time from the profiler, one run
+# of the same method before the script):
 #
 # * **The three passes together: 1.6x chapter 6's.** At (4, 16, 4096, 128) "accurate"
 #   13.22 against 21.22 ms, 312 against 194 TFLOP/s; the key-side passes 8.16 against
