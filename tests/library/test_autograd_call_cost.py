@@ -68,20 +68,18 @@ PRIMAL_BACKWARD_OPS = 7  # with the test's own ones_like
 # decisions: 109 (here the replay still launches through the autotuner, as the
 # interpreter needs; on a GPU it calls the C launcher directly). Marking launches that
 # bypass the C launcher (which makes a call unreplayable) costs one call per launch here,
-# where the interpreter runs every launch: 111. The backward is replayed on the GPU only
-# (chapter 5); here it pays for its buffers' allocation and its launches' function (two
-# calls) and the marks: 115.
+# where the interpreter runs every launch: 111 and, for the backward's launches, 113.
 FORWARD_JVP_PYTHON_CALLS = 111
-PRIMAL_BACKWARD_PYTHON_CALLS = 115
+PRIMAL_BACKWARD_PYTHON_CALLS = 113
 # Carried (bf16 "accurate" from 1024 keys, forced here on float16), each direction adds
 # the carry's launcher (`carried_operands`: strides, shapes and allocations for the range
 # pass and the copies, then their two cached launches) and the copy kernel's epilogue
 # arguments: 228 and 181 on 2026-12-05. Most of the difference is generator steps over the
 # copied tensors' strides and shapes (about 50 a direction). `head_group`: 229. A carried
 # call is not replayed (its copies are launches of their own), and pays for the key and
-# the recording that would let a plain one be (chapter 2): 249; with the marks, 253 and 189.
+# the recording that would let a plain one be (chapter 2): 249; with the marks, 253 and 187.
 CARRIED_FORWARD_JVP_PYTHON_CALLS = 253
-CARRIED_PRIMAL_BACKWARD_PYTHON_CALLS = 189
+CARRIED_PRIMAL_BACKWARD_PYTHON_CALLS = 187
 # Operations that are no GPU kernel: what a call may dispatch besides our launches.
 NO_KERNEL = {"jvp_attention.forward_jvp.default", "jvp_attention.backward.default",
              "aten.alias.default", "aten.is_same_size.default", "aten.view.default",

@@ -205,36 +205,3 @@ def test_a_patched_decision_is_not_met_by_a_replay(monkeypatch) -> None:
     assert FORWARD_REPLAYS
     monkeypatch.setattr(forward, "carries", lambda q, n_keys: True)
     assert not FORWARD_REPLAYS
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("precision", ["accurate", "fast"])
-@pytest.mark.parametrize("order", ["first", "second"])
-def test_backward_replay_gpu(dtype, precision, order) -> None:
-    """The backward's launches (the row statistics where they run, dQ, dK/dV or the
-    second order's passes) replayed from its inputs and new buffers give the whole path's
-    bits."""
-    from jvp_attention.backward import BACKWARD_REPLAYS, flash_attention_backward
-
-    def call(seed):
-        (q, k, v), tan = _inputs(dtype, seed=seed)
-        fwd = flash_attention_forward(q, k, v, tangents=tan, precision=precision)
-        grad_out, grad_tangent_out = (torch.randn_like(fwd.out) for _ in range(2))
-        second = order == "second"
-        return lambda: flash_attention_backward(
-            q, k, v, fwd.out, fwd.lse, grad_out, tangents=tan if second else None,
-            tangent_out=fwd.tangent_out if second else None, mu=fwd.mu if second else None,
-            grad_tangent_out=grad_tangent_out if second else None, precision=precision)
-
-    settle = call(0)
-    for _ in range(3):
-        settle()
-    assert len(BACKWARD_REPLAYS) == 1
-    later = call(1)
-    replayed = later()
-    launch.forget_replays()
-    whole = later()
-    assert len(replayed) == (6 if order == "second" else 3)
-    for a, b in zip(replayed, whole, strict=True):
-        assert torch.equal(a, b)
