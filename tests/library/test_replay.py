@@ -161,7 +161,7 @@ def test_a_direct_replay_steps_aside_for_hooks_and_new_tiles(monkeypatch) -> Non
     tile = object()
     tuner = _Tuner({"key": tile})
     direct = launch.DirectLaunch(None, (1, 1, 1), (), 0, (tuner, "key", tile))
-    replay = launch.ReplayedLaunch(lambda *a, **k: None, (), {}, False, direct)
+    replay = launch.ReplayedLaunch(False, direct)
     assert replay.usable()
     tuner.tuned = {"key": object()}
     assert not replay.usable()
@@ -170,11 +170,12 @@ def test_a_direct_replay_steps_aside_for_hooks_and_new_tiles(monkeypatch) -> Non
     tuner.tuned = {"key": tile}
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *args: None)
     assert not replay.usable()
-    untuned = replay._replace(direct=direct._replace(tuned=None))
+    untuned = replay._replace(recorded=direct._replace(tuned=None))
     assert not untuned.usable()
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
     assert untuned.usable()
-    assert replay._replace(direct=None).usable()  # through the launch path: always
+    interpreted = launch.InterpretedLaunch(None, (1,), (), {})
+    assert replay._replace(recorded=interpreted).usable()  # the interpreter's: always
 
 
 @pytest.mark.gpu
@@ -188,7 +189,8 @@ def test_direct_replay_gpu(dtype, tangents) -> None:
     kwargs = dict(tangents=tan if tangents else None, residuals=True)
     _settle(q, k, v, **kwargs)
     (replay,) = FORWARD_REPLAYS.values()
-    assert replay.direct is not None and replay.direct.tuned is not None
+    assert isinstance(replay.recorded, launch.DirectLaunch)
+    assert replay.recorded.tuned is not None
     (q2, k2, v2), tan2 = _inputs(dtype, seed=1)
     kwargs2 = dict(kwargs, tangents=tan2 if tangents else None)
     replayed = _flat(flash_attention_forward(q2, k2, v2, **kwargs2))
@@ -205,3 +207,36 @@ def test_a_patched_decision_is_not_met_by_a_replay(monkeypatch) -> None:
     assert FORWARD_REPLAYS
     monkeypatch.setattr(forward, "carries", lambda q, n_keys: True)
     assert not FORWARD_REPLAYS
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32] if not HAS_CUDA
+                         else [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("precision", ["accurate", "fast"])
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_backward_replay(dtype, precision, order) -> None:
+    """The backward's launches (the row statistics where they run, dQ, dK/dV or the
+    second order's passes) replayed from its inputs and new buffers give the whole path's
+    bits (on the GPU through the C launcher, here through the interpreter)."""
+    from jvp_attention.backward import BACKWARD_REPLAYS, flash_attention_backward
+
+    def call(seed):
+        (q, k, v), tan = _inputs(dtype, seed=seed)
+        fwd = flash_attention_forward(q, k, v, tangents=tan, precision=precision)
+        grad_out, grad_tangent_out = (torch.randn_like(fwd.out) for _ in range(2))
+        second = order == "second"
+        return lambda: flash_attention_backward(
+            q, k, v, fwd.out, fwd.lse, grad_out, tangents=tan if second else None,
+            tangent_out=fwd.tangent_out if second else None, mu=fwd.mu if second else None,
+            grad_tangent_out=grad_tangent_out if second else None, precision=precision)
+
+    settle = call(0)
+    for _ in range(3):
+        settle()
+    assert len(BACKWARD_REPLAYS) == 1
+    later = call(1)
+    replayed = later()
+    launch.forget_replays()
+    whole = later()
+    assert len(replayed) == (6 if order == "second" else 3)
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
