@@ -35,6 +35,7 @@ from jvp_attention.launch import (
     launchable,
     mask_operand,
     next_power_of_2,
+    note_untraced_launch,
     on_device,
     prepare_descriptors,
     remember,
@@ -1053,6 +1054,10 @@ def _launch_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, t
                   and not graph_takes_pointers(q, n_k)
                   and warp_specialized_tangent_passes(q, k, v, (tq, tk, tv), grad_out, dto,
                                                       exact))
+    if carry or ws_dq or ws_dkdv or ws_tangent:
+        # Not replayed: the carry's copies and chapter 12's launchers allocate and fill
+        # buffers of their own (a replay sees only the launches it recorded).
+        note_untraced_launch()
     # Where its dK/dV kernel sums dQ as well, no dQ kernel runs; not under deterministic
     # algorithms, since the order of that sum's adds varies from run to run.
     fused_dq = (ws_dkdv and fuses_dq(head_dim, is_causal, carry)
