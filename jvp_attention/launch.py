@@ -1069,7 +1069,10 @@ def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple]
         slots = tuple([None if x is None else places.get(id(x), -1) for x in values[:lead]])
         if -1 in slots:
             return None
-        found.append((recorded, slots))
+        # Kept without the call's tensors: a replay must not hold them alive (their
+        # memory, and the gradients autograd could otherwise take over uncopied).
+        found.append((recorded._replace(values=(None,) * lead + tuple(values[lead:])),
+                      slots))
     return found
 
 

@@ -7,7 +7,9 @@ On CPU the replay launches through the autotuner (the interpreter has no C launc
 test marked `gpu` checks the direct launch of the compiled kernel.
 """
 
+import gc
 import os
+import weakref
 from contextlib import ExitStack
 from unittest import mock
 
@@ -240,3 +242,21 @@ def test_backward_replay(dtype, precision, order) -> None:
     assert len(replayed) == (6 if order == "second" else 3)
     for a, b in zip(replayed, whole, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_replay_keeps_no_tensor_alive() -> None:
+    """A recorded replay holds none of the recorded call's tensors: neither their memory
+    nor (in the backward) gradients that autograd could otherwise take over uncopied."""
+    from jvp_attention.backward import BACKWARD_REPLAYS, flash_attention_backward
+
+    (q, k, v), tan = _inputs()
+    refs = [weakref.ref(x) for x in (q, k, v, *tan)]
+    for _ in range(3):
+        fwd = flash_attention_forward(q, k, v, tangents=tan)
+        grad_out = torch.randn_like(fwd.out)
+        grads = flash_attention_backward(q, k, v, fwd.out, fwd.lse, grad_out)
+        refs += [weakref.ref(x) for x in (*_flat(fwd), grad_out, *grads)]
+    assert FORWARD_REPLAYS and BACKWARD_REPLAYS
+    del q, k, v, tan, fwd, grad_out, grads
+    gc.collect()
+    assert all(ref() is None for ref in refs)
