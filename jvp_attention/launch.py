@@ -1052,7 +1052,10 @@ def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple]
                       for x in values[:lead])
         if -1 in slots:
             return None
-        found.append((direct, slots))
+        # Kept without the call's tensors: a replay must not hold them alive (their
+        # memory, and the gradients autograd could otherwise take over uncopied).
+        found.append((direct._replace(values=(None,) * lead + tuple(values[lead:])),
+                      slots))
     return found
 
 

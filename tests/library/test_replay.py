@@ -7,7 +7,9 @@ On CPU the replay launches through the autotuner (the interpreter has no C launc
 test marked `gpu` checks the direct launch of the compiled kernel.
 """
 
+import gc
 import os
+import weakref
 from contextlib import ExitStack
 from unittest import mock
 
@@ -205,3 +207,17 @@ def test_a_patched_decision_is_not_met_by_a_replay(monkeypatch) -> None:
     assert FORWARD_REPLAYS
     monkeypatch.setattr(forward, "carries", lambda q, n_keys: True)
     assert not FORWARD_REPLAYS
+
+
+def test_a_replay_keeps_no_tensor_alive() -> None:
+    """A recorded replay holds none of the recorded call's tensors: neither their memory
+    nor (in the backward) gradients that autograd could otherwise take over uncopied."""
+    (q, k, v), tan = _inputs()
+    refs = [weakref.ref(x) for x in (q, k, v, *tan)]
+    for _ in range(3):
+        outputs = flash_attention_forward(q, k, v, tangents=tan, residuals=True)
+        refs += [weakref.ref(x) for x in _flat(outputs)]
+    assert FORWARD_REPLAYS
+    del q, k, v, tan, outputs
+    gc.collect()
+    assert all(ref() is None for ref in refs)
