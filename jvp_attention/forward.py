@@ -437,6 +437,11 @@ def flash_attention_forward(
     def grid(meta):
         return cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
 
+    # A replay repeats this one launch with the inputs themselves: not after a carry (its
+    # copies are launches of their own) nor after copying a column-strided input; other
+    # calls launch without recording.
+    replayable = (key is not None and not carry
+                  and all(a is b for a, b in zip(inputs, (q, k, v, tq, tk, tv), strict=False)))
     with on_device(q):
         replay = record_launch(
             _attention_forward_jvp if has_tangent else _attention_forward, grid,
@@ -452,11 +457,8 @@ def flash_attention_forward(
                  ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
                  **{**constants, **tiles},  # the column tiles' widths replace the padded ones
                  **pair_tails(tiles, head_dim, value_dim, constants["SPLIT"] and not use_tma)),
-            use_tma)
-    # A replay repeats this one launch with the inputs themselves: not after a carry (its
-    # copies are launches of their own) nor after copying a column-strided input.
-    if (key is not None and replay is not None and not carry
-            and all(a is b for a, b in zip(inputs, (q, k, v, tq, tk, tv), strict=False))):
+            use_tma, record=replayable)
+    if replay is not None:
         remember(FORWARD_REPLAYS, key, replay)
     return forward_results(buffers, has_tangent, residuals)
 

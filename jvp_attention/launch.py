@@ -1007,15 +1007,18 @@ class ReplayedLaunch(NamedTuple):
 
 
 def record_launch(kernel, grid, tensors: tuple, rest: tuple, kwargs: dict,
-                  descriptors: bool) -> ReplayedLaunch | None:
+                  descriptors: bool, record: bool = True) -> ReplayedLaunch | None:
     """Launch `kernel[grid](*tensors, *rest, **kwargs)` as `launchable` does (`descriptors`:
     with Triton's allocator for tensor descriptors set) and return what repeats it for
     other tensors of the same kind, or None where a replay would not be the same launch: a
     traced call, a launch through Triton's own path (the first at a key, a hooked one),
-    or more than one launch."""
+    or more than one launch. Without `record`, only the launch."""
     launcher = launchable(kernel, tensors[0])
     launch = launcher[grid]
     prepare_descriptors(descriptors)
+    if not record:
+        launch(*tensors, *rest, **kwargs)
+        return None
     outer, RECORDER.launches = RECORDER.launches, []
     launches = RECORDER.launches
     try:
@@ -1039,23 +1042,26 @@ def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple]
     had not settled yet, a tensor argument is not in `pool` (a copy made during the call), or
     an argument after the leading tensors is not a plain value (a tensor descriptor holds
     an address)."""
+    if None in launches:
+        return None
+    places: dict[int, int] = {}  # id -> first place in pool (plain loops: run per record)
+    for place, tensor in enumerate(pool):
+        places.setdefault(id(tensor), place)
     found = []
     for direct in launches:
-        if direct is None:
-            return None
         values = direct.values
-        lead = next((i for i, x in enumerate(values)
-                     if x is not None and not isinstance(x, torch.Tensor)), len(values))
-        if any(x.__class__ not in PLAIN_TYPES for x in values[lead:]):
+        lead = 0
+        while lead < len(values) and (values[lead] is None
+                                      or isinstance(values[lead], torch.Tensor)):
+            lead += 1
+        if not {x.__class__ for x in values[lead:]} <= PLAIN_TYPES:
             return None
-        slots = tuple(None if x is None else next((i for i, t in enumerate(pool) if t is x), -1)
-                      for x in values[:lead])
+        slots = tuple([None if x is None else places.get(id(x), -1) for x in values[:lead]])
         if -1 in slots:
             return None
         # Kept without the call's tensors: a replay must not hold them alive (their
         # memory, and the gradients autograd could otherwise take over uncopied).
-        found.append((direct._replace(values=(None,) * lead + tuple(values[lead:])),
-                      slots))
+        found.append((direct._replace(values=(None,) * lead + tuple(values[lead:])), slots))
     return found
 
 
