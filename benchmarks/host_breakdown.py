@@ -28,7 +28,11 @@ autograd engine runs the backward on a thread of its own on CUDA):
 - `JITFunction.run`: Triton's launch (argument binding and specialisation, the cache lookup,
   launch metadata), and inside it the C launcher (`CudaLauncher.__call__`: scratch
   allocation, tensor-descriptor encoding, `cuLaunchKernelEx`);
-- under the interpreter, `InterpretedFunction.run` in their place (it runs the kernel).
+- under the interpreter, `InterpretedFunction.run` in their place (it runs the kernel);
+- `ReplayedLaunch`: a launch repeated from an earlier call at the same key (chapter 2's
+  "Replaying a call"): from a call's third step on (the first tunes, the second records),
+  its launches go straight to the C launcher (or the interpreter) and none of the layers
+  from `KeyedAutotuner.run` to `JITFunction.run` runs.
 
 The compiled columns (`ours_compiled`, `ours_cudagraphs`, CUDA only) run after the eager
 ones, without the `attention` timer, which torch.compile would trace as a graph break; the
@@ -136,6 +140,8 @@ def call_layers() -> list[tuple[str, object, str]]:
               ("CachedLauncher.run", launch.CachedLauncher, "run")]
     if hasattr(launch.CachedLauncher, "launch"):
         layers.append(("CachedLauncher.launch", launch.CachedLauncher, "launch"))
+    if hasattr(launch, "ReplayedLaunch"):
+        layers.append(("ReplayedLaunch (a replayed launch)", launch.ReplayedLaunch, "__call__"))
     if ts.HAS_CUDA:
         from triton.runtime.jit import JITFunction
         layers.append(("Triton JITFunction.run", JITFunction, "run"))
@@ -227,7 +233,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None,
                         help="timed steps per case (default 200 on CUDA, 2 on CPU)")
     parser.add_argument("--warmup-steps", type=int, default=None,
-                        help="untimed steps first (default 5 on CUDA, 1 on CPU)")
+                        help="untimed steps first (default 5 on CUDA, 2 on CPU: a call is "
+                             "replayed from its third step on)")
     parser.add_argument("--cpu-compile", action="store_true",
                         help="on CPU, run ours_compiled through the aot_eager backend "
                              "(plumbing)")
@@ -244,7 +251,7 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     if args.steps is None:
         args.steps = 200 if ts.HAS_CUDA else 2
     if args.warmup_steps is None:
-        args.warmup_steps = 5 if ts.HAS_CUDA else 1
+        args.warmup_steps = 5 if ts.HAS_CUDA else 2
     # What training_shapes.make_step reads besides these.
     args.math_limit_gb = 100.0
     return args

@@ -4,15 +4,20 @@
 `notebooks/05_backward.py` derives them and checks them against chapter 1's references.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from jvp_attention.launch import (
     AUTOTUNE_KEYS,
+    RECORDER,
     KeyedAutotuner,
+    ReplayedLaunch,
     accurate,
     autotuned,
+    call_facts,
     carried_fakes,
     carried_operands,
     carries,
@@ -26,11 +31,15 @@ from jvp_attention.launch import (
     interpreting,
     kernel_meta,
     launch_column_tiles,
+    launch_slots,
     launchable,
     mask_operand,
     next_power_of_2,
+    note_untraced_launch,
     on_device,
     prepare_descriptors,
+    remember,
+    replay_table,
     row_alignment,
     row_strides,
     tile_configs,
@@ -959,17 +968,26 @@ def flash_attention_backward(
         ValueError: For mismatched shapes, a bad `precision`, missing tangent inputs, or a
             `mask_tangent` or `mask_grad` without an additive attn_mask.
     """
+    exact = accurate(precision)
+    has_tangent = grad_tangent_out is not None
+    inputs = (q, k, v, out, lse, grad_out, *(tangents or (None, None, None)), tangent_out, mu,
+              grad_tangent_out, out_residual, tangent_out_residual)
+    key = None
+    if attn_mask is None and mask_tangent is None and not mask_grad:  # replayable
+        key = backward_key(inputs, is_causal, scale, exact)
+        replay = BACKWARD_REPLAYS.get(key) if key is not None else None
+        if replay is not None and replay.usable():
+            buffers = backward_buffers(q, k, v, lse, has_tangent)
+            replay((*inputs, *buffers))
+            return buffers[:6] if has_tangent else buffers[:3]
     check_kernel_shapes(q, k, v)
     batch, n_heads, n_q, head_dim = q.shape
-    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     scale = head_dim**-0.5 if scale is None else scale
-    exact = accurate(precision)
-    scores_shape = (batch, n_heads, n_q, n_k)
+    scores_shape = (batch, n_heads, n_q, k.shape[2])
     check_mask_tangent(attn_mask, mask_tangent, scores_shape)
     if mask_grad and (attn_mask is None or not attn_mask.is_floating_point()):
         raise ValueError("mask_grad needs an additive (float) attn_mask: a boolean mask or "
                          "no mask has no gradient")
-    has_tangent = grad_tangent_out is not None
     if has_tangent and (tangents is None or tangent_out is None or mu is None):
         raise ValueError("the backward through the tangent needs tangents, tangent_out and mu")
     q, k, v, grad_out = (unit_last_stride(x) for x in (q, k, v, grad_out))
@@ -981,11 +999,35 @@ def flash_attention_backward(
     if has_tangent and out_residual is not None and tangent_out_residual is None:
         raise ValueError("pass tangent_out_residual along with out_residual")
     t_residual = tangent_out_residual if has_tangent and out_residual is not None else residual
-    dq = torch.empty((batch, n_heads, n_q, head_dim), device=q.device, dtype=q.dtype)
-    dk = torch.empty((batch, n_kv_heads, n_k, head_dim), device=q.device, dtype=k.dtype)
-    dv = torch.empty((batch, n_kv_heads, n_k, value_dim), device=q.device, dtype=v.dtype)
-    dtq, dtk, dtv = ((torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv))
-                     if has_tangent else (dq, dk, dv))
+    buffers = backward_buffers(q, k, v, lse, has_tangent)
+    dq, dk, dv, dtq, dtk, dtv, delta, c = buffers
+    # The launches, recorded for a replay.
+    outer, RECORDER.launches = RECORDER.launches, [] if key is not None else None
+    try:
+        grads = _launch_backward(
+            q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, tq, tk, tv, t_out, mu,
+            dto, out_residual, residual, t_residual, mask_tangent, mask_grad, exact,
+            has_tangent, buffers)
+        launches = RECORDER.launches
+    finally:
+        RECORDER.launches = outer
+    slots = None if key is None else launch_slots(launches, (*inputs, *buffers))
+    if slots:
+        remember(BACKWARD_REPLAYS, key, BackwardReplay(tuple(
+            (ReplayedLaunch(scratch_needed(direct), direct), where)
+            for direct, where in slots)))
+    return grads
+
+
+def _launch_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, tq, tk, tv,
+                     t_out, mu, dto, out_residual, residual, t_residual, mask_tangent,
+                     mask_grad, exact, has_tangent, buffers):
+    """`flash_attention_backward`'s launches, on its checked arguments and `buffers`."""
+    batch, n_heads, n_q, head_dim = q.shape
+    n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    scores_shape = (batch, n_heads, n_q, n_k)
+    dq, dk, dv, dtq, dtk, dtv, delta, c = buffers
+    grad_tangent = dto  # the row statistics read the cotangents themselves
     mask, mask_strides, mask_kind = mask_operand(attn_mask, scores_shape,
                                                  mask_tangent if has_tangent else None)
     # The mask's gradients (not written without MASK_GRAD): entries that the dQ programs
@@ -999,9 +1041,8 @@ def flash_attention_backward(
     carry = (exact and not mask_grad and carries(q, n_k)
              and not (has_tangent and mask_tangent is not None)
              and min(q.numel(), k.numel(), grad_out.numel()) > 0)
-    # Delta (and c): carried first-order, the copy operator returns its own Delta
-    delta = None if carry and not has_tangent else torch.empty_like(lse)
-    c = torch.empty_like(lse) if has_tangent else delta
+    if carry and not has_tangent:  # carried first-order, the copy operator returns Delta
+        delta = c = None
     # Chapter 12's warp-specialised kernels take unmasked first-order calls on Hopper; they
     # read descriptors, so not in a graph that takes pointers.
     long_rows = not has_tangent and long_backward_rows(q, n_q, n_k)
@@ -1013,13 +1054,16 @@ def flash_attention_backward(
                   and not graph_takes_pointers(q, n_k)
                   and warp_specialized_tangent_passes(q, k, v, (tq, tk, tv), grad_out, dto,
                                                       exact))
+    if carry or ws_dq or ws_dkdv or ws_tangent:
+        # Not replayed: the carry's copies and chapter 12's launchers allocate and fill
+        # buffers of their own (a replay sees only the launches it recorded).
+        note_untraced_launch()
     # Where its dK/dV kernel sums dQ as well, no dQ kernel runs; not under deterministic
     # algorithms, since the order of that sum's adds varies from run to run.
     fused_dq = (ws_dkdv and fuses_dq(head_dim, is_causal, carry)
                 and not torch.are_deterministic_algorithms_enabled())
     grad_operand, factors = grad_out, lse  # `factors` is not read without CARRY
     dq_sum = None  # chapter 12's fp32 dQ sum, where the copy kernel zeros it
-    grad_tangent = dto  # the row statistics read the cotangents themselves
     if carry and has_tangent:
         with on_device(q):
             q, k, v, tq, tk, tv, grad_operand, dto, factors = carried_second_order_operands(
@@ -1102,3 +1146,55 @@ def flash_attention_backward(
     if mask_grad:
         return (*grads, dmask, dmask_tangent) if has_tangent else (*grads, dmask)
     return grads
+
+
+# Replays of earlier calls (chapter 2's "Replaying a call"), by what their decisions read.
+BACKWARD_REPLAYS: dict[tuple, "BackwardReplay"] = replay_table()
+
+
+def backward_key(inputs: tuple, is_causal: bool, scale: float | None, exact: bool) -> tuple | None:
+    """What the backward's decisions read of a call without masks: its tensors
+    (`call_facts`), which of the optional ones are given, its options and the settings
+    that choose kernels (deterministic algorithms, the key-side split, the layout bound)."""
+    facts = call_facts(*[x for x in inputs if x is not None])
+    if facts is None:
+        return None
+    return (is_causal, scale, exact, torch.are_deterministic_algorithms_enabled(),
+            SPLIT_KEY_SIDE, TRANSPOSED_MAX_KEYS, tuple(x is None for x in inputs), *facts)
+
+
+def backward_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                     has_tangent: bool) -> tuple[torch.Tensor, ...]:
+    """The backward's outputs and row statistics, uninitialised: dQ, dK, dV, their tangent
+    twins (dQ, dK, dV themselves without the tangent), Delta and c (Delta without it)."""
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=q.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
+    dtq, dtk, dtv = ((torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv))
+                     if has_tangent else (dq, dk, dv))
+    delta = torch.empty_like(lse)
+    return dq, dk, dv, dtq, dtk, dtv, delta, torch.empty_like(lse) if has_tangent else delta
+
+
+def scratch_needed(direct) -> bool:
+    """Whether a compiled kernel asks Triton's allocator for global memory (its tensor
+    descriptors): the allocator must then be set on the thread that launches it."""
+    compiled = getattr(direct, "compiled", None)  # (none under the interpreter)
+    return getattr(getattr(compiled, "metadata", None), "global_scratch_size", 0) > 0
+
+
+class BackwardReplay(NamedTuple):
+    """The launches of a backward call, to repeat for a later call at the same key: each a
+    direct `ReplayedLaunch` with the places of its tensor arguments among the call's
+    inputs and buffers (`launch_slots`)."""
+
+    launches: tuple
+
+    def usable(self) -> bool:
+        """Whether every launch may be replayed (`ReplayedLaunch.usable`)."""
+        return all(replay.usable() for replay, _ in self.launches)
+
+    def __call__(self, pool: tuple) -> None:
+        """Launch each kernel with its tensors taken from `pool` (inputs, then buffers)."""
+        for replay, slots in self.launches:
+            replay(tuple([None if i is None else pool[i] for i in slots]))

@@ -438,8 +438,7 @@ def flash_attention_forward(
         return cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
 
     # A replay repeats this one launch with the inputs themselves: not after a carry (its
-    # copies are launches of their own) nor after copying a column-strided input; other
-    # calls launch without recording.
+    # copies are launches of their own) nor after copying a column-strided input.
     replayable = (key is not None and not carry
                   and all(a is b for a, b in zip(inputs, (q, k, v, tq, tk, tv), strict=False)))
     with on_device(q):

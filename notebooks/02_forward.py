@@ -1554,7 +1554,8 @@ class CachedLauncher:
     def run(self, *args, grid, warmup: bool = False, **kwargs):
         """Launch as `kernel[grid](*args, **kwargs)` would; returns the compiled kernel."""
         if not self.direct:  # the interpreter runs the kernel: nothing to save here
-            note_untraced_launch()
+            if RECORDER.launches is not None and not warmup:
+                RECORDER.launches.append(InterpretedLaunch(self.kernel, grid, args, kwargs))
             return self.kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
         key = None if warmup else self.match(args, kwargs)
         known = None if key is None else self.launches.get(key)
@@ -1712,7 +1713,8 @@ class KeyedAutotuner(Autotuner):
             return result
         self.best_config = config
         tile = config.all_kwargs()
-        note_untraced_launch()  # its tile is not checked against `tuned` on a replay
+        if launcher.direct:  # its tile would not be checked against `tuned` on a replay
+            note_untraced_launch()
         compiled = launcher.run(*args, grid=grid, **kwargs, **tile)
         if match is not None:  # from the next launch on, one lookup
             launched = launcher.launches.get(launcher.match(args, {**kwargs, **tile}) or ())
@@ -2188,8 +2190,9 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
 # profiler's) is installed or once the autotuner holds another tile for the key (a tile
 # sweep), and the key holds the settings that the decisions read (the descriptor and
 # warp-specialisation switches, the carry threshold, Triton's code options). Under the
-# interpreter, where there is no C launcher, a replay repeats the launch through the
-# autotuner: the same decisions are skipped, which is how the CPU tests exercise it.
+# interpreter, where there is no C launcher, the recorded launch is the interpreter's,
+# and a replay runs it with the new tensors: the same decisions are skipped, which is how
+# the CPU tests exercise it.
 #
 # On an H100 machine's host (bf16, (64, 12, 256, 64), one diagnostic run of
 # `benchmarks/host_breakdown.py`) `torch.func.jvp(attention)` then took 257 µs a call,
@@ -2221,44 +2224,54 @@ class DirectLaunch(NamedTuple):
     tuned: tuple | None = None
 
 
-class ReplayedLaunch(NamedTuple):
-    """A launch to repeat for later calls that differ from it only in their tensors (see
-    `record_launch`): `launch(*tensors, *rest, **kwargs)` through this library's launch
-    path, or, where it was a direct launch (`direct`), the compiled kernel's C launcher
-    called with the new tensors in front of its other arguments."""
+class InterpretedLaunch(NamedTuple):
+    """A launch run by Triton's interpreter while a call was being recorded: the kernel, the
+    grid, the positional arguments and the keywords (the tile's included)."""
 
-    launch: Callable
-    rest: tuple
+    kernel: object
+    grid: object
+    values: tuple
     kwargs: dict
+    tuned: None = None
+
+
+class ReplayedLaunch(NamedTuple):
+    """A recorded launch to repeat for later calls that differ from it only in their tensors
+    (see `record_launch`): the compiled kernel's C launcher (or the interpreter) called with
+    the new tensors in front of the other recorded arguments; `descriptors`: with Triton's
+    allocator for tensor descriptors set first."""
+
     descriptors: bool
-    direct: DirectLaunch | None
+    recorded: DirectLaunch | InterpretedLaunch
 
     def usable(self) -> bool:
         """Whether a replay does what the full path would: no launch hook to call, and the
         autotuner still on the recorded tile."""
-        direct = self.direct
-        if direct is None:
+        recorded = self.recorded
+        if isinstance(recorded, InterpretedLaunch):
             return True
         if launch_hooks():
             return False
-        if direct.tuned is None:
+        if recorded.tuned is None:
             return True
-        autotuner, key, tile = direct.tuned
+        autotuner, key, tile = recorded.tuned
         return autotuner.tuned.get(key) is tile
 
     def __call__(self, tensors: tuple) -> None:
         """Launch with `tensors` in place of the recorded ones."""
         prepare_descriptors(self.descriptors)
-        direct = self.direct
-        if direct is None:
-            self.launch(*tensors, *self.rest, **self.kwargs)
+        recorded = self.recorded
+        rest = recorded.values[len(tensors):]
+        if isinstance(recorded, InterpretedLaunch):
+            recorded.kernel.run(*tensors, *rest, grid=recorded.grid, warmup=False,
+                                **recorded.kwargs)
             return
-        if direct.tuned is not None:
-            direct.tuned[0].best_config = direct.tuned[2]
-        compiled = direct.compiled
-        compiled.run(*direct.grid, driver.active.get_current_stream(direct.device),
+        if recorded.tuned is not None:
+            recorded.tuned[0].best_config = recorded.tuned[2]
+        compiled = recorded.compiled
+        compiled.run(*recorded.grid, driver.active.get_current_stream(recorded.device),
                      compiled.function, compiled.packed_metadata, None, None, None,
-                     *tensors, *direct.values[len(tensors):])
+                     *tensors, *rest)
 
 
 def record_launch(kernel, grid, tensors: tuple, rest: tuple, kwargs: dict,
@@ -2269,25 +2282,22 @@ def record_launch(kernel, grid, tensors: tuple, rest: tuple, kwargs: dict,
     traced call, a launch through Triton's own path (the first at a key, a hooked one),
     or more than one launch. Without `record`, only the launch."""
     launcher = launchable(kernel, tensors[0])
-    launch = launcher[grid]
     prepare_descriptors(descriptors)
     if not record:
-        launch(*tensors, *rest, **kwargs)
+        launcher[grid](*tensors, *rest, **kwargs)
         return None
     outer, RECORDER.launches = RECORDER.launches, []
     launches = RECORDER.launches
     try:
-        launch(*tensors, *rest, **kwargs)
+        launcher[grid](*tensors, *rest, **kwargs)
     finally:
         RECORDER.launches = outer
     if not isinstance(launcher, (KeyedAutotuner, CachedLauncher)):
         return None  # a traced launch (or a tool's stand-in)
-    if interpreting():
-        return ReplayedLaunch(launch, rest, kwargs, descriptors, None)
     found = launch_slots(launches, tensors)
     if found is None or len(found) != 1 or len(found[0][1]) != len(tensors):
         return None  # (the tensors lead the arguments: a replay puts new ones in front)
-    return ReplayedLaunch(launch, rest, kwargs, descriptors, found[0][0])
+    return ReplayedLaunch(descriptors, found[0][0])
 
 
 def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple]] | None:
@@ -2299,24 +2309,26 @@ def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple]
     an address)."""
     if None in launches:
         return None
-    places: dict[int, int] = {}  # id -> first place in pool (plain loops: run per record)
+    places: dict[int, int] = {}  # id -> first place in pool (plain loops: run per call)
     for place, tensor in enumerate(pool):
         places.setdefault(id(tensor), place)
     found = []
-    for direct in launches:
-        values = direct.values
+    for recorded in launches:
+        values = recorded.values
         lead = 0
         while lead < len(values) and (values[lead] is None
                                       or isinstance(values[lead], torch.Tensor)):
             lead += 1
-        if not {x.__class__ for x in values[lead:]} <= PLAIN_TYPES:
+        trailing = [*values[lead:], *getattr(recorded, "kwargs", {}).values()]
+        if not {x.__class__ for x in trailing} <= PLAIN_TYPES:
             return None
         slots = tuple([None if x is None else places.get(id(x), -1) for x in values[:lead]])
         if -1 in slots:
             return None
         # Kept without the call's tensors: a replay must not hold them alive (their
         # memory, and the gradients autograd could otherwise take over uncopied).
-        found.append((direct._replace(values=(None,) * lead + tuple(values[lead:])), slots))
+        found.append((recorded._replace(values=(None,) * lead + tuple(values[lead:])),
+                      slots))
     return found
 
 
@@ -2491,8 +2503,7 @@ def flash_attention_forward(
         return cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
 
     # A replay repeats this one launch with the inputs themselves: not after a carry (its
-    # copies are launches of their own) nor after copying a column-strided input; other
-    # calls launch without recording.
+    # copies are launches of their own) nor after copying a column-strided input.
     replayable = (key is not None and not carry
                   and all(a is b for a, b in zip(inputs, (q, k, v, tq, tk, tv), strict=False)))
     with on_device(q):

@@ -163,7 +163,7 @@ def test_a_direct_replay_steps_aside_for_hooks_and_new_tiles(monkeypatch) -> Non
     tile = object()
     tuner = _Tuner({"key": tile})
     direct = launch.DirectLaunch(None, (1, 1, 1), (), 0, (tuner, "key", tile))
-    replay = launch.ReplayedLaunch(lambda *a, **k: None, (), {}, False, direct)
+    replay = launch.ReplayedLaunch(False, direct)
     assert replay.usable()
     tuner.tuned = {"key": object()}
     assert not replay.usable()
@@ -172,11 +172,12 @@ def test_a_direct_replay_steps_aside_for_hooks_and_new_tiles(monkeypatch) -> Non
     tuner.tuned = {"key": tile}
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *args: None)
     assert not replay.usable()
-    untuned = replay._replace(direct=direct._replace(tuned=None))
+    untuned = replay._replace(recorded=direct._replace(tuned=None))
     assert not untuned.usable()
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
     assert untuned.usable()
-    assert replay._replace(direct=None).usable()  # through the launch path: always
+    interpreted = launch.InterpretedLaunch(None, (1,), (), {})
+    assert replay._replace(recorded=interpreted).usable()  # the interpreter's: always
 
 
 @pytest.mark.gpu
@@ -190,7 +191,8 @@ def test_direct_replay_gpu(dtype, tangents) -> None:
     kwargs = dict(tangents=tan if tangents else None, residuals=True)
     _settle(q, k, v, **kwargs)
     (replay,) = FORWARD_REPLAYS.values()
-    assert replay.direct is not None and replay.direct.tuned is not None
+    assert isinstance(replay.recorded, launch.DirectLaunch)
+    assert replay.recorded.tuned is not None
     (q2, k2, v2), tan2 = _inputs(dtype, seed=1)
     kwargs2 = dict(kwargs, tangents=tan2 if tangents else None)
     replayed = _flat(flash_attention_forward(q2, k2, v2, **kwargs2))
@@ -209,15 +211,52 @@ def test_a_patched_decision_is_not_met_by_a_replay(monkeypatch) -> None:
     assert not FORWARD_REPLAYS
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32] if not HAS_CUDA
+                         else [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("precision", ["accurate", "fast"])
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_backward_replay(dtype, precision, order) -> None:
+    """The backward's launches (the row statistics where they run, dQ, dK/dV or the
+    second order's passes) replayed from its inputs and new buffers give the whole path's
+    bits (on the GPU through the C launcher, here through the interpreter)."""
+    from jvp_attention.backward import BACKWARD_REPLAYS, flash_attention_backward
+
+    def call(seed):
+        (q, k, v), tan = _inputs(dtype, seed=seed)
+        fwd = flash_attention_forward(q, k, v, tangents=tan, precision=precision)
+        grad_out, grad_tangent_out = (torch.randn_like(fwd.out) for _ in range(2))
+        second = order == "second"
+        return lambda: flash_attention_backward(
+            q, k, v, fwd.out, fwd.lse, grad_out, tangents=tan if second else None,
+            tangent_out=fwd.tangent_out if second else None, mu=fwd.mu if second else None,
+            grad_tangent_out=grad_tangent_out if second else None, precision=precision)
+
+    settle = call(0)
+    for _ in range(3):
+        settle()
+    assert len(BACKWARD_REPLAYS) == 1
+    later = call(1)
+    replayed = later()
+    launch.forget_replays()
+    whole = later()
+    assert len(replayed) == (6 if order == "second" else 3)
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_replay_keeps_no_tensor_alive() -> None:
     """A recorded replay holds none of the recorded call's tensors: neither their memory
     nor (in the backward) gradients that autograd could otherwise take over uncopied."""
+    from jvp_attention.backward import BACKWARD_REPLAYS, flash_attention_backward
+
     (q, k, v), tan = _inputs()
     refs = [weakref.ref(x) for x in (q, k, v, *tan)]
     for _ in range(3):
-        outputs = flash_attention_forward(q, k, v, tangents=tan, residuals=True)
-        refs += [weakref.ref(x) for x in _flat(outputs)]
-    assert FORWARD_REPLAYS
-    del q, k, v, tan, outputs
+        fwd = flash_attention_forward(q, k, v, tangents=tan)
+        grad_out = torch.randn_like(fwd.out)
+        grads = flash_attention_backward(q, k, v, fwd.out, fwd.lse, grad_out)
+        refs += [weakref.ref(x) for x in (*_flat(fwd), grad_out, *grads)]
+    assert FORWARD_REPLAYS and BACKWARD_REPLAYS
+    del q, k, v, tan, fwd, grad_out, grads
     gc.collect()
     assert all(ref() is None for ref in refs)
