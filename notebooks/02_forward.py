@@ -2194,12 +2194,11 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
 # and a replay runs it with the new tensors: the same decisions are skipped, which is how
 # the CPU tests exercise it.
 #
-# On an H100 machine's host (bf16, (64, 12, 256, 64), one diagnostic run of
-# `benchmarks/host_breakdown.py`) `torch.func.jvp(attention)` then took 257 µs a call,
-# the forward launcher 61 µs of it (13.5 in Triton's C launcher), where two earlier runs
-# on that kind of host had measured 431 to 500 µs a call; `torch.func.jvp` of a clone,
-# PyTorch's own cost of the call, took 112 µs there. The backward keeps the whole path
-# for now: its launches take buffers it allocates besides its inputs.
+# On the H200's host (bf16, (64, 12, 256, 64), `benchmarks/host_breakdown.py` five times,
+# `benchmarks/results/host_breakdown_replay_h200.json`) `torch.func.jvp(attention)` then
+# took 315 µs a call (median; 286 to 522), the forward launcher about 70 µs of it and
+# Triton's C launcher 16 to 18; `torch.func.jvp` of a clone, PyTorch's own cost of the
+# call, took 127 µs. The backward replays its launches the same way (chapter 5).
 
 # %% tags=["export:launch"]
 class LaunchRecorder(threading.local):

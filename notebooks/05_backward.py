@@ -1112,6 +1112,14 @@ def _attention_backward_dq_kernel(
 # not a carried one (its copies are new tensors), not chapter 12's kernels (their
 # descriptors hold addresses), not a masked one. Under the interpreter the recorded
 # launches are the interpreter's, which a replay calls with the new tensors the same way.
+# On the H200's host, in a MeanFlow call at DiT-B/2's (64, 12, 256, 64) in bf16 (the
+# forward with its tangent, then the primal backward: two replayed launches), the backward
+# launcher took 136 µs (median of five runs; 109 to 179) against 344 (219 to 399) in runs
+# of the code before the replay alternating with them, and the whole call 868 µs (670 to
+# 1078) against PyTorch's own 263 for a clone
+# (`benchmarks/results/host_breakdown_replay_h200.json`). Most of the rest is the autograd
+# engine's: on CUDA it runs the backward on a thread of its own, and the hand-over costs
+# 0.2 to 0.3 ms a call (chapter 8, "The autograd engine's thread").
 # `SPLIT_KEY_SIDE = False` brings back the one pass. On an sm_90 GPU, unmasked calls through
 # the tangent that chapter 12's first-order kernels would take hand its three passes to
 # that chapter's warp-specialised forms (`SECOND_ORDER_PASSES` there says which).
