@@ -1,10 +1,10 @@
-"""Replaying a call (chapter 2): a forward call at a key seen before repeats the earlier
-call's launch with its own tensors, skipping the launcher's decisions. It must give the
-bits that the whole path gives, be keyed by everything those decisions read, and step aside
-where a replay would not be the same launch.
+"""Replaying a call (chapters 2 and 5): a forward or backward call at a key seen before
+repeats the earlier call's launches with its own tensors, skipping the launchers'
+decisions. It must give the bits that the whole path gives, be keyed by everything those
+decisions read, and step aside where a replay would not be the same launch.
 
-On CPU the replay launches through the autotuner (the interpreter has no C launcher); the
-test marked `gpu` checks the direct launch of the compiled kernel.
+On CPU a replay runs the interpreter's recorded launch with the new tensors (there is no C
+launcher); the tests marked `gpu` check the direct launch of the compiled kernel.
 """
 
 import gc
@@ -260,3 +260,68 @@ def test_a_replay_keeps_no_tensor_alive() -> None:
     del q, k, v, tan, fwd, grad_out, grads
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_replayed_training_call_gives_the_whole_paths_gradients(order) -> None:
+    """As training calls it: `torch.func.jvp(attention)`, then a backward through the
+    primal output (MeanFlow) or through both outputs, causal, grouped heads (GQA 2:1),
+    "accurate" (its rounding residuals reach the backward). Replayed calls give the whole
+    path's outputs and gradients bit for bit."""
+    import jvp_attention
+    from jvp_attention.backward import BACKWARD_REPLAYS
+
+    def step(seed):
+        (q, k, v), tangents = _inputs(seed=seed, heads_kv=1)
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        out, t_out = torch.func.jvp(
+            lambda a, b, c: jvp_attention.attention(a, b, c, is_causal=True,
+                                                    enable_gqa=True), (q, k, v), tangents)
+        loss = (out * torch.randn_like(out)).sum()
+        if order == "second":
+            loss = loss + (t_out * torch.randn_like(t_out)).sum()
+        loss.backward()
+        return [out.detach(), t_out.detach(), q.grad, k.grad, v.grad]
+
+    for seed in range(3):
+        step(seed)
+    assert FORWARD_REPLAYS and BACKWARD_REPLAYS
+    launches = []
+    real = launch.ReplayedLaunch.__call__
+
+    def counted(self, tensors):
+        launches.append(self)
+        return real(self, tensors)
+
+    torch.manual_seed(5)
+    with mock.patch.object(launch.ReplayedLaunch, "__call__", counted):
+        replayed = step(5)
+    assert len(launches) >= 3  # the forward's launch and the backward's (dQ, key side)
+    launch.forget_replays()
+    torch.manual_seed(5)
+    whole = step(5)
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_backward_key_holds_deterministic_algorithms() -> None:
+    """Deterministic algorithms change the backward's kernels (chapter 12 then sums dQ in
+    a fixed order): a call under them is keyed apart from one without."""
+    from jvp_attention.backward import BACKWARD_REPLAYS, flash_attention_backward
+
+    (q, k, v), _ = _inputs()
+    fwd = flash_attention_forward(q, k, v)
+    grad_out = torch.randn_like(fwd.out)
+    for _ in range(3):  # until recorded (on a GPU the first call tunes)
+        flash_attention_backward(q, k, v, fwd.out, fwd.lse, grad_out)
+    keys = set(BACKWARD_REPLAYS)
+    assert len(keys) == 1
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(3):
+            flash_attention_backward(q, k, v, fwd.out, fwd.lse, grad_out)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert len(set(BACKWARD_REPLAYS) - keys) == 1
