@@ -1117,9 +1117,11 @@ def _attention_backward_dq_kernel(
 # launcher took 136 µs (median of five runs; 109 to 179) against 344 (219 to 399) in runs
 # of the code before the replay alternating with them, and the whole call 868 µs (670 to
 # 1078) against PyTorch's own 263 for a clone
-# (`benchmarks/results/host_breakdown_replay_h200.json`). Most of the rest is the autograd
-# engine's: on CUDA it runs the backward on a thread of its own, and the hand-over costs
-# 0.2 to 0.3 ms a call (chapter 8, "The autograd engine's thread").
+# (`benchmarks/results/host_breakdown_replay_h200.json`). The clone pays PyTorch's share,
+# the autograd engine's hand-over of the backward to its device thread among it (0.2 to
+# 0.3 ms a call, which running the backward on the calling thread saves: chapter 8, "The
+# autograd engine's thread"); ours adds the launchers and the Python around our Function
+# (functorch's lift, `Function.apply`, the backward node).
 # `SPLIT_KEY_SIDE = False` brings back the one pass. On an sm_90 GPU, unmasked calls through
 # the tangent that chapter 12's first-order kernels would take hand its three passes to
 # that chapter's warp-specialised forms (`SECOND_ORDER_PASSES` there says which).

@@ -1451,9 +1451,12 @@ else:
 # With both replays, a forward with its tangent under `torch.func.jvp` takes 315 µs of host
 # time (median; 286 to 522), 0.32 ms against the 0.35 ms aimed at, where PyTorch's own
 # cost of the same call around `v.clone()` is 127 µs. A MeanFlow call takes 868 µs (670 to
-# 1078) against the floor's 263: the backward launcher is 136 µs where it was 344, and most
-# of what is left is PyTorch's, around our Function: the autograd engine hands the backward
-# to its device thread and back, which costs 0.2 to 0.3 ms a call (next section). The code
+# 1078) against the floor's 263: the backward launcher is 136 µs where it was 344. What is
+# left over the floor is the launchers (about 230 µs together) and the Python around our
+# Function: functorch's lift, `Function.apply` and the autograd node's backward (about 180
+# µs of the forward's `attention` lies outside its launcher). Both ours and the floor pay
+# the autograd engine's hand-over to its device thread, 0.2 to 0.3 ms a call that running
+# the backward on the calling thread saves (next section). The code
 # before ran the forward+JVP call at 487 µs in these runs although its forward is the same
 # on a GPU: a gap between the two copies' processes that their code does not explain, so the
 # backward launcher's own time is the measure of the backward's replay.
@@ -2452,9 +2455,8 @@ def replayed_host_targets(rows):
         floors = replay_steps(RP["runs"], "replay", "floor", mode)
         host = sorted(runs)[len(runs) // 2] / 1000
         floor = sorted(floors)[len(floors) // 2] / 1000
-        bound = (f"floor {floor:.2f} ms; the autograd engine's device thread, 0.2 to 0.3 ms "
-                 "(\"The autograd engine's thread\")" if mode == "meanflow"
-                 else f"floor {floor:.2f} ms")
+        bound = (f"floor {floor:.2f} ms; the launchers and the Python around our Function "
+                 "(\"Replayed calls\")" if mode == "meanflow" else f"floor {floor:.2f} ms")
         target(rows, f"host ms per {TS_MODES[mode].split(' (')[0]} <= {goal}",
                f"{shape} (median of {len(runs)})", f"{host:.2f}", goal, host <= goal, bound,
                REPLAY_RUNS.name)
@@ -2578,8 +2580,9 @@ HTML(html_table(["target", "case", "measured", "target", "met", "what bounds it"
 #   host. CUDA graphs take the host time out (`ours_cudagraphs` above). Those rows predate
 #   the replays of chapters 2 and 5; at DiT-B/2 256 px the table reads the runs with them
 #   ("Replayed calls"): 0.32 ms per forward with its JVP, **met**, and 0.87 ms per MeanFlow
-#   call, missed by 0.07 ms, about a quarter of what the autograd engine's device thread
-#   costs per call. The other shapes' host times are still to be measured with the replays.
+#   call, missed by 0.07 ms (the backward on the calling thread saved 0.2 to 0.3 ms a call
+#   in an earlier run: "The autograd engine's thread"). The other shapes' host times are
+#   still to be measured with the replays.
 # - **Accurate against fast: missed but at two calls.** Where the products split (256
 #   tokens), accurate takes 1.19x to 1.29x the GPU time of fast (1.07x for the forward with
 #   its JVP at d = 72); where the call carries (1024 tokens), 1.16x to 1.21x (1.10x for
