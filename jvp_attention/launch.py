@@ -1096,14 +1096,24 @@ def forget_replays() -> None:
 
 def call_facts(*tensors: torch.Tensor) -> tuple | None:
     """What the launchers' decisions read of these tensors (type, shape, strides, dtype,
-    device, 16-byte alignment) with the current CUDA device and the settings that change
-    the launch; None unless they are plain tensors (a traced or fake tensor has no
-    address, and is never replayed)."""
+    device, 16-byte alignment) with the current CUDA device, the settings that change the
+    launch and which tensors are the same object (`same_objects`); None unless they are
+    plain tensors (a traced or fake tensor has no address, and is never replayed)."""
     first = tensors[0]
     if type(first) is not torch.Tensor:
         return None
     device = driver.active.get_current_device() if first.is_cuda else None
     settings = (os.environ.get("JVP_ATTENTION_TMA"), os.environ.get("JVP_ATTENTION_WARP_SPECIALIZED"),
                 CARRY_MIN_KEYS, *code_options())
-    return (device, settings, *[(type(t), t.shape, t.stride(), t.dtype, t.device,
-                                 t.data_ptr() % 16 == 0) for t in tensors])
+    ids = list(map(id, tensors))  # (builtins only: no Python call on the common path)
+    return (device, settings, None if len(set(ids)) == len(ids) else same_objects(ids),
+            *[(type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+              for t in tensors])
+
+
+def same_objects(ids: list[int]) -> tuple[int, ...]:
+    """Each object's first place among `ids` (of tensors, some of them one object). A
+    replay that finds its tensors by identity (`launch_slots`) recorded where each argument
+    was first seen: recorded from `attention(x, x, x)`, it would hand a later call's q to
+    the kernels as k and v too, so such calls get keys of their own."""
+    return tuple([ids.index(i) for i in ids])

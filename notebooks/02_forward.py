@@ -2181,7 +2181,9 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
 #
 # Every one of those decisions depends only on what the inputs *are* (shapes, strides,
 # dtypes, devices, 16-byte alignment), on the call's options and on a few settings, never
-# on their values or addresses. So the launcher keys a call by exactly those facts, and the
+# on their values or addresses. So the launcher keys a call by exactly those facts (and by
+# which inputs are one and the same tensor, since chapter 5's replay finds its tensors by
+# identity: `attention(x, x, x)` and a call with three tensors are keyed apart), and the
 # first call at a key that launched directly (`CachedLauncher.launch`, the path of a
 # launch seen before) leaves a `ReplayedLaunch`: the compiled kernel, its grid and every
 # argument after the tensors. A later call at the same key allocates its outputs and calls
@@ -2351,17 +2353,27 @@ def forget_replays() -> None:
 
 def call_facts(*tensors: torch.Tensor) -> tuple | None:
     """What the launchers' decisions read of these tensors (type, shape, strides, dtype,
-    device, 16-byte alignment) with the current CUDA device and the settings that change
-    the launch; None unless they are plain tensors (a traced or fake tensor has no
-    address, and is never replayed)."""
+    device, 16-byte alignment) with the current CUDA device, the settings that change the
+    launch and which tensors are the same object (`same_objects`); None unless they are
+    plain tensors (a traced or fake tensor has no address, and is never replayed)."""
     first = tensors[0]
     if type(first) is not torch.Tensor:
         return None
     device = driver.active.get_current_device() if first.is_cuda else None
     settings = (os.environ.get("JVP_ATTENTION_TMA"), os.environ.get("JVP_ATTENTION_WARP_SPECIALIZED"),
                 CARRY_MIN_KEYS, *code_options())
-    return (device, settings, *[(type(t), t.shape, t.stride(), t.dtype, t.device,
-                                 t.data_ptr() % 16 == 0) for t in tensors])
+    ids = list(map(id, tensors))  # (builtins only: no Python call on the common path)
+    return (device, settings, None if len(set(ids)) == len(ids) else same_objects(ids),
+            *[(type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+              for t in tensors])
+
+
+def same_objects(ids: list[int]) -> tuple[int, ...]:
+    """Each object's first place among `ids` (of tensors, some of them one object). A
+    replay that finds its tensors by identity (`launch_slots`) recorded where each argument
+    was first seen: recorded from `attention(x, x, x)`, it would hand a later call's q to
+    the kernels as k and v too, so such calls get keys of their own."""
+    return tuple([ids.index(i) for i in ids])
 
 
 # %% [markdown]

@@ -325,3 +325,29 @@ def test_the_backward_key_holds_deterministic_algorithms() -> None:
     finally:
         torch.use_deterministic_algorithms(was)
     assert len(set(BACKWARD_REPLAYS) - keys) == 1
+
+
+def test_one_tensor_passed_thrice_is_keyed_apart() -> None:
+    """The backward's replay finds its tensors by identity: recorded from a call with one
+    tensor as q, k and v, it must not serve a later call with three (it would pass that
+    call's q as k and v too), nor the other way round."""
+    from jvp_attention.backward import flash_attention_backward
+
+    def backward(q, k, v, seed):
+        fwd = flash_attention_forward(q, k, v)
+        grad_out = torch.randn(fwd.out.shape, generator=torch.Generator().manual_seed(seed),
+                               dtype=torch.float32).to(fwd.out)
+        return lambda: flash_attention_backward(q, k, v, fwd.out, fwd.lse, grad_out)
+
+    (x, _, _), _ = _inputs(seed=0)
+    (q, k, v), _ = _inputs(seed=1)
+    for first, later in (((x, x, x), (q, k, v)), ((q, k, v), (x, x, x))):
+        launch.forget_replays()
+        settle = backward(*first, 0)
+        for _ in range(3):
+            settle()
+        call = backward(*later, 1)
+        replayed = call()
+        launch.forget_replays()
+        for a, b in zip(replayed, call(), strict=True):
+            assert torch.equal(a, b)
