@@ -1488,8 +1488,9 @@ def backward_key(inputs: tuple, is_causal: bool, scale: float | None, exact: boo
     facts = call_facts(*[x for x in inputs if x is not None])
     if facts is None:
         return None
+    absent = tuple([x is None for x in inputs])  # (a list: one step, where a generator is many)
     return (is_causal, scale, exact, torch.are_deterministic_algorithms_enabled(),
-            SPLIT_KEY_SIDE, TRANSPOSED_MAX_KEYS, tuple(x is None for x in inputs), *facts)
+            SPLIT_KEY_SIDE, TRANSPOSED_MAX_KEYS, absent, *facts)
 
 
 def backward_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
