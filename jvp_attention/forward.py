@@ -12,7 +12,10 @@ import triton
 import triton.language as tl
 
 from jvp_attention.launch import (
-    ReplayedLaunch,
+    CachedLauncher,
+    CallReplay,
+    KeyedAutotuner,
+    Recording,
     accurate,
     autotuned,
     call_facts,
@@ -28,11 +31,12 @@ from jvp_attention.launch import (
     head_group,
     kernel_meta,
     launch_column_tiles,
+    launchable,
     mask_operand,
     next_power_of_2,
     on_device,
     pair_tails,
-    record_launch,
+    prepare_descriptors,
     remember,
     replay_table,
     row_alignment,
@@ -396,7 +400,7 @@ def flash_attention_forward(
         replay = FORWARD_REPLAYS.get(key) if key is not None else None
         if replay is not None and replay.usable():
             buffers = forward_buffers(q, v.shape[3], has_tangent, residuals)
-            replay(forward_tensors(q, k, v, tangents, q, lse_factors(buffers), buffers))
+            replay((q, k, v, *(tangents or NO_TANGENTS), *buffers))
             return forward_results(buffers, has_tangent, residuals)
     check_kernel_shapes(q, k, v)
     batch, n_heads, n_q, head_dim = q.shape
@@ -414,7 +418,7 @@ def flash_attention_forward(
         if ran is not None:
             return ran
     buffers = forward_buffers(q, value_dim, has_tangent, residuals)
-    inputs = (q, k, v, *(tangents if has_tangent else ()))
+    pool = (q, k, v, *(tangents or NO_TANGENTS), *buffers)  # what a replay takes its tensors from
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     tq, tk, tv = (unit_last_stride(x) for x in tangents) if has_tangent else (q, k, v)
     mask, mask_strides, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k),
@@ -426,44 +430,45 @@ def flash_attention_forward(
     # as accurate.
     carry = (has_tangent and exact and carries(q, n_k) and mask_tangent is None
              and min(q.numel(), k.numel()) > 0)
-    factors = lse_factors(buffers)  # not read without CARRY
-    if carry:
-        with on_device(q):
-            v, tv, factors = carried_jvp_operands(q, k, v, tq, tk, tv, scale)
-    use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=long_forward_rows(q, n_k))
-    tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
-    constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)
+    launcher = launchable(_attention_forward_jvp if has_tangent else _attention_forward, q)
+    # The launches, recorded for a replay: the carry's too (a replay allocates copies of its
+    # own). A copy of a column-strided input is not in the pool, so not replayed; a traced
+    # launch (or a tool's stand-in) launches nothing to repeat.
+    recording = Recording(pool, key is not None
+                          and isinstance(launcher, (KeyedAutotuner, CachedLauncher)))
 
     def grid(meta):
         return cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
 
-    # A replay repeats this one launch with the inputs themselves: not after a carry (its
-    # copies are launches of their own) nor after copying a column-strided input.
-    replayable = (key is not None and not carry
-                  and all(a is b for a, b in zip(inputs, (q, k, v, tq, tk, tv), strict=False)))
-    with on_device(q):
-        replay = record_launch(
-            _attention_forward_jvp if has_tangent else _attention_forward, grid,
-            forward_tensors(q, k, v, (tq, tk, tv) if has_tangent else None,
-                            q if mask is None else mask, factors, buffers),
-            (*row_strides(q, k, v, tq, tk, tv), *mask_strides,
-             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
-             scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k)),
-            dict(IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
-                 STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
-                 HEAD_GROUP=head_group(is_causal, k, v, *((tk, tv) if has_tangent else ()),
-                                       queries_per_head=n_heads // n_kv_heads),
-                 ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
-                 **{**constants, **tiles},  # the column tiles' widths replace the padded ones
-                 **pair_tails(tiles, head_dim, value_dim, constants["SPLIT"] and not use_tma)),
-            use_tma, record=replayable)
-    if replay is not None:
-        remember(FORWARD_REPLAYS, key, replay)
+    with on_device(q), recording:
+        factors = lse_factors(buffers)  # not read without CARRY
+        if carry:
+            v, tv, factors = carried_jvp_operands(q, k, v, tq, tk, tv, scale)
+        use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=long_forward_rows(q, n_k))
+        tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
+        constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)
+        prepare_descriptors(use_tma)
+        launcher[grid](
+            *forward_tensors(q, k, v, (tq, tk, tv) if has_tangent else None,
+                             q if mask is None else mask, factors, buffers),
+            *row_strides(q, k, v, tq, tk, tv), *mask_strides,
+            n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
+            scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k),
+            IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
+            STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
+            HEAD_GROUP=head_group(is_causal, k, v, *((tk, tv) if has_tangent else ()),
+                                  queries_per_head=n_heads // n_kv_heads),
+            ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
+            **{**constants, **tiles},  # the column tiles' widths replace the padded ones
+            **pair_tails(tiles, head_dim, value_dim, constants["SPLIT"] and not use_tma))
+    if recording.replay is not None:
+        remember(FORWARD_REPLAYS, key, recording.replay)
     return forward_results(buffers, has_tangent, residuals)
 
 
-# Replays of earlier calls (`record_launch`), by everything their launch decisions read.
-FORWARD_REPLAYS: dict[tuple, ReplayedLaunch] = replay_table()
+# Replays of earlier calls (`Recording`), by everything their launch decisions read.
+FORWARD_REPLAYS: dict[tuple, CallReplay] = replay_table()
+NO_TANGENTS = (None, None, None)  # a call without tangents, in a replay's pool
 
 
 def forward_buffers(q: torch.Tensor, value_dim: int, has_tangent: bool,

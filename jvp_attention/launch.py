@@ -54,6 +54,16 @@ RANGE_PROGRAMS = 256
 RANGE_WARPS = 4
 
 
+def scratch_tensor(shape, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor that a call's kernels work in (the carry's copies and
+    factors). While the call is being recorded (`RECORDER`, "Replaying a call" below) it
+    is noted, so that a replay of the call allocates one like it."""
+    x = torch.empty(shape, device=device, dtype=dtype)
+    if RECORDER.scratch is not None:
+        RECORDER.scratch.append(x)
+    return x
+
+
 def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
                      shifts: triton.JITFunction, bound: float, n_factors: int,
                      epilogue: triton.JITFunction = no_epilogue, epilogue_args: tuple = (0,),
@@ -86,9 +96,9 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     meta = {"N_TENSORS": len(tensors), "PROGRAMS": programs,
             "BLOCK_R": max(1, 8192 // width), "BLOCK_W": width,
             "ALIGN": row_alignment(tensors, tuple(x.shape[-1] for x in tensors))}
-    partials = torch.empty(len(tensors) * programs, device=device, dtype=torch.float32)
-    copies = tuple(torch.empty(x.shape, device=device, dtype=torch.float16) for x in copied)
-    factors = torch.empty(n_factors, device=device, dtype=torch.float32)
+    partials = scratch_tensor(len(tensors) * programs, device, torch.float32)
+    copies = tuple(scratch_tensor(x.shape, device, torch.float16) for x in copied)
+    factors = scratch_tensor(n_factors, device, torch.float32)
     batch = tensors[0].shape[0]
     cached(range_partials_kernel)[(programs, len(tensors))](
         tensors, strides, shapes, batch, partials, num_warps=RANGE_WARPS, **meta)
@@ -948,9 +958,11 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
 
 class LaunchRecorder(threading.local):
     """The direct launches made on this thread while a call is being recorded (None when
-    none is): `CachedLauncher.launch` appends each, as a `DirectLaunch`."""
+    none is): `CachedLauncher.launch` appends each, as a `DirectLaunch`; and the scratch
+    tensors the call allocated (`scratch_tensor`)."""
 
     launches: list | None = None
+    scratch: list | None = None
 
 
 RECORDER = LaunchRecorder()
@@ -981,12 +993,14 @@ class InterpretedLaunch(NamedTuple):
 
 class ReplayedLaunch(NamedTuple):
     """A recorded launch to repeat for later calls that differ from it only in their tensors
-    (see `record_launch`): the compiled kernel's C launcher (or the interpreter) called with
+    (see `CallReplay`): the compiled kernel's C launcher (or the interpreter) called with
     the new tensors in front of the other recorded arguments; `descriptors`: with Triton's
-    allocator for tensor descriptors set first."""
+    allocator for tensor descriptors set first; `placed`: the other arguments hold tensors
+    too (in tuples: the carry's), as `PoolPlace`s to fill from the call's pool."""
 
     descriptors: bool
     recorded: DirectLaunch | InterpretedLaunch
+    placed: bool = False
 
     def usable(self) -> bool:
         """Whether a replay does what the full path would: no launch hook to call, and the
@@ -1001,11 +1015,14 @@ class ReplayedLaunch(NamedTuple):
         autotuner, key, tile = recorded.tuned
         return autotuner.tuned.get(key) is tile
 
-    def __call__(self, tensors: tuple) -> None:
-        """Launch with `tensors` in place of the recorded ones."""
+    def __call__(self, tensors: tuple, pool: tuple = ()) -> None:
+        """Launch with `tensors` in place of the recorded ones (and, where `placed`, the
+        other arguments' tensors taken from `pool`)."""
         prepare_descriptors(self.descriptors)
         recorded = self.recorded
         rest = recorded.values[len(tensors):]
+        if self.placed:
+            rest = filled(rest, pool)
         if isinstance(recorded, InterpretedLaunch):
             recorded.kernel.run(*tensors, *rest, grid=recorded.grid, warmup=False,
                                 **recorded.kwargs)
@@ -1018,39 +1035,45 @@ class ReplayedLaunch(NamedTuple):
                      *tensors, *rest)
 
 
-def record_launch(kernel, grid, tensors: tuple, rest: tuple, kwargs: dict,
-                  descriptors: bool, record: bool = True) -> ReplayedLaunch | None:
-    """Launch `kernel[grid](*tensors, *rest, **kwargs)` as `launchable` does (`descriptors`:
-    with Triton's allocator for tensor descriptors set) and return what repeats it for
-    other tensors of the same kind, or None where a replay would not be the same launch: a
-    traced call, a launch through Triton's own path (the first at a key, a hooked one),
-    or more than one launch. Without `record`, only the launch."""
-    launcher = launchable(kernel, tensors[0])
-    prepare_descriptors(descriptors)
-    if not record:
-        launcher[grid](*tensors, *rest, **kwargs)
-        return None
-    outer, RECORDER.launches = RECORDER.launches, []
-    launches = RECORDER.launches
-    try:
-        launcher[grid](*tensors, *rest, **kwargs)
-    finally:
-        RECORDER.launches = outer
-    if not isinstance(launcher, (KeyedAutotuner, CachedLauncher)):
-        return None  # a traced launch (or a tool's stand-in)
-    found = launch_slots(launches, tensors)
-    if found is None or len(found) != 1 or len(found[0][1]) != len(tensors):
-        return None  # (the tensors lead the arguments: a replay puts new ones in front)
-    return ReplayedLaunch(descriptors, found[0][0])
+class PoolPlace(NamedTuple):
+    """Where a recorded launch's tensor argument is in its call's pool (`placed`)."""
+
+    index: int
 
 
-def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple]] | None:
+def placed(values: tuple, places: dict[int, int]) -> tuple | None:
+    """`values` with each tensor (in tuples too) replaced by its `PoolPlace` (`places`: id
+    -> place), or None when a tensor is not in the pool or a value is neither a tensor nor
+    a constant (a tensor descriptor holds an address)."""
+    out = []
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in places:
+                return None
+            x = PoolPlace(places[id(x)])
+        elif x.__class__ is tuple:
+            x = placed(x, places)
+            if x is None:
+                return None
+        elif not (x.__class__ in PLAIN_TYPES or callable(x)):  # (jit functions are constants)
+            return None
+        out.append(x)
+    return tuple(out)
+
+
+def filled(values: tuple, pool: tuple) -> tuple:
+    """`placed`'s values with the tensors of `pool` in their places."""
+    return tuple([pool[x.index] if x.__class__ is PoolPlace
+                  else filled(x, pool) if x.__class__ is tuple else x for x in values])
+
+
+def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple, bool]] | None:
     """For each recorded launch, where in `pool` each of its leading tensor arguments is
-    (by identity; None for a None argument), or None when the launches cannot be
-    replayed from `pool`: one went through Triton's own path or took a tile the autotuner
-    had not settled yet, a tensor argument is not in `pool` (a copy made during the call), or
-    an argument after the leading tensors is not a plain value (a tensor descriptor holds
-    an address)."""
+    (by identity; None for a None argument), and whether its other arguments hold tensors
+    too (then recorded as `placed`); or None when the launches cannot be replayed from
+    `pool`: one went through Triton's own path or took a tile the autotuner had not
+    settled yet, a tensor argument is not in `pool` (a copy made during the call), or an
+    argument is neither a tensor nor a constant."""
     if None in launches:
         return None
     places: dict[int, int] = {}  # id -> first place in pool (plain loops: run per call)
@@ -1063,17 +1086,83 @@ def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple]
         while lead < len(values) and (values[lead] is None
                                       or isinstance(values[lead], torch.Tensor)):
             lead += 1
-        trailing = [*values[lead:], *getattr(recorded, "kwargs", {}).values()]
-        if not {x.__class__ for x in trailing} <= PLAIN_TYPES:
-            return None
+        rest = tuple(values[lead:])
+        keywords = tuple(getattr(recorded, "kwargs", {}).values())
+        plain = {x.__class__ for x in (*rest, *keywords)} <= PLAIN_TYPES
+        if not plain:
+            rest = placed(rest, places)
+            if rest is None or placed(keywords, {}) is None:
+                return None
         slots = tuple([None if x is None else places.get(id(x), -1) for x in values[:lead]])
         if -1 in slots:
             return None
         # Kept without the call's tensors: a replay must not hold them alive (their
         # memory, and the gradients autograd could otherwise take over uncopied).
-        found.append((recorded._replace(values=(None,) * lead + tuple(values[lead:])),
-                      slots))
+        found.append((recorded._replace(values=(None,) * lead + rest), slots, not plain))
     return found
+
+
+def scratch_needed(direct) -> bool:
+    """Whether a compiled kernel asks Triton's allocator for global memory (its tensor
+    descriptors): the allocator must then be set on the thread that launches it."""
+    compiled = getattr(direct, "compiled", None)  # (none under the interpreter)
+    return getattr(getattr(compiled, "metadata", None), "global_scratch_size", 0) > 0
+
+
+class CallReplay(NamedTuple):
+    """The launches of a call, to repeat for a later call at the same key: each a
+    `ReplayedLaunch` with the places of its leading tensor arguments in the call's pool
+    (its inputs and outputs, then tensors like the `scratch` (shape, dtype, device) that
+    the recorded call allocated, new for each replay)."""
+
+    launches: tuple
+    scratch: tuple = ()
+
+    def usable(self) -> bool:
+        """Whether every launch may be replayed (`ReplayedLaunch.usable`)."""
+        for replay, _ in self.launches:  # (a loop: a generator would step once per launch)
+            if not replay.usable():
+                return False
+        return True
+
+    def __call__(self, pool: tuple) -> None:
+        """Launch each kernel with its tensors taken from `pool` and new scratch tensors."""
+        if self.scratch:
+            pool = (*pool, *[torch.empty(shape, device=device, dtype=dtype)
+                             for shape, dtype, device in self.scratch])
+        pool = (*pool, None)  # where a None argument's slot points
+        for replay, slots in self.launches:
+            replay(tuple(map(pool.__getitem__, slots)), pool)
+
+
+class Recording:
+    """`with Recording(pool, on) as recording:` records the direct launches made inside
+    (when `on`) and the scratch tensors they work in; after it, `recording.replay` is the
+    `CallReplay` that repeats them with a later call's `pool` (the call's inputs and
+    outputs), or None: not recorded, or not replayable (`launch_slots`)."""
+
+    def __init__(self, pool: tuple, on: bool):
+        self.pool, self.on, self.replay = pool, on, None
+
+    def __enter__(self) -> "Recording":
+        if self.on:
+            self.outer = RECORDER.launches, RECORDER.scratch
+            RECORDER.launches, RECORDER.scratch = [], []
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if not self.on:
+            return
+        launches, scratch = RECORDER.launches, RECORDER.scratch
+        RECORDER.launches, RECORDER.scratch = self.outer
+        found = None if kind is not None else launch_slots(launches, (*self.pool, *scratch))
+        if found:
+            absent = len(self.pool) + len(scratch)  # the None at the end of a replay's pool
+            self.replay = CallReplay(
+                tuple((ReplayedLaunch(scratch_needed(direct), direct, placed),
+                       tuple([absent if i is None else i for i in slots]))
+                      for direct, slots, placed in found),
+                tuple((x.shape, x.dtype, x.device) for x in scratch))
 
 
 # Every launcher's table of replays (key -> ReplayedLaunch), for `forget_replays`.

@@ -546,7 +546,10 @@ import triton
 import triton.language as tl
 
 from jvp_attention.launch import (
-    ReplayedLaunch,
+    CachedLauncher,
+    CallReplay,
+    KeyedAutotuner,
+    Recording,
     accurate,
     autotuned,
     call_facts,
@@ -562,11 +565,12 @@ from jvp_attention.launch import (
     head_group,
     kernel_meta,
     launch_column_tiles,
+    launchable,
     mask_operand,
     next_power_of_2,
     on_device,
     pair_tails,
-    record_launch,
+    prepare_descriptors,
     remember,
     replay_table,
     row_alignment,
@@ -980,6 +984,16 @@ RANGE_PROGRAMS = 256
 RANGE_WARPS = 4
 
 
+def scratch_tensor(shape, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor that a call's kernels work in (the carry's copies and
+    factors). While the call is being recorded (`RECORDER`, "Replaying a call" below) it
+    is noted, so that a replay of the call allocates one like it."""
+    x = torch.empty(shape, device=device, dtype=dtype)
+    if RECORDER.scratch is not None:
+        RECORDER.scratch.append(x)
+    return x
+
+
 def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
                      shifts: triton.JITFunction, bound: float, n_factors: int,
                      epilogue: triton.JITFunction = no_epilogue, epilogue_args: tuple = (0,),
@@ -1012,9 +1026,9 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     meta = {"N_TENSORS": len(tensors), "PROGRAMS": programs,
             "BLOCK_R": max(1, 8192 // width), "BLOCK_W": width,
             "ALIGN": row_alignment(tensors, tuple(x.shape[-1] for x in tensors))}
-    partials = torch.empty(len(tensors) * programs, device=device, dtype=torch.float32)
-    copies = tuple(torch.empty(x.shape, device=device, dtype=torch.float16) for x in copied)
-    factors = torch.empty(n_factors, device=device, dtype=torch.float32)
+    partials = scratch_tensor(len(tensors) * programs, device, torch.float32)
+    copies = tuple(scratch_tensor(x.shape, device, torch.float16) for x in copied)
+    factors = scratch_tensor(n_factors, device, torch.float32)
     batch = tensors[0].shape[0]
     cached(range_partials_kernel)[(programs, len(tensors))](
         tensors, strides, shapes, batch, partials, num_warps=RANGE_WARPS, **meta)
@@ -2184,10 +2198,16 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
 # on their values or addresses. So the launcher keys a call by exactly those facts (and by
 # which inputs are one and the same tensor, since chapter 5's replay finds its tensors by
 # identity: `attention(x, x, x)` and a call with three tensors are keyed apart), and the
-# first call at a key that launched directly (`CachedLauncher.launch`, the path of a
-# launch seen before) leaves a `ReplayedLaunch`: the compiled kernel, its grid and every
-# argument after the tensors. A later call at the same key allocates its outputs and calls
-# the C launcher with its own tensors in front of the saved arguments; nothing else. A
+# first call at a key whose launches all went directly (`CachedLauncher.launch`, the path
+# of a launch seen before) leaves a `CallReplay`: for each launch (a carried call's range
+# pass and copies, then the attention kernel) a `ReplayedLaunch` with the compiled kernel,
+# its grid and every argument that is not a tensor, and the place of each tensor argument
+# in the call's pool: its inputs and outputs, then the scratch tensors the call worked in
+# (the carry's copies and factors, allocated through `scratch_tensor`, which notes them
+# while a call is recorded). A later call at the same key allocates its outputs and new
+# scratch tensors like the recorded ones and calls each C launcher with its own tensors in
+# their places; nothing else. A tensor the launcher made from an input (the copy of a
+# column-strided one) is in no pool, so such a call is not replayed. A
 # replay is refused, and the call takes the whole path, while a launch hook (a
 # profiler's) is installed or once the autotuner holds another tile for the key (a tile
 # sweep), and the key holds the settings that the decisions read (the descriptor and
@@ -2205,9 +2225,11 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
 # %% tags=["export:launch"]
 class LaunchRecorder(threading.local):
     """The direct launches made on this thread while a call is being recorded (None when
-    none is): `CachedLauncher.launch` appends each, as a `DirectLaunch`."""
+    none is): `CachedLauncher.launch` appends each, as a `DirectLaunch`; and the scratch
+    tensors the call allocated (`scratch_tensor`)."""
 
     launches: list | None = None
+    scratch: list | None = None
 
 
 RECORDER = LaunchRecorder()
@@ -2238,12 +2260,14 @@ class InterpretedLaunch(NamedTuple):
 
 class ReplayedLaunch(NamedTuple):
     """A recorded launch to repeat for later calls that differ from it only in their tensors
-    (see `record_launch`): the compiled kernel's C launcher (or the interpreter) called with
+    (see `CallReplay`): the compiled kernel's C launcher (or the interpreter) called with
     the new tensors in front of the other recorded arguments; `descriptors`: with Triton's
-    allocator for tensor descriptors set first."""
+    allocator for tensor descriptors set first; `placed`: the other arguments hold tensors
+    too (in tuples: the carry's), as `PoolPlace`s to fill from the call's pool."""
 
     descriptors: bool
     recorded: DirectLaunch | InterpretedLaunch
+    placed: bool = False
 
     def usable(self) -> bool:
         """Whether a replay does what the full path would: no launch hook to call, and the
@@ -2258,11 +2282,14 @@ class ReplayedLaunch(NamedTuple):
         autotuner, key, tile = recorded.tuned
         return autotuner.tuned.get(key) is tile
 
-    def __call__(self, tensors: tuple) -> None:
-        """Launch with `tensors` in place of the recorded ones."""
+    def __call__(self, tensors: tuple, pool: tuple = ()) -> None:
+        """Launch with `tensors` in place of the recorded ones (and, where `placed`, the
+        other arguments' tensors taken from `pool`)."""
         prepare_descriptors(self.descriptors)
         recorded = self.recorded
         rest = recorded.values[len(tensors):]
+        if self.placed:
+            rest = filled(rest, pool)
         if isinstance(recorded, InterpretedLaunch):
             recorded.kernel.run(*tensors, *rest, grid=recorded.grid, warmup=False,
                                 **recorded.kwargs)
@@ -2275,39 +2302,45 @@ class ReplayedLaunch(NamedTuple):
                      *tensors, *rest)
 
 
-def record_launch(kernel, grid, tensors: tuple, rest: tuple, kwargs: dict,
-                  descriptors: bool, record: bool = True) -> ReplayedLaunch | None:
-    """Launch `kernel[grid](*tensors, *rest, **kwargs)` as `launchable` does (`descriptors`:
-    with Triton's allocator for tensor descriptors set) and return what repeats it for
-    other tensors of the same kind, or None where a replay would not be the same launch: a
-    traced call, a launch through Triton's own path (the first at a key, a hooked one),
-    or more than one launch. Without `record`, only the launch."""
-    launcher = launchable(kernel, tensors[0])
-    prepare_descriptors(descriptors)
-    if not record:
-        launcher[grid](*tensors, *rest, **kwargs)
-        return None
-    outer, RECORDER.launches = RECORDER.launches, []
-    launches = RECORDER.launches
-    try:
-        launcher[grid](*tensors, *rest, **kwargs)
-    finally:
-        RECORDER.launches = outer
-    if not isinstance(launcher, (KeyedAutotuner, CachedLauncher)):
-        return None  # a traced launch (or a tool's stand-in)
-    found = launch_slots(launches, tensors)
-    if found is None or len(found) != 1 or len(found[0][1]) != len(tensors):
-        return None  # (the tensors lead the arguments: a replay puts new ones in front)
-    return ReplayedLaunch(descriptors, found[0][0])
+class PoolPlace(NamedTuple):
+    """Where a recorded launch's tensor argument is in its call's pool (`placed`)."""
+
+    index: int
 
 
-def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple]] | None:
+def placed(values: tuple, places: dict[int, int]) -> tuple | None:
+    """`values` with each tensor (in tuples too) replaced by its `PoolPlace` (`places`: id
+    -> place), or None when a tensor is not in the pool or a value is neither a tensor nor
+    a constant (a tensor descriptor holds an address)."""
+    out = []
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in places:
+                return None
+            x = PoolPlace(places[id(x)])
+        elif x.__class__ is tuple:
+            x = placed(x, places)
+            if x is None:
+                return None
+        elif not (x.__class__ in PLAIN_TYPES or callable(x)):  # (jit functions are constants)
+            return None
+        out.append(x)
+    return tuple(out)
+
+
+def filled(values: tuple, pool: tuple) -> tuple:
+    """`placed`'s values with the tensors of `pool` in their places."""
+    return tuple([pool[x.index] if x.__class__ is PoolPlace
+                  else filled(x, pool) if x.__class__ is tuple else x for x in values])
+
+
+def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple, bool]] | None:
     """For each recorded launch, where in `pool` each of its leading tensor arguments is
-    (by identity; None for a None argument), or None when the launches cannot be
-    replayed from `pool`: one went through Triton's own path or took a tile the autotuner
-    had not settled yet, a tensor argument is not in `pool` (a copy made during the call), or
-    an argument after the leading tensors is not a plain value (a tensor descriptor holds
-    an address)."""
+    (by identity; None for a None argument), and whether its other arguments hold tensors
+    too (then recorded as `placed`); or None when the launches cannot be replayed from
+    `pool`: one went through Triton's own path or took a tile the autotuner had not
+    settled yet, a tensor argument is not in `pool` (a copy made during the call), or an
+    argument is neither a tensor nor a constant."""
     if None in launches:
         return None
     places: dict[int, int] = {}  # id -> first place in pool (plain loops: run per call)
@@ -2320,17 +2353,83 @@ def launch_slots(launches: list, pool: tuple) -> list[tuple[DirectLaunch, tuple]
         while lead < len(values) and (values[lead] is None
                                       or isinstance(values[lead], torch.Tensor)):
             lead += 1
-        trailing = [*values[lead:], *getattr(recorded, "kwargs", {}).values()]
-        if not {x.__class__ for x in trailing} <= PLAIN_TYPES:
-            return None
+        rest = tuple(values[lead:])
+        keywords = tuple(getattr(recorded, "kwargs", {}).values())
+        plain = {x.__class__ for x in (*rest, *keywords)} <= PLAIN_TYPES
+        if not plain:
+            rest = placed(rest, places)
+            if rest is None or placed(keywords, {}) is None:
+                return None
         slots = tuple([None if x is None else places.get(id(x), -1) for x in values[:lead]])
         if -1 in slots:
             return None
         # Kept without the call's tensors: a replay must not hold them alive (their
         # memory, and the gradients autograd could otherwise take over uncopied).
-        found.append((recorded._replace(values=(None,) * lead + tuple(values[lead:])),
-                      slots))
+        found.append((recorded._replace(values=(None,) * lead + rest), slots, not plain))
     return found
+
+
+def scratch_needed(direct) -> bool:
+    """Whether a compiled kernel asks Triton's allocator for global memory (its tensor
+    descriptors): the allocator must then be set on the thread that launches it."""
+    compiled = getattr(direct, "compiled", None)  # (none under the interpreter)
+    return getattr(getattr(compiled, "metadata", None), "global_scratch_size", 0) > 0
+
+
+class CallReplay(NamedTuple):
+    """The launches of a call, to repeat for a later call at the same key: each a
+    `ReplayedLaunch` with the places of its leading tensor arguments in the call's pool
+    (its inputs and outputs, then tensors like the `scratch` (shape, dtype, device) that
+    the recorded call allocated, new for each replay)."""
+
+    launches: tuple
+    scratch: tuple = ()
+
+    def usable(self) -> bool:
+        """Whether every launch may be replayed (`ReplayedLaunch.usable`)."""
+        for replay, _ in self.launches:  # (a loop: a generator would step once per launch)
+            if not replay.usable():
+                return False
+        return True
+
+    def __call__(self, pool: tuple) -> None:
+        """Launch each kernel with its tensors taken from `pool` and new scratch tensors."""
+        if self.scratch:
+            pool = (*pool, *[torch.empty(shape, device=device, dtype=dtype)
+                             for shape, dtype, device in self.scratch])
+        pool = (*pool, None)  # where a None argument's slot points
+        for replay, slots in self.launches:
+            replay(tuple(map(pool.__getitem__, slots)), pool)
+
+
+class Recording:
+    """`with Recording(pool, on) as recording:` records the direct launches made inside
+    (when `on`) and the scratch tensors they work in; after it, `recording.replay` is the
+    `CallReplay` that repeats them with a later call's `pool` (the call's inputs and
+    outputs), or None: not recorded, or not replayable (`launch_slots`)."""
+
+    def __init__(self, pool: tuple, on: bool):
+        self.pool, self.on, self.replay = pool, on, None
+
+    def __enter__(self) -> "Recording":
+        if self.on:
+            self.outer = RECORDER.launches, RECORDER.scratch
+            RECORDER.launches, RECORDER.scratch = [], []
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if not self.on:
+            return
+        launches, scratch = RECORDER.launches, RECORDER.scratch
+        RECORDER.launches, RECORDER.scratch = self.outer
+        found = None if kind is not None else launch_slots(launches, (*self.pool, *scratch))
+        if found:
+            absent = len(self.pool) + len(scratch)  # the None at the end of a replay's pool
+            self.replay = CallReplay(
+                tuple((ReplayedLaunch(scratch_needed(direct), direct, placed),
+                       tuple([absent if i is None else i for i in slots]))
+                      for direct, slots, placed in found),
+                tuple((x.shape, x.dtype, x.device) for x in scratch))
 
 
 # Every launcher's table of replays (key -> ReplayedLaunch), for `forget_replays`.
@@ -2472,7 +2571,7 @@ def flash_attention_forward(
         replay = FORWARD_REPLAYS.get(key) if key is not None else None
         if replay is not None and replay.usable():
             buffers = forward_buffers(q, v.shape[3], has_tangent, residuals)
-            replay(forward_tensors(q, k, v, tangents, q, lse_factors(buffers), buffers))
+            replay((q, k, v, *(tangents or NO_TANGENTS), *buffers))
             return forward_results(buffers, has_tangent, residuals)
     check_kernel_shapes(q, k, v)
     batch, n_heads, n_q, head_dim = q.shape
@@ -2490,7 +2589,7 @@ def flash_attention_forward(
         if ran is not None:
             return ran
     buffers = forward_buffers(q, value_dim, has_tangent, residuals)
-    inputs = (q, k, v, *(tangents if has_tangent else ()))
+    pool = (q, k, v, *(tangents or NO_TANGENTS), *buffers)  # what a replay takes its tensors from
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     tq, tk, tv = (unit_last_stride(x) for x in tangents) if has_tangent else (q, k, v)
     mask, mask_strides, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k),
@@ -2502,44 +2601,45 @@ def flash_attention_forward(
     # as accurate.
     carry = (has_tangent and exact and carries(q, n_k) and mask_tangent is None
              and min(q.numel(), k.numel()) > 0)
-    factors = lse_factors(buffers)  # not read without CARRY
-    if carry:
-        with on_device(q):
-            v, tv, factors = carried_jvp_operands(q, k, v, tq, tk, tv, scale)
-    use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=long_forward_rows(q, n_k))
-    tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
-    constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)
+    launcher = launchable(_attention_forward_jvp if has_tangent else _attention_forward, q)
+    # The launches, recorded for a replay: the carry's too (a replay allocates copies of its
+    # own). A copy of a column-strided input is not in the pool, so not replayed; a traced
+    # launch (or a tool's stand-in) launches nothing to repeat.
+    recording = Recording(pool, key is not None
+                          and isinstance(launcher, (KeyedAutotuner, CachedLauncher)))
 
     def grid(meta):
         return cdiv(n_q, meta["BLOCK_M"]), batch * n_heads
 
-    # A replay repeats this one launch with the inputs themselves: not after a carry (its
-    # copies are launches of their own) nor after copying a column-strided input.
-    replayable = (key is not None and not carry
-                  and all(a is b for a, b in zip(inputs, (q, k, v, tq, tk, tv), strict=False)))
-    with on_device(q):
-        replay = record_launch(
-            _attention_forward_jvp if has_tangent else _attention_forward, grid,
-            forward_tensors(q, k, v, (tq, tk, tv) if has_tangent else None,
-                            q if mask is None else mask, factors, buffers),
-            (*row_strides(q, k, v, tq, tk, tv), *mask_strides,
-             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
-             scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k)),
-            dict(IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
-                 STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
-                 HEAD_GROUP=head_group(is_causal, k, v, *((tk, tv) if has_tangent else ()),
-                                       queries_per_head=n_heads // n_kv_heads),
-                 ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
-                 **{**constants, **tiles},  # the column tiles' widths replace the padded ones
-                 **pair_tails(tiles, head_dim, value_dim, constants["SPLIT"] and not use_tma)),
-            use_tma, record=replayable)
-    if replay is not None:
-        remember(FORWARD_REPLAYS, key, replay)
+    with on_device(q), recording:
+        factors = lse_factors(buffers)  # not read without CARRY
+        if carry:
+            v, tv, factors = carried_jvp_operands(q, k, v, tq, tk, tv, scale)
+        use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=long_forward_rows(q, n_k))
+        tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
+        constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)
+        prepare_descriptors(use_tma)
+        launcher[grid](
+            *forward_tensors(q, k, v, (tq, tk, tv) if has_tangent else None,
+                             q if mask is None else mask, factors, buffers),
+            *row_strides(q, k, v, tq, tk, tv), *mask_strides,
+            n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
+            scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k),
+            IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
+            STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
+            HEAD_GROUP=head_group(is_causal, k, v, *((tk, tv) if has_tangent else ()),
+                                  queries_per_head=n_heads // n_kv_heads),
+            ALIGN=row_alignment((q, k, v, tq, tk, tv), (head_dim, value_dim)),
+            **{**constants, **tiles},  # the column tiles' widths replace the padded ones
+            **pair_tails(tiles, head_dim, value_dim, constants["SPLIT"] and not use_tma))
+    if recording.replay is not None:
+        remember(FORWARD_REPLAYS, key, recording.replay)
     return forward_results(buffers, has_tangent, residuals)
 
 
-# Replays of earlier calls (`record_launch`), by everything their launch decisions read.
-FORWARD_REPLAYS: dict[tuple, ReplayedLaunch] = replay_table()
+# Replays of earlier calls (`Recording`), by everything their launch decisions read.
+FORWARD_REPLAYS: dict[tuple, CallReplay] = replay_table()
+NO_TANGENTS = (None, None, None)  # a call without tangents, in a replay's pool
 
 
 def forward_buffers(q: torch.Tensor, value_dim: int, has_tangent: bool,

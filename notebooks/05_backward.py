@@ -78,7 +78,6 @@ FULL_SIZE = DEVICE == "cuda"
 `notebooks/05_backward.py` derives them and checks them against chapter 1's references.
 """
 
-from typing import NamedTuple
 
 import torch
 import triton
@@ -86,9 +85,9 @@ import triton.language as tl
 
 from jvp_attention.launch import (
     AUTOTUNE_KEYS,
-    RECORDER,
+    CallReplay,
     KeyedAutotuner,
-    ReplayedLaunch,
+    Recording,
     accurate,
     autotuned,
     call_facts,
@@ -105,7 +104,6 @@ from jvp_attention.launch import (
     interpreting,
     kernel_meta,
     launch_column_tiles,
-    launch_slots,
     launchable,
     mask_operand,
     next_power_of_2,
@@ -116,6 +114,7 @@ from jvp_attention.launch import (
     replay_table,
     row_alignment,
     row_strides,
+    scratch_tensor,
     tile_configs,
     tma_eligible,
     traceable_launches,
@@ -572,8 +571,8 @@ def backward_operands_and_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def _delta_and_dq_sum(q: torch.Tensor, out: torch.Tensor, dq_sum: bool,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised Delta (fp32, out's rows) and dQ sum (fp32, q's shape, or empty)."""
-    return (torch.empty(out.shape[:3], device=out.device, dtype=torch.float32),
-            torch.empty(q.shape if dq_sum else (0,), device=q.device, dtype=torch.float32))
+    return (scratch_tensor(out.shape[:3], out.device, torch.float32),
+            scratch_tensor(q.shape if dq_sum else (0,), q.device, torch.float32))
 
 
 carried_backward_operands = graph_carry(
@@ -1105,12 +1104,13 @@ def _attention_backward_dq_kernel(
 # launches are several (the row statistics where they run, dQ, one or two key-side
 # passes), and each takes tensors the call allocates (the gradients, $\Delta$, $c$) as
 # well as its inputs. So the buffers come from one function (`backward_buffers`), the call
-# records its direct launches, and `launch_slots` finds each launch's tensor arguments
-# among the inputs and those buffers by identity. A replay allocates new buffers and calls
-# each compiled kernel with the tensors at those places. A call none of whose launches
-# went through Triton's own path, and whose tensors all come from there, is replayable:
-# not a carried one (its copies are new tensors), not chapter 12's kernels (their
-# descriptors hold addresses), not a masked one. Under the interpreter the recorded
+# is recorded as chapter 2's forward is (`Recording`), and `launch_slots` finds each
+# launch's tensor arguments among the inputs, those buffers and the scratch tensors of a
+# carry (its copies, factors and $\Delta$, from `scratch_tensor`) by identity. A replay
+# allocates new buffers and scratch tensors and calls each compiled kernel with the tensors
+# at those places. A call none of whose launches went through Triton's own path, and whose
+# tensors all come from there, is replayable: carried ones too, not chapter 12's kernels
+# (their descriptors hold addresses), not a masked one. Under the interpreter the recorded
 # launches are the interpreter's, which a replay calls with the new tensors the same way.
 # On the H200's host, in a MeanFlow call at DiT-B/2's (64, 12, 256, 64) in bf16 (the
 # forward with its tangent, then the primal backward: two replayed launches), the backward
@@ -1329,22 +1329,13 @@ def flash_attention_backward(
         raise ValueError("pass tangent_out_residual along with out_residual")
     t_residual = tangent_out_residual if has_tangent and out_residual is not None else residual
     buffers = backward_buffers(q, k, v, lse, has_tangent)
-    dq, dk, dv, dtq, dtk, dtv, delta, c = buffers
-    # The launches, recorded for a replay.
-    outer, RECORDER.launches = RECORDER.launches, [] if key is not None else None
-    try:
+    with Recording((*inputs, *buffers), key is not None) as recording:  # for a replay
         grads = _launch_backward(
             q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, tq, tk, tv, t_out, mu,
             dto, out_residual, residual, t_residual, mask_tangent, mask_grad, exact,
             has_tangent, buffers)
-        launches = RECORDER.launches
-    finally:
-        RECORDER.launches = outer
-    slots = None if key is None else launch_slots(launches, (*inputs, *buffers))
-    if slots:
-        remember(BACKWARD_REPLAYS, key, BackwardReplay(tuple(
-            (ReplayedLaunch(scratch_needed(direct), direct), where)
-            for direct, where in slots)))
+    if recording.replay is not None:
+        remember(BACKWARD_REPLAYS, key, recording.replay)
     return grads
 
 
@@ -1383,9 +1374,9 @@ def _launch_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, t
                   and not graph_takes_pointers(q, n_k)
                   and warp_specialized_tangent_passes(q, k, v, (tq, tk, tv), grad_out, dto,
                                                       exact))
-    if carry or ws_dq or ws_dkdv or ws_tangent:
-        # Not replayed: the carry's copies and chapter 12's launchers allocate and fill
-        # buffers of their own (a replay sees only the launches it recorded).
+    if ws_dq or ws_dkdv or ws_tangent:
+        # Not replayed: chapter 12's launchers allocate and fill buffers of their own (a
+        # replay sees only the launches it recorded).
         note_untraced_launch()
     # Where its dK/dV kernel sums dQ as well, no dQ kernel runs; not under deterministic
     # algorithms, since the order of that sum's adds varies from run to run.
@@ -1478,7 +1469,7 @@ def _launch_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, t
 
 
 # Replays of earlier calls (chapter 2's "Replaying a call"), by what their decisions read.
-BACKWARD_REPLAYS: dict[tuple, "BackwardReplay"] = replay_table()
+BACKWARD_REPLAYS: dict[tuple, CallReplay] = replay_table()
 
 
 def backward_key(inputs: tuple, is_causal: bool, scale: float | None, exact: bool) -> tuple | None:
@@ -1504,30 +1495,6 @@ def backward_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: tor
                      if has_tangent else (dq, dk, dv))
     delta = torch.empty_like(lse)
     return dq, dk, dv, dtq, dtk, dtv, delta, torch.empty_like(lse) if has_tangent else delta
-
-
-def scratch_needed(direct) -> bool:
-    """Whether a compiled kernel asks Triton's allocator for global memory (its tensor
-    descriptors): the allocator must then be set on the thread that launches it."""
-    compiled = getattr(direct, "compiled", None)  # (none under the interpreter)
-    return getattr(getattr(compiled, "metadata", None), "global_scratch_size", 0) > 0
-
-
-class BackwardReplay(NamedTuple):
-    """The launches of a backward call, to repeat for a later call at the same key: each a
-    direct `ReplayedLaunch` with the places of its tensor arguments among the call's
-    inputs and buffers (`launch_slots`)."""
-
-    launches: tuple
-
-    def usable(self) -> bool:
-        """Whether every launch may be replayed (`ReplayedLaunch.usable`)."""
-        return all(replay.usable() for replay, _ in self.launches)
-
-    def __call__(self, pool: tuple) -> None:
-        """Launch each kernel with its tensors taken from `pool` (inputs, then buffers)."""
-        for replay, slots in self.launches:
-            replay(tuple([None if i is None else pool[i] for i in slots]))
 
 
 # %% [markdown]

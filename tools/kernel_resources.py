@@ -202,9 +202,8 @@ def launches_for(dtype: torch.dtype, head_dim: int, causal: bool, mask: str,
     return launches
 
 
-# The launchers run their kernels through `launchable(kernel, q)[grid](...)` (the forward's
-# from `launch.record_launch`).
-LAUNCH_SITES = {(launch, "launchable"), (backward, "launchable"), (launch, "cached")}
+# The launchers run their kernels through `launchable(kernel, q)[grid](...)`.
+LAUNCH_SITES = {(forward, "launchable"), (backward, "launchable"), (launch, "cached")}
 
 
 def recorded(kernel, like=None):

@@ -190,7 +190,8 @@ def test_direct_replay_gpu(dtype, tangents) -> None:
     (q, k, v), tan = _inputs(dtype)
     kwargs = dict(tangents=tan if tangents else None, residuals=True)
     _settle(q, k, v, **kwargs)
-    (replay,) = FORWARD_REPLAYS.values()
+    (call_replay,) = FORWARD_REPLAYS.values()
+    ((replay, _),) = call_replay.launches  # one launch: no carry at these lengths
     assert isinstance(replay.recorded, launch.DirectLaunch)
     assert replay.recorded.tuned is not None
     (q2, k2, v2), tan2 = _inputs(dtype, seed=1)
@@ -262,45 +263,56 @@ def test_a_replay_keeps_no_tensor_alive() -> None:
     assert all(ref() is None for ref in refs)
 
 
-@pytest.mark.parametrize("order", ["first", "second"])
-def test_replayed_training_call_gives_the_whole_paths_gradients(order) -> None:
-    """As training calls it: `torch.func.jvp(attention)`, then a backward through the
-    primal output (MeanFlow) or through both outputs, causal, grouped heads (GQA 2:1),
-    "accurate" (its rounding residuals reach the backward). Replayed calls give the whole
-    path's outputs and gradients bit for bit."""
+def _training_step(seed: int, order: str, heads_kv=None, **options) -> list[torch.Tensor]:
+    """`torch.func.jvp(attention)`, then a backward through the primal output (MeanFlow,
+    "first") or through both outputs ("second"): the outputs and the gradients."""
     import jvp_attention
-    from jvp_attention.backward import BACKWARD_REPLAYS
 
-    def step(seed):
-        (q, k, v), tangents = _inputs(seed=seed, heads_kv=1)
-        for x in (q, k, v):
-            x.requires_grad_(True)
-        out, t_out = torch.func.jvp(
-            lambda a, b, c: jvp_attention.attention(a, b, c, is_causal=True,
-                                                    enable_gqa=True), (q, k, v), tangents)
-        loss = (out * torch.randn_like(out)).sum()
-        if order == "second":
-            loss = loss + (t_out * torch.randn_like(t_out)).sum()
-        loss.backward()
-        return [out.detach(), t_out.detach(), q.grad, k.grad, v.grad]
+    (q, k, v), tangents = _inputs(seed=seed, heads_kv=heads_kv)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out, t_out = torch.func.jvp(lambda a, b, c: jvp_attention.attention(a, b, c, **options),
+                                (q, k, v), tangents)
+    loss = (out * torch.randn_like(out)).sum()
+    if order == "second":
+        loss = loss + (t_out * torch.randn_like(t_out)).sum()
+    loss.backward()
+    return [out.detach(), t_out.detach(), q.grad, k.grad, v.grad]
+
+
+def _replayed_and_whole(step, recorded=lambda: None) -> tuple[list, list, list]:
+    """`step(seed)` replayed (after three steps that record it; then `recorded()` checks
+    the replays) and on the whole path, from one seed, and the `ReplayedLaunch`es the
+    replayed step ran."""
+    from jvp_attention.backward import BACKWARD_REPLAYS
 
     for seed in range(3):
         step(seed)
     assert FORWARD_REPLAYS and BACKWARD_REPLAYS
+    recorded()
     launches = []
     real = launch.ReplayedLaunch.__call__
 
-    def counted(self, tensors):
+    def counted(self, tensors, pool=()):
         launches.append(self)
-        return real(self, tensors)
+        return real(self, tensors, pool)
 
     torch.manual_seed(5)
     with mock.patch.object(launch.ReplayedLaunch, "__call__", counted):
         replayed = step(5)
-    assert len(launches) >= 3  # the forward's launch and the backward's (dQ, key side)
     launch.forget_replays()
     torch.manual_seed(5)
-    whole = step(5)
+    return replayed, step(5), launches
+
+
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_replayed_training_call_gives_the_whole_paths_gradients(order) -> None:
+    """As training calls it, causal, grouped heads (GQA 2:1), "accurate" (its rounding
+    residuals reach the backward): replayed calls give the whole path's outputs and
+    gradients bit for bit."""
+    replayed, whole, launches = _replayed_and_whole(
+        lambda seed: _training_step(seed, order, heads_kv=1, is_causal=True, enable_gqa=True))
+    assert len(launches) >= 3  # the forward's launch and the backward's (dQ, key side)
     for a, b in zip(replayed, whole, strict=True):
         assert torch.equal(a, b)
 
@@ -351,3 +363,25 @@ def test_one_tensor_passed_thrice_is_keyed_apart() -> None:
         launch.forget_replays()
         for a, b in zip(replayed, call(), strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_a_carried_call_is_replayed_with_copies_of_its_own(monkeypatch, order) -> None:
+    """A carried call (bf16 "accurate" from carry_min_keys keys; here forced on fp16, as the
+    interpreter's bf16 products are wrong) replays the carry's range pass and copies too,
+    into copies and factors it allocates anew, and gives the whole path's bits."""
+    from jvp_attention import backward
+
+    monkeypatch.setattr(forward, "carries", lambda q, n_keys: True)
+    monkeypatch.setattr(backward, "carries", lambda q, n_keys: True)
+
+    def recorded() -> None:
+        (replay,) = FORWARD_REPLAYS.values()
+        assert len(replay.launches) == 3  # the range pass, the copies, the attention
+        assert len(replay.scratch) == 4  # partial maxima, the copies of v and tv, factors
+
+    replayed, whole, launches = _replayed_and_whole(lambda seed: _training_step(seed, order),
+                                                    recorded)
+    assert sum(replay.placed for replay in launches) == 4  # the forward's carry, the backward's
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
