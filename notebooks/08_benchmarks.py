@@ -1462,6 +1462,48 @@ else:
 # backward launcher's own time is the measure of the backward's replay.
 
 # %% [markdown]
+# #### Carried calls
+#
+# From 1024 keys a bf16 "accurate" call carries exact fp16 copies (chapter 2): two more
+# launches, a range pass and the copies, into tensors the call allocates. The replays
+# first took only calls without a carry, so at DiT's 512 px shapes every call took the
+# whole path. Now a replay records the carry's launches too, with their tensors (inside
+# the tuples the copy kernels take) found in the call's pool and the copies allocated anew
+# (chapter 2, "Replaying a call"). `benchmarks/results/training_shapes_replay_h100.json`
+# times ours, the math path and the floor at four DiT shapes with it on an H100 machine;
+# its `note` gives the rows of the same machine's earlier run without it.
+
+# %% tags=["hide_input"]
+CARRIED_REPLAY = RESULTS / "training_shapes_replay_h100.json"
+TS_IMPLS_CARRIED = ("ours", "floor", "math")
+if not CARRIED_REPLAY.is_file():
+    print(f"no {CARRIED_REPLAY.relative_to(REPO)}")
+else:
+    CR = json.loads(CARRIED_REPLAY.read_text())
+    cr_rows = {(c["shape"], c["impl"], c["mode"]): c for c in CR["cases"] if c["status"] == "ok"}
+    print(f"{CR['gpu']}, {CR['settings']['dtype']}, ms per call: host / GPU / wall")
+    print(f"{'shape':12} {'mode':13} {'ours':>22} {'floor host':>11} {'math wall':>10} "
+          f"{'kernels':>8}")
+    for shape, _, mode in dict.fromkeys((c["shape"], "", c["mode"]) for c in CR["cases"]):
+        ours, floor, math_ = (cr_rows.get((shape, impl, mode)) for impl in TS_IMPLS_CARRIED)
+        if ours is None:
+            continue
+        print(f"{shape:12} {mode:13} {ours['host_ms']:6.3f} / {ours['gpu_ms']:6.3f} / "
+              f"{ours['wall_ms']:6.3f} {floor['host_ms'] if floor else float('nan'):11.3f} "
+              f"{math_['wall_ms'] if math_ else float('nan'):10.3f} "
+              f"{ours['kernels_per_call']:8}")
+
+# %% [markdown]
+# At both 1024-token shapes (DiT-B/2 and DiT-XL/2 at 512 px) every call's host time is
+# now below its GPU time, so the step runs at the kernels' speed: at DiT-B/2 512 px the
+# forward with its JVP took 0.81 ms of host time against 1.08 before on the same machine,
+# the MeanFlow call 1.90 against 2.44 (its wall time 2.17 against 2.62 ms) and the
+# second-order call 1.58 against 2.72; at DiT-XL/2 512 px 0.44, 1.71 and 2.08 ms of host
+# time against 0.90, 2.16 and 6.92 of GPU time. The H100 machine's host is slower than
+# the H200's (0.49 ms for the forward with its JVP at DiT-B/2 256 px against 0.32 in the
+# runs above), so these are its numbers, not the H200 targets' below.
+
+# %% [markdown]
 # ### The autograd engine's thread
 #
 # On CUDA, PyTorch's autograd engine runs every backward on a thread of its own per device
