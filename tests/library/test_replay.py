@@ -385,3 +385,17 @@ def test_a_carried_call_is_replayed_with_copies_of_its_own(monkeypatch, order) -
     assert sum(replay.placed for replay in launches) == 4  # the forward's carry, the backward's
     for a, b in zip(replayed, whole, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_carried_copy_of_a_column_strided_input_is_not_replayed(monkeypatch) -> None:
+    """The carry reads the copy that `unit_last_stride` made of a column-strided input, a
+    tensor in no pool: such a call takes the whole path every time, and gives its bits."""
+    monkeypatch.setattr(forward, "carries", lambda q, n_keys: True)
+    (q, k, v), tan = _inputs()
+    column_strided = v.transpose(2, 3).contiguous().transpose(2, 3)  # last stride != 1
+    _settle(q, k, column_strided, tangents=tan)
+    assert not FORWARD_REPLAYS
+    replayed = _flat(flash_attention_forward(q, k, column_strided, tangents=tan))
+    whole = _flat(_whole_path(q, k, v, tangents=tan))
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
