@@ -29,6 +29,8 @@ autograd engine runs the backward on a thread of its own on CUDA):
   launch metadata), and inside it the C launcher (`CudaLauncher.__call__`: scratch
   allocation, tensor-descriptor encoding, `cuLaunchKernelEx`);
 - under the interpreter, `InterpretedFunction.run` in their place (it runs the kernel);
+- `CallReplay`: a launcher's replay of a call seen before (its scratch tensors, the
+  places of its tensors), and inside it
 - `ReplayedLaunch`: a launch repeated from an earlier call at the same key (chapter 2's
   "Replaying a call"): from a call's third step on (the first tunes, the second records),
   its launches go straight to the C launcher (or the interpreter) and none of the layers
@@ -140,6 +142,8 @@ def call_layers() -> list[tuple[str, object, str]]:
               ("CachedLauncher.run", launch.CachedLauncher, "run")]
     if hasattr(launch.CachedLauncher, "launch"):
         layers.append(("CachedLauncher.launch", launch.CachedLauncher, "launch"))
+    if hasattr(launch, "CallReplay"):
+        layers.append(("CallReplay (a replayed call)", launch.CallReplay, "__call__"))
     if hasattr(launch, "ReplayedLaunch"):
         layers.append(("ReplayedLaunch (a replayed launch)", launch.ReplayedLaunch, "__call__"))
     if ts.HAS_CUDA:

@@ -69,6 +69,7 @@ def test_smoke_run_times_each_layer(tmp_path: Path):
     assert ours["Triton interpreter (runs the kernel)"]["calls"] == 3  # fwd+JVP, dQ, dK/dV
     # After the warm-up steps every launch is a replay of the recorded call's (chapter 2),
     # which calls neither the autotuner nor our launcher.
+    assert ours["CallReplay (a replayed call)"]["calls"] == 2  # the forward's, the backward's
     assert ours["ReplayedLaunch (a replayed launch)"]["calls"] == 3
     assert "CachedLauncher.run" not in ours and "KeyedAutotuner.run" not in ours
     for row in data["rows"]:
