@@ -377,23 +377,30 @@ def _check_types(query, key, value, is_causal, scale) -> None:
 
 
 def _check_shapes(query, key, value, enable_gqa: bool) -> None:
-    shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-    if min(query.dim(), key.dim(), value.dim()) < 3:
+    q, k, v = query.shape, key.shape, value.shape  # (the message is formatted on failure only:
+    if min(len(q), len(k), len(v)) < 3:            # it costs more than the checks)
         raise ValueError(f"query, key and value must have rank >= 3, (..., heads, length, "
-                         f"dim); got {shapes}")
-    if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
-        raise ValueError(f"query, key and value must share their leading dims; got {shapes}")
-    if key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"key must have the query's head dim; got {shapes}")
-    if key.shape[-3:-1] != value.shape[-3:-1]:
-        raise ValueError(f"key and value must have the same heads and length; got {shapes}")
-    n_q_heads, n_kv_heads = query.shape[-3], key.shape[-3]
+                         f"dim); got {_shapes(q, k, v)}")
+    if not q[:-3] == k[:-3] == v[:-3]:
+        raise ValueError(f"query, key and value must share their leading dims; got "
+                         f"{_shapes(q, k, v)}")
+    if k[-1] != q[-1]:
+        raise ValueError(f"key must have the query's head dim; got {_shapes(q, k, v)}")
+    if k[-3:-1] != v[-3:-1]:
+        raise ValueError(f"key and value must have the same heads and length; got "
+                         f"{_shapes(q, k, v)}")
+    n_q_heads, n_kv_heads = q[-3], k[-3]
     if enable_gqa and n_kv_heads and n_q_heads % n_kv_heads:
         raise ValueError(f"enable_gqa=True needs query heads ({n_q_heads}) to be a multiple "
-                         f"of key/value heads ({n_kv_heads}); got {shapes}")
+                         f"of key/value heads ({n_kv_heads}); got {_shapes(q, k, v)}")
     if not enable_gqa and n_q_heads != n_kv_heads:
         raise ValueError(f"query has {n_q_heads} heads but key/value have {n_kv_heads}; got "
-                         f"{shapes}; pass enable_gqa=True for grouped-query attention")
+                         f"{_shapes(q, k, v)}; pass enable_gqa=True for grouped-query "
+                         f"attention")
+
+
+def _shapes(q: torch.Size, k: torch.Size, v: torch.Size) -> str:
+    return f"query {tuple(q)}, key {tuple(k)}, value {tuple(v)}"
 
 
 def _check_dtypes_and_devices(query, key, value, attn_mask, tangents) -> None:
