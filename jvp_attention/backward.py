@@ -970,9 +970,10 @@ def flash_attention_backward(
     exact = accurate(precision)
     has_tangent = grad_tangent_out is not None
     inputs = (q, k, v, out, lse, grad_out, *(tangents or (None, None, None)), tangent_out, mu,
-              grad_tangent_out, out_residual, tangent_out_residual)
+              grad_tangent_out, out_residual, tangent_out_residual, attn_mask)
     key = None
-    if attn_mask is None and mask_tangent is None and not mask_grad:  # replayable
+    if mask_tangent is None and not mask_grad:  # replayable (the mask's gradients are zeroed
+        # and its tangent paired with it by PyTorch's operations, which a replay would skip)
         key = backward_key(inputs, is_causal, scale, exact)
         replay = BACKWARD_REPLAYS.get(key) if key is not None else None
         if replay is not None and replay.usable():
@@ -1143,9 +1144,10 @@ BACKWARD_REPLAYS: dict[tuple, CallReplay] = replay_table()
 
 
 def backward_key(inputs: tuple, is_causal: bool, scale: float | None, exact: bool) -> tuple | None:
-    """What the backward's decisions read of a call without masks: its tensors
-    (`call_facts`), which of the optional ones are given, its options and the settings
-    that choose kernels (deterministic algorithms, the key-side split, the layout bound)."""
+    """What the backward's decisions read of a call (without a mask's tangent or gradient):
+    its tensors (`call_facts`), which of the optional ones (the mask among them) are given,
+    its options and the settings that choose kernels (deterministic algorithms, the
+    key-side split, the layout bound)."""
     facts = call_facts(*[x for x in inputs if x is not None])
     if facts is None:
         return None

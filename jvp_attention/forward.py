@@ -394,13 +394,15 @@ def flash_attention_forward(
     exact = accurate(precision)
     has_tangent = tangents is not None
     key = None
-    if attn_mask is None and mask_tangent is None:  # a call that can be replayed
-        facts = call_facts(q, k, v, *(tangents if has_tangent else ()))
-        key = None if facts is None else (is_causal, scale, residuals, exact, *facts)
+    if mask_tangent is None:  # a call that can be replayed (PyTorch pairs a mask's tangent with it)
+        facts = call_facts(q, k, v, *(tangents if has_tangent else ()),
+                           *(() if attn_mask is None else (attn_mask,)))
+        key = (None if facts is None
+               else (is_causal, scale, residuals, exact, attn_mask is None, *facts))
         replay = FORWARD_REPLAYS.get(key) if key is not None else None
         if replay is not None and replay.usable():
             buffers = forward_buffers(q, v.shape[3], has_tangent, residuals)
-            replay((q, k, v, *(tangents or NO_TANGENTS), *buffers))
+            replay((q, k, v, *(tangents or NO_TANGENTS), attn_mask, *buffers))
             return forward_results(buffers, has_tangent, residuals)
     check_kernel_shapes(q, k, v)
     batch, n_heads, n_q, head_dim = q.shape
@@ -418,7 +420,7 @@ def flash_attention_forward(
         if ran is not None:
             return ran
     buffers = forward_buffers(q, value_dim, has_tangent, residuals)
-    pool = (q, k, v, *(tangents or NO_TANGENTS), *buffers)  # what a replay takes its tensors from
+    pool = (q, k, v, *(tangents or NO_TANGENTS), attn_mask, *buffers)  # a replay's tensors
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     tq, tk, tv = (unit_last_stride(x) for x in tangents) if has_tangent else (q, k, v)
     mask, mask_strides, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k),

@@ -714,7 +714,8 @@ def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int
         pairs = torch.stack(torch.broadcast_tensors(attn_mask.to(dtype), mask_tangent.to(dtype)),
                             dim=-1).expand(*shape, 2)
         return pairs, pairs.stride()[:4], ADDITIVE_WITH_TANGENT.value
-    attn_mask = attn_mask.expand(shape)
+    if attn_mask.shape != shape:  # (the mask itself where it has the shape: a replay finds it)
+        attn_mask = attn_mask.expand(shape)
     kind = BOOL_MASK if attn_mask.dtype == torch.bool else ADDITIVE_MASK
     return attn_mask, attn_mask.stride(), kind.value
 

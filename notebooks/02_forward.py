@@ -1939,7 +1939,8 @@ def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int
         pairs = torch.stack(torch.broadcast_tensors(attn_mask.to(dtype), mask_tangent.to(dtype)),
                             dim=-1).expand(*shape, 2)
         return pairs, pairs.stride()[:4], ADDITIVE_WITH_TANGENT.value
-    attn_mask = attn_mask.expand(shape)
+    if attn_mask.shape != shape:  # (the mask itself where it has the shape: a replay finds it)
+        attn_mask = attn_mask.expand(shape)
     kind = BOOL_MASK if attn_mask.dtype == torch.bool else ADDITIVE_MASK
     return attn_mask, attn_mask.stride(), kind.value
 
@@ -2206,7 +2207,10 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
 # (the carry's copies and factors, allocated through `scratch_tensor`, which notes them
 # while a call is recorded). A later call at the same key allocates its outputs and new
 # scratch tensors like the recorded ones and calls each C launcher with its own tensors in
-# their places; nothing else. A tensor the launcher made from an input (the copy of a
+# their places; nothing else. A mask is one more input (the launcher hands the kernel the
+# mask itself when it has the scores' shape, as `attention` passes it, a stride-0 view
+# where it broadcasts); a mask with a tangent is not replayed, since PyTorch pairs the two
+# in a new tensor. A tensor the launcher made from an input (the copy of a
 # column-strided one) is in no pool, so such a call is not replayed. A
 # replay is refused, and the call takes the whole path, while a launch hook (a
 # profiler's) is installed or once the autotuner holds another tile for the key (a tile
@@ -2565,13 +2569,15 @@ def flash_attention_forward(
     exact = accurate(precision)
     has_tangent = tangents is not None
     key = None
-    if attn_mask is None and mask_tangent is None:  # a call that can be replayed
-        facts = call_facts(q, k, v, *(tangents if has_tangent else ()))
-        key = None if facts is None else (is_causal, scale, residuals, exact, *facts)
+    if mask_tangent is None:  # a call that can be replayed (PyTorch pairs a mask's tangent with it)
+        facts = call_facts(q, k, v, *(tangents if has_tangent else ()),
+                           *(() if attn_mask is None else (attn_mask,)))
+        key = (None if facts is None
+               else (is_causal, scale, residuals, exact, attn_mask is None, *facts))
         replay = FORWARD_REPLAYS.get(key) if key is not None else None
         if replay is not None and replay.usable():
             buffers = forward_buffers(q, v.shape[3], has_tangent, residuals)
-            replay((q, k, v, *(tangents or NO_TANGENTS), *buffers))
+            replay((q, k, v, *(tangents or NO_TANGENTS), attn_mask, *buffers))
             return forward_results(buffers, has_tangent, residuals)
     check_kernel_shapes(q, k, v)
     batch, n_heads, n_q, head_dim = q.shape
@@ -2589,7 +2595,7 @@ def flash_attention_forward(
         if ran is not None:
             return ran
     buffers = forward_buffers(q, value_dim, has_tangent, residuals)
-    pool = (q, k, v, *(tangents or NO_TANGENTS), *buffers)  # what a replay takes its tensors from
+    pool = (q, k, v, *(tangents or NO_TANGENTS), attn_mask, *buffers)  # a replay's tensors
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     tq, tk, tv = (unit_last_stride(x) for x in tangents) if has_tangent else (q, k, v)
     mask, mask_strides, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k),

@@ -1110,7 +1110,8 @@ def _attention_backward_dq_kernel(
 # allocates new buffers and scratch tensors and calls each compiled kernel with the tensors
 # at those places. A call none of whose launches went through Triton's own path, and whose
 # tensors all come from there, is replayable: carried ones too, not chapter 12's kernels
-# (their descriptors hold addresses), not a masked one. Under the interpreter the recorded
+# (their descriptors hold addresses), masked ones too, unless the mask has a tangent or
+# takes a gradient (PyTorch's operations pair the two and zero the gradient). Under the interpreter the recorded
 # launches are the interpreter's, which a replay calls with the new tensors the same way.
 # On the H200's host, in a MeanFlow call at DiT-B/2's (64, 12, 256, 64) in bf16 (the
 # forward with its tangent, then the primal backward: two replayed launches), the backward
@@ -1300,9 +1301,10 @@ def flash_attention_backward(
     exact = accurate(precision)
     has_tangent = grad_tangent_out is not None
     inputs = (q, k, v, out, lse, grad_out, *(tangents or (None, None, None)), tangent_out, mu,
-              grad_tangent_out, out_residual, tangent_out_residual)
+              grad_tangent_out, out_residual, tangent_out_residual, attn_mask)
     key = None
-    if attn_mask is None and mask_tangent is None and not mask_grad:  # replayable
+    if mask_tangent is None and not mask_grad:  # replayable (the mask's gradients are zeroed
+        # and its tangent paired with it by PyTorch's operations, which a replay would skip)
         key = backward_key(inputs, is_causal, scale, exact)
         replay = BACKWARD_REPLAYS.get(key) if key is not None else None
         if replay is not None and replay.usable():
@@ -1473,9 +1475,10 @@ BACKWARD_REPLAYS: dict[tuple, CallReplay] = replay_table()
 
 
 def backward_key(inputs: tuple, is_causal: bool, scale: float | None, exact: bool) -> tuple | None:
-    """What the backward's decisions read of a call without masks: its tensors
-    (`call_facts`), which of the optional ones are given, its options and the settings
-    that choose kernels (deterministic algorithms, the key-side split, the layout bound)."""
+    """What the backward's decisions read of a call (without a mask's tangent or gradient):
+    its tensors (`call_facts`), which of the optional ones (the mask among them) are given,
+    its options and the settings that choose kernels (deterministic algorithms, the
+    key-side split, the layout bound)."""
     facts = call_facts(*[x for x in inputs if x is not None])
     if facts is None:
         return None

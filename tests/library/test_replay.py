@@ -123,12 +123,11 @@ def test_keys_hold_what_the_decisions_read() -> None:
     assert len(FORWARD_REPLAYS) == 2  # the switch is part of the key
 
 
-def test_masks_copies_and_traced_calls_are_not_replayed() -> None:
+def test_mask_tangents_copies_and_traced_calls_are_not_replayed() -> None:
     (q, k, v), tan = _inputs()
-    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
     bias = torch.zeros(q.shape[2], k.shape[2], dtype=q.dtype, device=q.device)
     column_strided = q.transpose(2, 3).contiguous().transpose(2, 3)  # last stride != 1
-    calls = [((q, k, v, mask), {}), ((q, k, v, bias), {"tangents": tan, "mask_tangent": bias}),
+    calls = [((q, k, v, bias), {"tangents": tan, "mask_tangent": bias}),
              ((column_strided, k, v), {})]
     assert _key_count_after(*calls) == 0
     # A fake tensor (a traced call's) has no address: no key.
@@ -397,5 +396,64 @@ def test_a_carried_copy_of_a_column_strided_input_is_not_replayed(monkeypatch) -
     assert not FORWARD_REPLAYS
     replayed = _flat(flash_attention_forward(q, k, column_strided, tangents=tan))
     whole = _flat(_whole_path(q, k, v, tangents=tan))
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
+
+
+def _masks(seed: int, q: torch.Tensor, n_k: int) -> dict[str, torch.Tensor]:
+    """A key-padding mask broadcast over heads and queries (a stride-0 view, as `attention`
+    passes one on) and an additive bias of the scores' shape, both drawn from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, heads, n_q = q.shape[:3]
+    keep = torch.rand(batch, 1, 1, n_k, generator=generator) > 0.3
+    keep[..., 0] = True  # no row left without keys
+    bias = torch.randn(batch, heads, n_q, n_k, generator=generator)
+    return {"padding": keep.to(q.device).expand(batch, heads, n_q, n_k),
+            "bias": bias.to(q.device, q.dtype)}
+
+
+@pytest.mark.parametrize("kind", ["padding", "bias"])
+@pytest.mark.parametrize("tangents", [False, True], ids=["plain", "tangents"])
+def test_a_masked_call_is_replayed_with_its_own_mask(kind, tangents) -> None:
+    """A mask without a tangent is one more input of the call: a replay reads the call's
+    own mask (drawn anew here for each call) and gives the whole path's bits."""
+    def call(seed):
+        (q, k, v), tan = _inputs(seed=seed)
+        mask = _masks(seed, q, k.shape[2])[kind]
+        return (q, k, v, mask), {"tangents": tan if tangents else None}
+
+    for seed in range(3):
+        args, kwargs = call(seed)
+        flash_attention_forward(*args, **kwargs)
+    assert len(FORWARD_REPLAYS) == 1
+    args, kwargs = call(5)
+    replayed = _flat(flash_attention_forward(*args, **kwargs))
+    whole = _flat(_whole_path(*args, **kwargs))
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_a_masked_training_call_is_replayed(order) -> None:
+    """`attention` with a key-padding mask under `torch.func.jvp`, then the backward: the
+    forward and the backward replay with each call's own mask, bit for bit."""
+    import jvp_attention
+
+    def step(seed):
+        (q, k, v), tangents = _inputs(seed=seed)
+        mask = _masks(seed, q, k.shape[2])["padding"][:, :1, :1]  # (B, 1, 1, Nk)
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        out, t_out = torch.func.jvp(
+            lambda a, b, c: jvp_attention.attention(a, b, c, attn_mask=mask), (q, k, v),
+            tangents)
+        loss = (out * torch.randn_like(out)).sum()
+        if order == "second":
+            loss = loss + (t_out * torch.randn_like(t_out)).sum()
+        loss.backward()
+        return [out.detach(), t_out.detach(), q.grad, k.grad, v.grad]
+
+    replayed, whole, launches = _replayed_and_whole(step)
+    assert len(launches) >= 3
     for a, b in zip(replayed, whole, strict=True):
         assert torch.equal(a, b)
