@@ -1156,6 +1156,7 @@ class Recording:
             return
         launches, scratch = RECORDER.launches, RECORDER.scratch
         RECORDER.launches, RECORDER.scratch = self.outer
+        note_untraced_launch()  # a call recorded inside another: launches the outer one missed
         found = None if kind is not None else launch_slots(launches, (*self.pool, *scratch))
         if found:
             absent = len(self.pool) + len(scratch)  # the None at the end of a replay's pool

@@ -457,3 +457,20 @@ def test_a_masked_training_call_is_replayed(order) -> None:
     assert len(launches) >= 3
     for a, b in zip(replayed, whole, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_call_recorded_inside_another_spoils_the_outer_recording() -> None:
+    """A recording keeps its launches from any recording around it: the outer call could not
+    repeat them, so it is not replayed."""
+    (q, k, v), _ = _inputs()
+    _settle(q, k, v)
+    launch.forget_replays()
+    own = launch.InterpretedLaunch(None, (1,), (), {})  # a launch of the outer call's own
+    with launch.Recording((), True) as alone:
+        launch.RECORDER.launches.append(own)
+    assert alone.replay is not None
+    with launch.Recording((), True) as outer:
+        launch.RECORDER.launches.append(own)
+        _settle(q, k, v)
+    assert FORWARD_REPLAYS  # the inner calls are recorded as usual
+    assert outer.replay is None
