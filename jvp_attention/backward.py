@@ -4,7 +4,6 @@
 `notebooks/05_backward.py` derives them and checks them against chapter 1's references.
 """
 
-
 import torch
 import triton
 import triton.language as tl
