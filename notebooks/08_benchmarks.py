@@ -749,19 +749,19 @@ def shape_label(shape, causal):
 def target_rows():
     """(target, shape, measured, goal, ratio to goal, file) for every saved measurement."""
     rows = []
-    jvp = saved("warp_specialized_jvp_h200.json")
+    jvp, jvp_name = newest_saved("warp_specialized_jvp_h200.json",
+                                 "warp_specialized_jvp_h100_2026-12-06.json")
     if jvp is not None:
         speed = {(tuple(r["shape"]), r["causal"]): r["tflops"] for r in jvp["rows"]
                  if r["impl"] == "ours_accurate" and "tflops" in r}
         for (shape, causal), tflops in speed.items():
             rows.append(("forward + JVP >= 500 TFLOP/s", shape_label(shape, causal),
-                         f"{tflops:.0f}", "500", tflops / 500, "warp_specialized_jvp_h200.json"))
+                         f"{tflops:.0f}", "500", tflops / 500, jvp_name))
         for (shape, causal), tflops in speed.items():
             if causal and (shape, False) in speed:
                 ratio = tflops / speed[shape, False]
                 rows.append(("forward + JVP: causal >= 0.9x full", shape_label(shape, True),
-                             f"{ratio:.2f}x", "0.9x", ratio / 0.9,
-                             "warp_specialized_jvp_h200.json"))
+                             f"{ratio:.2f}x", "0.9x", ratio / 0.9, jvp_name))
     peers = saved("h200_2026-12-02_fwd_jvp_rcm.json")
     if peers is not None:
         for case in peers["cases"]:
@@ -776,7 +776,8 @@ def target_rows():
                     rows.append(("forward + JVP >= 1.2x rcm", shape_label(shape, case["causal"]),
                                  f"{ratio:.2f}x", "1.2x", ratio / 1.2,
                                  "h200_2026-12-02_fwd_jvp_rcm.json"))
-    forward = saved("warp_specialized_h200.json")
+    forward, forward_name = newest_saved("warp_specialized_h200.json",
+                                         "warp_specialized_h100_2026-12-06.json")
     if forward is not None:
         speed = {(tuple(r["shape"]), r["causal"], r["impl"]): r["tflops"]
                  for r in forward["rows"] if "tflops" in r}
@@ -786,7 +787,7 @@ def target_rows():
             if impl == "ours" and shape[2] >= 4096 and best:
                 rows.append(("forward >= 0.9x SDPA's best", shape_label(shape, causal),
                              f"{tflops / best:.2f}x", "0.9x", tflops / best / 0.9,
-                             "warp_specialized_h200.json"))
+                             forward_name))
     backward = saved("warp_specialized_backward_h200.json")
     newer = set()  # shapes that the backward's own run (chapter 12's kernels) measured
     if backward is not None:
@@ -829,7 +830,7 @@ def target_rows():
                 rows.append(("second-order backward: causal >= 0.9x full",
                              shape_label(shape, True), f"{ratio:.2f}x", "0.9x", ratio / 0.9,
                              second_name))
-        rows += tvm_rows(second, second_name, jvp)
+        rows += tvm_rows(second, second_name, jvp, jvp_name)
     return rows
 
 
@@ -854,7 +855,7 @@ def one_run_steps(run):
     return steps
 
 
-def tvm_rows(second, second_name, jvp):
+def tvm_rows(second, second_name, jvp, jvp_name):
     """The second-order backward against TVM's kernel, and the TVM-style step (the forward
     with its JVP, then the backward through both outputs) against the math path's: from
     the newest run that timed the whole step (`tvm_step_*.json`) where it did, else ours
@@ -880,8 +881,7 @@ def tvm_rows(second, second_name, jvp):
         elif (shape, causal) in forward and all(m and m.get("median_ms") for m in math):
             ours_ms = forward[shape, causal] + case["median_ms"]
             math_ms = sum(m["median_ms"] for m in math)
-            source = (f"{second_name}, warp_specialized_jvp_h200.json, "
-                      f"{Path(SOURCE).name}")
+            source = f"{second_name}, {jvp_name}, {Path(SOURCE).name}"
         else:
             continue
         rows.append(("TVM-style step >= 10x the math path", shape_label(shape, causal),
@@ -908,17 +908,19 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 
 # %% [markdown]
 # Read together: with chapter 11's kernels the forward with its JVP meets its speed
-# targets at $d = 128$ (causal B4 H16 N4096 just over the line, 506 TFLOP/s) and at
-# $d = 64$ without the causal mask, 1.40x and 1.45x rcm, and the forward is level with
-# cuDNN at $d = 128$. Below their line: causal at B4 H16 N4096, 0.87x full at $d = 128$
-# where 16384 tokens give 0.97x, in the saved runs, which predate the grouped causal launch
-# order (chapter 2, `query_program`): with 32 query tiles a head the old order ended on a
-# few long tiles, and the new one took the kernel from 1.339 to 1.277 ms on the H100 (GPU
-# time, "accurate"), 0.98x full per FLOP, and $d = 64$ from 0.774 to 0.746 ms (0.92x); the
-# $d = 64$ causal call, B4 H16 N4096, which chapter 11's kernel
-# takes since its launches skip Triton's per-launch Python (388 TFLOP/s in "accurate"
-# precision, 367 before; "fast" 507): a 1 ms call whose host time and the carry's passes
-# now weigh as much as its kernel; and the second-order backward. The
+# targets at $d = 128$ and at $d = 64$ without the causal mask, 1.40x and 1.45x rcm (H200),
+# and the forward is level with cuDNN. The newest runs of chapter 11's two benchmarks are
+# the H100's of 2026-12-06 (`warp_specialized_jvp_h100_2026-12-06.json`,
+# `warp_specialized_h100_2026-12-06.json`, same commands with those `--out` names), the
+# first since the grouped causal launch order (chapter 2, `query_program`) and the calls'
+# replays (chapter 2, "Replaying a call"); the H200's (2026-12-02 and 12-03) predate both.
+# Causal B4 H16 N4096 went from 506 TFLOP/s (0.87x full, H200) to 523 (0.91x full), the
+# forward at $d = 64$ causal from 0.85x cuDNN to 0.96x (0.357 against 0.341 ms), and the
+# $d = 64$ causal forward with its JVP from 388 to 459 TFLOP/s, 0.88x full: the one
+# forward row still below its line. That call takes 0.898 ms in "accurate" precision
+# against "fast"'s 0.787 (524 TFLOP/s): the carry's range pass and copies (0.072 and
+# 0.044 ms of GPU time on the H100, chapter 11) are the difference, in a call short enough
+# for them to weigh 12%. Below the line too: one row of the second-order backward (below). The
 # first-order backward runs chapter 12's warp-specialised kernels from 4096 tokens, its
 # dK/dV kernel summing dQ too, and chapter 12's run times it at every backward shape of the
 # grid from 4096 to 32768 tokens: in "accurate" precision 0.83x to 0.86x cuDNN at
