@@ -1472,8 +1472,9 @@ else:
 # whole path. Now a replay records the carry's launches too, with their tensors (inside
 # the tuples the copy kernels take) found in the call's pool and the copies allocated anew
 # (chapter 2, "Replaying a call"). `benchmarks/results/training_shapes_replay_h100.json`
-# times ours, the math path and the floor at four DiT shapes with it on an H100 machine;
-# its `note` gives the rows of the same machine's earlier run without it.
+# times ours, the math path and the floor at four DiT shapes with it on an H100 machine,
+# and ours and the floor at the video shape; its `note` gives the rows of the same
+# machine's earlier run without it.
 
 # %% tags=["hide_input"]
 CARRIED_REPLAY = RESULTS / "training_shapes_replay_h100.json"
@@ -1503,7 +1504,9 @@ else:
 # second-order call 1.58 against 2.72; at DiT-XL/2 512 px 0.44, 1.71 and 2.08 ms of host
 # time against 0.90, 2.16 and 6.92 of GPU time. The H100 machine's host is slower than
 # the H200's (0.49 ms for the forward with its JVP at DiT-B/2 256 px against 0.32 in the
-# runs above), so these are its numbers, not the H200 targets' below.
+# runs above), so these are its numbers, not the H200 targets' below. At the video shape
+# (1, 12, 32760, 128) the host's 0.68, 2.68 and 3.27 ms hide under 33, 67 and 181 ms of
+# GPU time.
 
 # %% [markdown]
 # ### The autograd engine's thread
