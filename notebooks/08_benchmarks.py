@@ -811,7 +811,8 @@ def target_rows():
                 shape = (case["B"], case["H"], case["N"], case["d"])
                 rows.append(("backward >= 0.8x SDPA's best", shape_label(shape, case["causal"]),
                              f"{ratio:.2f}x", "0.8x", ratio / 0.8, Path(SOURCE).name))
-    second, second_name = newest_saved("second_order_h200.json", "second_order_h100.json")
+    second, second_name = newest_saved("second_order_h200.json", "second_order_h100.json",
+                                       "second_order_h100_2026-12-06.json")
     if second is not None:
         for case in second["cases"]:
             if case["impl"] == "ours" and case["mode"] == "bwd2" and case.get("tflops"):
@@ -920,7 +921,7 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # forward row still below its line. That call takes 0.898 ms in "accurate" precision
 # against "fast"'s 0.787 (524 TFLOP/s): the carry's range pass and copies (0.072 and
 # 0.044 ms of GPU time on the H100, chapter 11) are the difference, in a call short enough
-# for them to weigh 12%. Below the line too: one row of the second-order backward (below). The
+# for them to weigh 12%. The
 # first-order backward runs chapter 12's warp-specialised kernels from 4096 tokens, its
 # dK/dV kernel summing dQ too, and chapter 12's run times it at every backward shape of the
 # grid from 4096 to 32768 tokens: in "accurate" precision 0.83x to 0.86x cuDNN at
@@ -933,15 +934,16 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # at $d = 64$ up to 8192 tokens. What keeps "accurate" behind "fast" now is mostly the
 # carried copies' pass (0.26 ms at B4 H16 N4096). The second-order backward runs chapter
 # 12's three Gluon passes on Hopper since 2026-12-05 (unmasked calls, $d = 64$ or 128, from
-# 4096 tokens), and the newest second-order run is the H100's of that day
-# (`second_order_h100.json`, `benchmarks/bench.py --mode bwd2`; the H200's file holds
-# chapter 6's kernels). In "accurate" precision it runs at 313 TFLOP/s at B4 H16 N4096
-# $d = 128$ (chapter 6's kernels: 194 in chapter 12's profile of the same call), 337 at
-# B1 H16 N16384, 278 and 272 at $d = 64$ (B4 H32 N4096, B1 H32 N16384); causal 278, 341,
-# 260, 296; "fast" 314 to 357. So the 250 TFLOP/s line is met at every one of these
-# shapes, and causal is within 10% of full but at B4 H16 N4096 $d = 128$, 0.89x (0.90x in
-# chapter 12's profile; 0.97x at 8192 tokens), where the causal programs' last wave is
-# short of work, as the forward's was before its grouped order.
+# 4096 tokens), and the newest second-order run is the H100's of 2026-12-06
+# (`second_order_h100_2026-12-06.json`, `benchmarks/bench.py --mode bwd2`; the same
+# command's run the day before is `second_order_h100.json`, and the H200's file holds
+# chapter 6's kernels). In "accurate" precision it runs at 319 TFLOP/s at B4 H16 N4096
+# $d = 128$ (chapter 6's kernels: 194 in chapter 12's profile of the same call), 335 at
+# B1 H16 N16384, 274 and 278 at $d = 64$ (B4 H32 N4096, B1 H32 N16384); causal 288, 333,
+# 263, 300; "fast" 314 to 371. So the 250 TFLOP/s line is met at every one of these
+# shapes, and causal is within 10% of full at each, B4 H16 N4096 $d = 128$ only just:
+# 0.90x here and 0.89x in the day-before run (0.90x in chapter 12's profile; 0.97x at 8192
+# tokens), where the causal programs' last wave is short of work.
 #
 # The last two targets read the second-order backward inside what it serves. The
 # TVM-style step (the forward with its JVP, then the backward through both outputs, as
