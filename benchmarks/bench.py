@@ -785,6 +785,14 @@ def default_out(args: argparse.Namespace) -> Path:
     return RESULTS / f"{slug}_{kind}_{stamp}.json"
 
 
+def outside_plan(resumed: dict[tuple, dict], planned: Iterable[tuple]) -> list[dict]:
+    """The resumed cases that this run does not plan (another selection of shapes, modes or
+    implementations): written first, as they were, so that resuming into the same file with
+    a narrower selection adds to it instead of dropping the rest."""
+    keys = set(planned)
+    return [record for key, record in resumed.items() if key not in keys]
+
+
 def load_resume(paths: list[Path] | None) -> dict[tuple, dict]:
     """Measured (or failed) cases of earlier runs, by key (a later file wins a key both
     have); budget skips are run again."""
@@ -875,7 +883,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                              "runs locate the crossover")
     parser.add_argument("--resume", type=Path, nargs="+",
                         help="copy cases already measured in these earlier results files (a "
-                             "later file wins); run only the rest")
+                             "later file wins; those outside this selection too); run only "
+                             "the rest")
     args = parser.parse_args(argv)
     if args.rcm_kernel is not None:
         if not args.rcm_kernel.is_file():
@@ -915,6 +924,9 @@ def main(argv: Iterable[str] | None = None) -> dict:
     if HAS_CUDA and args.autotune_rep_ms > 0:
         data["settings"]["quick_autotune"] = use_quick_autotune(args.autotune_rep_ms)
     resumed = load_resume(args.resume)
+    data["cases"] = outside_plan(resumed, (case.key for case in cases))
+    if data["cases"]:
+        print(f"{len(data['cases'])} resumed cases outside this selection: kept", flush=True)
     print(f"jvp_attention bench: {data['gpu']} | torch {torch.__version__} | triton "
           f"{triton.__version__} | jvp_attention {data['versions']['jvp_attention']} | "
           f"jvp_flash_attention {data['versions']['jvp_flash_attention']} | {rcm_note(data)}"

@@ -873,7 +873,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                         help="wall budget from start: later cases are recorded as skipped "
                              "(finish with --resume); 0 or less: no limit")
     parser.add_argument("--resume", type=Path, nargs="+",
-                        help="copy the cases these earlier results measured; run the rest")
+                        help="copy the cases these earlier results measured (those outside this "
+                             "selection too); run the rest")
     args = parser.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bf16" if HAS_CUDA else "fp16"
@@ -913,6 +914,9 @@ def main(argv: Iterable[str] | None = None) -> dict:
     if HAS_CUDA and args.autotune_rep_ms > 0:
         data["settings"]["quick_autotune"] = bench.use_quick_autotune(args.autotune_rep_ms)
     resumed = load_resume(args.resume, args.layout)
+    data["cases"] = bench.outside_plan(resumed, (case.key for case in cases))
+    if data["cases"]:
+        print(f"{len(data['cases'])} resumed cases outside this selection: kept", flush=True)
     print(f"jvp_attention training shapes: {data['gpu']} | torch {torch.__version__} | triton "
           f"{triton.__version__} | jvp_flash_attention "
           f"{data['versions']['jvp_flash_attention']} | {len(cases)} cases | budget "

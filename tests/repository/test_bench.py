@@ -232,6 +232,21 @@ def test_wall_budget_records_what_it_skipped(tmp_path: Path) -> None:
     assert done[key]["resumed_from"] == str(later)
 
 
+def test_resume_keeps_cases_outside_the_selection(tmp_path: Path) -> None:
+    """Resuming into the same file with a narrower selection adds to the file: the cases the
+    run does not plan are copied as they were, before its own."""
+    out = tmp_path / "run.json"
+    data = bench.main(["--smoke", "--max-seconds", "1e-6", "--autotune-rep-ms", "0",
+                       "--out", str(out)])
+    other = {**data["cases"][0], "impl": "elsewhere", "skipped": None, "median_ms": 1.5}
+    out.write_text(json.dumps({**data, "cases": [other, *data["cases"]]}))
+    again = bench.main(["--smoke", "--max-seconds", "1e-6", "--autotune-rep-ms", "0",
+                        "--resume", str(out), "--out", str(out)])
+    assert again["cases"][0] == {**other, "resumed_from": str(out)}
+    assert len(again["cases"]) == len(data["cases"]) + 1
+    assert json.loads(out.read_text()) == again
+
+
 def test_budget_prediction_scales_with_the_work() -> None:
     small = bench.Case("ours", "bwd2", 1, 16, 16384, 128, False, "bf16")
     large = bench.Case("ours", "bwd2", 1, 16, 32768, 128, False, "bf16")

@@ -237,6 +237,23 @@ def test_resume_keeps_measured_cases_and_reruns_budget_skips(tmp_path: Path) -> 
     assert list(done) == [case.key] and done[case.key]["resumed_from"] == str(previous)
 
 
+def test_resume_keeps_cases_outside_the_selection(tmp_path: Path) -> None:
+    """`--resume F --out F` with a narrower selection (here one mode) keeps F's other
+    cases, as they were, before the run's own."""
+    out = tmp_path / "run.json"
+    data = ts.main(["--smoke", "--mode", "fwd_jvp", "--impl", "floor", "--max-seconds", "1e-6",
+                    "--out", str(out)])
+    other = ts.complete_record(ts.Case("dit-b2-256", "ours", "meanflow",
+                                       *ts.SHAPES["dit-b2-256"], "bf16"),
+                               {"status": "ok", "error": None, "skipped": None, "wall_ms": 1.0})
+    out.write_text(json.dumps({**data, "cases": [*data["cases"], other]}))
+    again = ts.main(["--smoke", "--mode", "fwd_jvp", "--impl", "floor", "--max-seconds", "1e-6",
+                     "--resume", str(out), "--out", str(out)])
+    assert again["cases"][0] == {**other, "resumed_from": str(out)}
+    assert len(again["cases"]) == len(data["cases"]) + 1
+    assert json.loads(out.read_text()) == again
+
+
 def test_resume_refuses_a_run_of_another_layout(tmp_path: Path) -> None:
     previous = tmp_path / "previous.json"
     previous.write_text(json.dumps({"settings": {"layout": "qkv"}, "cases": []}))
