@@ -2488,7 +2488,20 @@ def call_targets(rows):
             else:
                 bound = f"ours: floor {floor:.2f} ms" if floor else ""
             target(rows, f"host ms per {TS_MODES[mode].split(' (')[0]} <= {goal}", shape,
-                   f"{host:.2f}", goal, host <= goal, bound, TS_FILE)
+                   f"{host:.2f}", goal, host <= goal, bound + replayed_elsewhere(shape, mode),
+                   TS_FILE)
+
+
+def replayed_elsewhere(shape, mode):
+    """What the H100 machine's run with the calls' replays ("Carried calls" above) measured
+    for a host time that the H200's file holds from before them, as a clause."""
+    ours, floor = (cr_rows.get((shape, impl, mode)) if CARRIED_REPLAY.is_file() else None
+                   for impl in ("ours", "floor"))
+    if ours is None or floor is None:
+        return ""
+    return (f"; measured before the calls' replays: with them, on an H100 machine (a slower "
+            f"host), {ours['host_ms']:.2f} ms against its floor's {floor['host_ms']:.2f} "
+            f"({CARRIED_REPLAY.name})")
 
 
 # The newest host times, with both replays (chapter 2, chapter 5): medians of the runs above.
