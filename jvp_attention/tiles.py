@@ -407,3 +407,21 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                      + cols[None, :], copy,
                      mask=mask)
             EPILOGUE(c, x, rows, cols, epilogue_args)
+
+
+# The tangent operands' largest entries stay below 2**TANGENT_TOP, four times below
+# float16's largest value (`tangent_units`).
+TANGENT_TOP = tl.constexpr(14)
+
+
+@triton.jit
+def tangent_units(ts, ts_scale, mu, units, v_shift, t_shift):
+    """The exponent c of the units 2**c the tangent accumulator is kept in after this key
+    block, per row: at most `units` (the previous blocks'), so that earlier sums never grow,
+    and small enough that both rounded operands of the block stay below 2**TANGENT_TOP:
+    P~ (tS - mu) 2**(c - v_shift) with |tS - mu| <= max |tS| + |mu| (tS = `ts` times
+    `ts_scale` > 0), and P~ 2**(c - t_shift) with P~ <= 1."""
+    bound = ts_scale * tl.max(tl.abs(ts), 1) + tl.abs(mu)
+    block_units = tl.minimum(shift_exponent(bound, TANGENT_TOP) + v_shift,
+                             TANGENT_TOP + t_shift)
+    return tl.minimum(units, block_units)

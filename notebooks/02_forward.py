@@ -583,9 +583,10 @@ from jvp_attention.reference import AttentionOutputs
 from jvp_attention.tiles import (
     LN2,
     LOG2E,
+    MAX_SHIFT,
+    TANGENT_TOP,
     add_mask_tangent,
     aligned_operands,
-    carry_factor,
     dot_rounded,
     head_base,
     in_fp32,
@@ -604,6 +605,7 @@ from jvp_attention.tiles import (
     store_rounded,
     tail_accumulator,
     tail_source,
+    tangent_units,
     tile_source,
     vector_entry,
     with_entry,
@@ -614,19 +616,21 @@ from jvp_attention.warp_specialized import takes_warp_specialized, warp_speciali
 # %% tags=["export"]
 @triton.jit
 def _forward_key_block(
-    acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, q, q2, tq, tq2, rows, start_n,
+    acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, t_units, q, q2, tq, tq2, rows, start_n,
     k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src, stride_tkn,
-    tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n,
+    tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, v_shift, t_shift,
     n_q, n_k, head_dim, value_dim, qk_scale, scale,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
     CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, DV_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, USE_TMA: tl.constexpr,
-    PAIR_D: tl.constexpr, PAIR_DV: tl.constexpr,
+    PAIR_D: tl.constexpr, PAIR_DV: tl.constexpr, CARRY: tl.constexpr,
 ):
     """Fold the key block starting at `start_n` into the softmax state (and the tangent state).
     A name ending in 2 is the second tile of a head dim cut in two (D_TAIL, DV_TAIL > 0);
-    with PAIR_D (PAIR_DV) its tangent products are paired (`pair_tails`)."""
+    with PAIR_D (PAIR_DV) its tangent products are paired (`pair_tails`). With CARRY, v and
+    tv are fp16 copies, times 2**v_shift and 2**t_shift (`value_operands`),
+    and acc_t is kept in units 2**t_units per row ("Exact fp16 operands" below)."""
     cols = start_n + tl.arange(0, BLOCK_N)
     k = load_rows(k_src, start_n, stride_kn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
     v = load_rows(v_src, start_n, stride_vn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
@@ -660,21 +664,35 @@ def _forward_key_block(
                                  D_TAIL, USE_TMA)
             ts = tl.dot(tq2, tl.trans(k2), acc=ts, input_precision=DOT_PRECISION)
             ts = tl.dot(q2, tl.trans(tk2), acc=ts, input_precision=DOT_PRECISION)
-        ts = ts * scale
-        # + tB, in natural units (never with CARRY, whose tS is in units of w: see the launcher)
-        ts = add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
-                               n_k, MASK_KIND)
         # The running mu including this block; acc_t is kept centred on it.
-        mu_new = (mu_i * l_i * alpha + tl.sum(p * ts, 1)) / tl.where(l_new == 0.0, 1.0, l_new)
-        acc_t = acc_t * alpha[:, None] - (mu_new - mu_i)[:, None] * acc_o
-        p_centred = p * (ts - mu_new[:, None])
+        l_safe = tl.where(l_new == 0.0, 1.0, l_new)
+        if CARRY:  # acc_t moves to units that keep this block's rounded operands in range;
+            tl.static_assert(not PAIR_DV)
+            # tS stays unscaled: scale and the units fold into one multiply-add (a mask's
+            # tB never comes with CARRY: see the launcher)
+            mu_new = (mu_i * l_i * alpha + scale * tl.sum(p * ts, 1)) / l_safe
+            units = tangent_units(ts, tl.abs(scale), mu_new, t_units, v_shift, t_shift)
+            to_v_units = power_of_two(units - v_shift)
+            alpha_t = alpha * power_of_two(units - t_units)
+            mu_step = (mu_new - mu_i) * to_v_units
+            ts_centred = ts * (scale * to_v_units)[:, None] - (mu_new * to_v_units)[:, None]
+            p_tangent = p * power_of_two(units - t_shift)[:, None]
+            t_units = units
+        else:
+            ts = add_mask_tangent(ts * scale, rows, cols, mask_ptr, stride_mask_m,
+                                  stride_mask_n, n_q, n_k, MASK_KIND)  # + tB, natural units
+            mu_new = (mu_i * l_i * alpha + tl.sum(p * ts, 1)) / l_safe
+            alpha_t, mu_step, ts_centred, p_tangent = (alpha, mu_new - mu_i,
+                                                       ts - mu_new[:, None], p)
+        acc_t = acc_t * alpha_t[:, None] - mu_step[:, None] * acc_o
+        p_centred = p * ts_centred
         acc_t = dot_rounded(p_centred, v, acc_t, DOT_PRECISION, SPLIT)
-        acc_t = dot_rounded(p, tv, acc_t, DOT_PRECISION, SPLIT)
+        acc_t = dot_rounded(p_tangent, tv, acc_t, DOT_PRECISION, SPLIT)
         if DV_TAIL > 0:
             # Paired, the left halves hold the tails of P~ V and of the centred sum, column
             # for column, so the centring below is unchanged (the right half of acc_t2 is
             # never stored).
-            acc_t2 = acc_t2 * alpha[:, None] - (mu_new - mu_i)[:, None] * acc_o2
+            acc_t2 = acc_t2 * alpha_t[:, None] - mu_step[:, None] * acc_o2
             acc_t2 = dot_rounded(p_centred, v2, acc_t2, DOT_PRECISION, SPLIT)
             if PAIR_DV:  # P~ tV's tail joins P~ V's product, as acc_o2's right half
                 v2 = load_paired_tail_rows(v2_src, tv2_src, start_n, stride_vn, stride_tvn,
@@ -682,12 +700,12 @@ def _forward_key_block(
             else:
                 tv2 = load_tail_rows(tv2_src, start_n, stride_tvn, n_k, value_dim, BLOCK_N,
                                      BLOCK_DV, DV_TAIL, USE_TMA)
-                acc_t2 = dot_rounded(p, tv2, acc_t2, DOT_PRECISION, SPLIT)
+                acc_t2 = dot_rounded(p_tangent, tv2, acc_t2, DOT_PRECISION, SPLIT)
         mu_i = mu_new
     acc_o = dot_rounded(p, v, acc_o, DOT_PRECISION, SPLIT)
     if DV_TAIL > 0:
         acc_o2 = dot_rounded(p, v2, acc_o2, DOT_PRECISION, SPLIT)
-    return acc_o, acc_o2, acc_t, acc_t2, l_new, mu_i, m_new
+    return acc_o, acc_o2, acc_t, acc_t2, l_new, mu_i, m_new, t_units
 
 
 # %% [markdown]
@@ -923,6 +941,24 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
             EPILOGUE(c, x, rows, cols, epilogue_args)
 
 
+# The tangent operands' largest entries stay below 2**TANGENT_TOP, four times below
+# float16's largest value (`tangent_units`).
+TANGENT_TOP = tl.constexpr(14)
+
+
+@triton.jit
+def tangent_units(ts, ts_scale, mu, units, v_shift, t_shift):
+    """The exponent c of the units 2**c the tangent accumulator is kept in after this key
+    block, per row: at most `units` (the previous blocks'), so that earlier sums never grow,
+    and small enough that both rounded operands of the block stay below 2**TANGENT_TOP:
+    P~ (tS - mu) 2**(c - v_shift) with |tS - mu| <= max |tS| + |mu| (tS = `ts` times
+    `ts_scale` > 0), and P~ 2**(c - t_shift) with P~ <= 1."""
+    bound = ts_scale * tl.max(tl.abs(ts), 1) + tl.abs(mu)
+    block_units = tl.minimum(shift_exponent(bound, TANGENT_TOP) + v_shift,
+                             TANGENT_TOP + t_shift)
+    return tl.minimum(units, block_units)
+
+
 # %% [markdown]
 # The host side of the carry is launch policy, shared with the backward: it opens the
 # module `jvp_attention.launch` (its imports, shown but not run, as above).
@@ -1120,11 +1156,29 @@ def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Te
     return v_hat, tv_hat, factors
 
 
-carried_jvp_operands = graph_carry(
-    "jvp_operands",
-    "(Tensor q, Tensor k, Tensor v, Tensor tq, Tensor tk, Tensor tv, float scale)"
-    " -> (Tensor, Tensor, Tensor)", jvp_operands,
-    lambda q, k, v, tq, tk, tv, scale: carried_fakes((v, tv), 4))
+@triton.jit
+def value_shifts(maxima, unused):
+    """From max |v|, |tv|: the shifts 2**e_v and 2**e_t that bring each one's largest entry
+    into [1/2, 1), then the exponents e_v, e_t themselves (exact in fp32)."""
+    e_v = shift_exponent(vector_entry(maxima, 0), 0)
+    e_t = shift_exponent(vector_entry(maxima, 1), 0)
+    values = tl.zeros([16], tl.float32)
+    values = with_entry(values, 0, power_of_two(e_v))
+    values = with_entry(values, 1, power_of_two(e_t))
+    values = with_entry(values, 2, e_v.to(tl.float32))
+    return with_entry(values, 3, e_t.to(tl.float32))
+
+
+def value_operands(v: torch.Tensor, tv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Exact fp16 copies of v and tv for this chapter's forward+JVP kernel on bf16 inputs,
+    each shifted by its own power of two, and the two exponents (fp32, on the device)."""
+    (v_hat, tv_hat), exponents = carried_operands((v, tv), (), value_shifts, 0.0, 2)
+    return v_hat, tv_hat, exponents
+
+
+carried_value_operands = graph_carry(
+    "value_operands", "(Tensor v, Tensor tv) -> (Tensor, Tensor, Tensor)", value_operands,
+    lambda v, tv: carried_fakes((v, tv), 2))
 
 
 # %% [markdown]
@@ -1167,7 +1221,8 @@ def _attention_forward_kernel(
     HEAD_GROUP: tl.constexpr = 1,
 ):
     """O and LSE (and tO, mu when HAS_TANGENT) of one tile of query rows of one (batch, head).
-    With CARRY, v and tv are `jvp_operands`' fp16 copies and `factors_ptr` their factors.
+    With CARRY, v and tv are `value_operands`' fp16 copies and `factors_ptr` their two
+    exponents.
     With D_TAIL (DV_TAIL), the head dim of q and k (of v) is cut into tiles of BLOCK_D and
     D_TAIL columns (`column_tiles`), and with PAIR_D (PAIR_DV) the tangent's products over
     the tails are paired (`pair_tails`). Row strides and head dims are multiples of ALIGN."""
@@ -1214,7 +1269,6 @@ def _attention_forward_kernel(
                               USE_TMA)
         acc_t = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         acc_t2 = tail_accumulator(BLOCK_M, DV_TAIL)
-        scale *= carry_factor(factors_ptr, 0, CARRY, 1.0)  # tS, and so mu, in units of w
     else:
         tq, tq2, tk_src, tk2_src, tv_src, tv2_src = q, q2, k_src, k2_src, v_src, v2_src
         acc_t = tl.zeros([1, 1], dtype=tl.float32)
@@ -1224,28 +1278,36 @@ def _attention_forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     mu_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # The carry: the copies' exponents, and for acc_t the largest units `tangent_units` gives
+    v_shift, t_shift = 0, 0
+    if CARRY:
+        v_shift = tl.load(factors_ptr).to(tl.int32)
+        t_shift = tl.load(factors_ptr + 1).to(tl.int32)
+    t_units = tl.full([BLOCK_M], TANGENT_TOP + MAX_SHIFT, dtype=tl.int32)
 
     full_end, end = key_block_ranges(start_m, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
-        acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i = _forward_key_block(
-            acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, q, q2, tq, tq2, rows, start_n,
-            k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src, stride_tkn,
-            tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
-            head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False,
-            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA,
-            PAIR_D, PAIR_DV)
+        acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, t_units = _forward_key_block(
+            acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, t_units, q, q2, tq, tq2, rows,
+            start_n, k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src,
+            stride_tkn, tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n,
+            v_shift, t_shift, n_q, n_k, head_dim, value_dim, qk_scale, scale, IS_CAUSAL,
+            MASK_KIND, HAS_TANGENT, False, BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL,
+            DOT_PRECISION, SPLIT, USE_TMA, PAIR_D, PAIR_DV, CARRY)
     for start_n in range(full_end, end, BLOCK_N):
-        acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i = _forward_key_block(
-            acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, q, q2, tq, tq2, rows, start_n,
-            k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src, stride_tkn,
-            tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
-            head_dim, value_dim, qk_scale, scale, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True,
-            BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL, DOT_PRECISION, SPLIT, USE_TMA,
-            PAIR_D, PAIR_DV)
+        acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, t_units = _forward_key_block(
+            acc_o, acc_o2, acc_t, acc_t2, l_i, mu_i, m_i, t_units, q, q2, tq, tq2, rows,
+            start_n, k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, tk2_src,
+            stride_tkn, tv_src, tv2_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n,
+            v_shift, t_shift, n_q, n_k, head_dim, value_dim, qk_scale, scale, IS_CAUSAL,
+            MASK_KIND, HAS_TANGENT, True, BLOCK_N, BLOCK_D, D_TAIL, BLOCK_DV, DV_TAIL,
+            DOT_PRECISION, SPLIT, USE_TMA, PAIR_D, PAIR_DV, CARRY)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    o_factor = inv_l * carry_factor(factors_ptr, 1, CARRY, 1.0)
+    o_factor = inv_l
+    if CARRY:
+        o_factor *= power_of_two(-v_shift)
     flat_rows = bh.to(tl.int64) * n_q + rows
     dims_v = tl.arange(0, BLOCK_DV)
     store_rounded(o_ptr, o_residual_ptr, acc_o * o_factor[:, None], flat_rows, rows, dims_v,
@@ -1264,7 +1326,9 @@ def _attention_forward_kernel(
     tl.store(lse_ptr + flat_rows, lse, mask=rows < n_q)
     if HAS_TANGENT:
         # acc_t is centred on the final mu: tO = acc_t / l, no cancellation left to do.
-        t_factor = inv_l * carry_factor(factors_ptr, 2, CARRY, 1.0)
+        t_factor = inv_l
+        if CARRY:
+            t_factor *= power_of_two(-t_units)
         store_rounded(to_ptr, to_residual_ptr, acc_t * t_factor[:, None], flat_rows, rows,
                        dims_v, n_q, value_dim, STORE_RESIDUAL)
         if PAIR_DV:
@@ -1274,8 +1338,7 @@ def _attention_forward_kernel(
         if DV_TAIL > 0:
             store_rounded(to_ptr, to_residual_ptr, t2 * t_factor[:, None], flat_rows, rows,
                           dims_v2, n_q, value_dim, STORE_RESIDUAL)
-        tl.store(mu_ptr + flat_rows, mu_i * carry_factor(factors_ptr, 3, CARRY, 1.0),
-                 mask=rows < n_q)
+        tl.store(mu_ptr + flat_rows, mu_i, mask=rows < n_q)
 
 
 # %% [markdown]
@@ -2621,7 +2684,7 @@ def flash_attention_forward(
     with on_device(q), recording:
         factors = lse_factors(buffers)  # not read without CARRY
         if carry:
-            v, tv, factors = carried_jvp_operands(q, k, v, tq, tk, tv, scale)
+            v, tv, factors = carried_value_operands(v, tv)
         use_tma = tma_eligible(q, k, v, tq, tk, tv, long_enough=long_forward_rows(q, n_k))
         tiles = launch_column_tiles(q, n_k, head_dim, value_dim)
         constants = kernel_meta(q, head_dim, value_dim, split=has_tangent and exact and not carry)

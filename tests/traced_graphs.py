@@ -52,7 +52,7 @@ forward.on_device = backward.on_device = lambda t: contextlib.nullcontext()
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # The operators that make the bf16 carry's copies inside a traced graph (chapter 2's
 # `graph_carry`); any other operator of ours in a graph is a whole call kept opaque.
-CARRY_OPERATORS = ("jvp_operands", "backward_operands", "second_order_operands")
+CARRY_OPERATORS = ("value_operands", "backward_operands", "second_order_operands")
 
 
 def operands(case: dict, mode: FakeTensorMode) -> dict:

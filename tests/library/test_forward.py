@@ -422,6 +422,36 @@ def test_carried_tangents_forced_in_fp16(scales, monkeypatch) -> None:
     check_carried_tangents(scales, torch.float16, DEVICE, 40, 32)
 
 
+def uneven_magnitudes(p, block: int) -> None:
+    """Scales p's v and tv by a different power of ten in each key-value head and in each
+    block of `block` keys, and each row of tq by its own, so that the carried kernel's
+    tangent units differ from row to row and from block to block."""
+    keys = torch.arange(p.k.shape[2], device=p.k.device) // block
+    rows = torch.arange(p.q.shape[2], device=p.q.device)
+    heads = torch.arange(p.k.shape[1], device=p.k.device)
+    tq, tk, tv = p.tangents
+    by_head = (10.0 ** (-2 * heads)).to(p.v.dtype)[:, None, None]
+    p.v = p.v * (10.0 ** (keys % 3 - 1).to(p.v.dtype))[:, None] * 8 * by_head
+    tv = tv * (10.0 ** (1 - keys % 3).to(tv.dtype))[:, None] / 8 / by_head
+    tq = tq * (10.0 ** (rows % 3 - 2).to(tq.dtype))[:, None]
+    p.tangents = (tq, tk, tv)
+
+
+@pytest.mark.parametrize("scales", TANGENT_SCALES.values(), ids=TANGENT_SCALES)
+def test_carried_heads_of_uneven_magnitudes(scales, monkeypatch) -> None:
+    """Each query row keeps its tangent in units of its own, chosen again at each key
+    block: heads and blocks a hundred times apart, rows as far, are as accurate as the rule
+    asks."""
+    monkeypatch.setattr(jvp_attention.forward, "carries", lambda q, n_keys: True)
+    p = make_problem(Spec(hq=4, hkv=2, nq=40, nk=75, d=32, causal=True), torch.float16,
+                     seed=11, device=DEVICE)
+    uneven_magnitudes(p, 16)
+    p.tangents = tuple(t * s for t, s in zip(p.tangents, scales, strict=True))
+    truth, floor = expected_forward(p)
+    assert_accurate(kernel_forward(p), truth, floor, torch.float16, p.label,
+                    f"uneven heads and blocks, tangent x {scales}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [128, 72], ids=["d128", "d72"])
 @pytest.mark.parametrize("carried", [False, True], ids=["split", "carried"])

@@ -733,7 +733,7 @@ def test_carry_operators_return_what_their_functions_do(residual: bool) -> None:
     out_residual = 1e-3 * torch.randn_like(q) if residual else None
     ops = torch.ops.jvp_attention
     cases = [
-        (ops.jvp_operands, forward.jvp_operands, (q, k, v, tq, tk, tv, 0.25)),
+        (ops.value_operands, forward.value_operands, (v, tv)),
         *((ops.backward_operands, backward.backward_operands_and_delta,
            (q, k, v, grad_out, out, out_residual, zero_dq_sum)) for zero_dq_sum in (False, True)),
         (ops.second_order_operands, backward.second_order_operands,

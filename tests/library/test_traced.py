@@ -73,11 +73,11 @@ CASES = [
     # so the copies come from an operator of their own, and the attention kernel is traced,
     # whether CUDA graphs replay the graph or not
     ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "cudagraphs": True},
-     Carried("jvp_operands", [FORWARD_JVP])),
+     Carried("value_operands", [FORWARD_JVP])),
     ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64]},
-     Carried("jvp_operands", [FORWARD_JVP])),
+     Carried("value_operands", [FORWARD_JVP])),
     ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "residual": True},
-     Carried("jvp_operands", [FORWARD_JVP + RESIDUALS])),
+     Carried("value_operands", [FORWARD_JVP + RESIDUALS])),
     # a mask tangent would enter tS in natural units: the split, traced
     ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "mask": "float",
       "mask_tangent": True, "device": "cpu"}, [FORWARD_JVP]),
