@@ -727,23 +727,39 @@ def _forward_key_block(
 #
 # * $\hat V$ gets its largest entry in $[1/2, 1)$. $\tilde P \le 1$ is safe as it is: entries
 #   below float16's normal range ($2^{-14}$ of the row's largest) add less than $2^{-25}$ each.
-# * The tangent's operand $\tilde P \circ (t_S - \mu)$ and $\hat t_V$ share the accumulator,
-#   so the tangent scores are scaled by a power of two $w$ and $t_V$ by $w\,2^{e_v}$. Since
-#   $|t_{S,ij}| \le T = s\,d\,(\max|t_Q|\max|K| + \max|Q|\max|t_K|)$, and $|\mu_i| \le T$
-#   too (a weighted mean of the row's $t_S$), the largest $w$ with $2Tw < 2^{14}$ and
-#   $w\,2^{e_v}\max|t_V| < 2^{14}$ keeps both operands at least four times below float16's
-#   largest value, whatever the data. Whichever limit binds, the other operand's entries are
-#   small next to the binding one's, so what it loses to underflow does not show.
+# * $\hat t_V$ gets its largest entry in $[1/2, 1)$ too. The tangent's two products,
+#   $\tilde P \circ (t_S - \mu)$ times $\hat V$ and $\tilde P$ times $\hat t_V$, share one
+#   accumulator, so they must land in the same units. Row $i$ keeps its tangent accumulator
+#   in units $2^{c_i}$ and multiplies its operands by powers of two before rounding them:
+#   the centred scores by $2^{c_i - e_v}$, $\tilde P$ by $2^{c_i - e_t}$. $c_i$ must keep
+#   both below float16's largest value: with $|t_{S,ij} - \mu_i| \le M_i = \max_j |t_{S,ij}|
+#   + |\mu_i|$ over the key block and $\tilde P \le 1$, the largest $c_i$ with
+#   $M_i\,2^{c_i - e_v} < 2^{14}$ and $c_i - e_t \le 14$ (`tangent_units`) keeps them at
+#   least four times below it, whatever the data. Whichever limit binds, the other operand's
+#   entries are small next to the binding one's, so what it loses to underflow does not show.
+#
+# The kernel chooses $c_i$ as it goes, as the online softmax chooses its maximum: at each
+# key block, from that block's largest $|t_S|$ in the row (one more row reduction), never
+# above the previous blocks' $c_i$, so that the sums already made never grow. Moving the
+# accumulator to the new units is a multiply by $2^{c_i' - c_i}$, exact in fp32, folded
+# into the softmax's rescaling by $\alpha$; the factor on the centred scores folds into the
+# multiply-add that centres them ($t_S\,s\,2^{c - e_v} - \mu\,2^{c - e_v}$, from the
+# unscaled product), and only $\tilde P$'s factor for the $t_V$ product is a multiply of its
+# own. At the end, $t_O = \texttt{acc\_t}\,2^{-c_i}/\ell$ and $\mu$ is in natural units
+# throughout. An earlier version chose one power of two $w$ for the whole call from a bound on
+# $t_S$, $s\,d\,(\max|t_Q|\max|K| + \max|Q|\max|t_K|)$, and scaled $t_V$'s copy by
+# $w\,2^{e_v}$ so that the kernel needed no per-row factor; the bound made the range pass
+# read $Q$, $K$, $t_Q$ and $t_K$ as well as the two tensors it copies (measurements below).
 #
 # Everything is computed on the GPU, so the launch never waits for the host, in two
 # launches whatever the number of tensors (`carried_operands`). The first, the range pass,
 # streams every input once: 256 programs per tensor (`RANGE_PROGRAMS`) each keep the largest
 # magnitude of their share of its rows. In the second, every program reduces those partial maxima (a few hundred
 # floats, from L2), turns them into exponents (frexp, read off the fp32 bits) and powers of
-# two with a small @triton.jit function passed to it as a constexpr (`jvp_shifts` here,
+# two with a small @triton.jit function passed to it as a constexpr (`value_shifts` here,
 # `backward_shifts` in chapter 5), and writes one tile of one copy, a multiply straight to
-# float16; its first program also stores the factors that undo the shifts, a four-entry
-# device tensor the attention kernel reads once. The tensors travel to both kernels as
+# float16; its first program also stores what the attention kernel needs to undo the
+# shifts, here the two exponents, a small device tensor it reads once. The tensors travel to both kernels as
 # tuples, so the host does the same few steps for any of them. The copies are O(N) memory.
 # Exponents are clamped to $\pm 36$: a tensor whose largest entry lies below $2^{-37}$ (about
 # $10^{-11}$) keeps fewer bits for its smallest entries, and one above $2^{52}$ would
@@ -822,6 +838,29 @@ def _forward_key_block(
 # tensor cores read them, which costs what the copies did. (At 256 keys it took 0.160 ms
 # against the split's 0.179 and fast's 0.137 at (64, 12, 256, 64), before the range pass
 # that its shifts would still need.)
+#
+# Choosing the tangent's units per row in the kernel (above) took the range pass from six
+# tensors to two. Measured on H100 machines (bf16, `torch.func.jvp` of the call, GPU time
+# per call from the profiler, mean of ten warm calls; accurate and "fast" in the same
+# process; `benchmarks/carry_cost.py`, `benchmarks/results/carry_cost_h100.json`), the
+# carry's two passes went from 0.153 to 0.089 ms at (16, 16, 1024, 72), from 0.178 to 0.105
+# at (32, 12, 1024, 64), from 0.224 to 0.138 at (16, 16, 1024, 128) and from 0.117 to 0.071
+# at (8, 16, 2048, 64). The attention kernel pays for its per-row factors: 0 to 6% over
+# "fast"'s kernel without a causal mask, 1 to 5% with one at d = 72 and 128, 10 and 12% at
+# (32, 12, 1024, 64) and (8, 16, 2048, 64). In all, accurate over "fast" went from 1.17 to
+# 1.15 at (16, 16, 1024, 72), 1.23 to 1.20 at (32, 12, 1024, 64), 1.16 to 1.14 at
+# (16, 16, 1024, 128) and stayed at 1.10 at (8, 16, 2048, 64); causal, from 1.34 to 1.23,
+# 1.36 to 1.33 and 1.36 to 1.24 at the three 1024-key shapes, and from 1.19 to 1.25 at
+# (8, 16, 2048, 64), where the kernel's 12% outweighs the passes' savings. (The runs were
+# on two machines of the same kind; the unchanged (4, 16, 4096, 64) calls, chapter 11's
+# kernel, moved by two points between them.) Two designs that cut the passes further lost in the
+# kernel what they saved outside it (same measurement, one H100 machine each): copies
+# shifted per block of 64 keys, made in one pass (0.066 ms at (32, 12, 1024, 64)), made the
+# kernel load each block's exponents inside its key loop, which cost it 3 to 14% over
+# "fast"'s (loading the next block's a block ahead was slower still); copies
+# shifted per head by one program per head, the kernel unchanged, took 0.127 ms there, no
+# faster than the two passes over all heads. Chapter 11's warp-specialized kernel keeps the
+# earlier single power of two $w$ (`jvp_operands`, below).
 
 # %% tags=["export:tiles"]
 # |exponent| of any carrying shift: sums of three exponents stay inside fp32's range.

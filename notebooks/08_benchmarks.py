@@ -2093,7 +2093,13 @@ if announce_run(FAST_RUN, FAST_SHAPES, "ours ours_fast", "GPU ms per call"):
 # %% [markdown]
 # Where accurate mode carries, the profile of each call says where its extra time goes:
 # the kernels are split below into the attention kernels, which both modes run, and the
-# carry's two passes (the range pass and the copies), which only accurate mode runs.
+# carry's two passes (the range pass and the copies), which only accurate mode runs. These
+# runs predate chapter 2's per-row tangent units, which cut the forward's range pass from
+# six tensors to two: on H100 machines its carry took 0.089 instead of 0.153 ms at
+# DiT-XL/2 512 px (16, 16, 1024, 72) and accurate over "fast" for the forward+JVP went from
+# 1.17 to 1.15 there, 1.23 to 1.20 at DiT-B/2 512 px and 1.16 to 1.14 at `n1k-d128`
+# (`benchmarks/carry_cost.py`, `benchmarks/results/carry_cost_h100.json`); the backward's
+# carry (chapter 5) reads what it copies and is unchanged.
 
 # %% tags=["hide_input"]
 CARRY_KERNELS = ("range_partials_kernel", "carried_copies_kernel")

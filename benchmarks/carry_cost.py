@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""What accurate mode's bf16 carry costs a forward+JVP call (chapter 2): GPU time per call in
+"accurate" and in "fast", in the same process, split into the attention kernels and the
+carry's two passes (the range pass and the fp16 copies). Saved as JSON.
+
+    python benchmarks/carry_cost.py --out benchmarks/results/carry_cost_h100.json
+    python benchmarks/carry_cost.py --smoke --out /tmp/carry_cost.json   # CPU, interpreter
+
+Each case calls `torch.func.jvp(attention)` as a user does (bf16, random inputs and
+tangents), warms it up with three calls, times it with `triton.testing.do_bench` (`call_ms`:
+the call as the host sees it, launches included) and then profiles ten calls: `kernels` is
+each CUDA kernel's GPU time per call, `gpu_ms` their sum, `carry_ms` the carry's share.
+Without CUDA (`--smoke`) a tiny fp16 case runs through Triton's interpreter and the times
+are None.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if "--smoke" in sys.argv:  # Triton's interpreter: set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench  # noqa: E402  (run_record: device, versions, git)
+
+import jvp_attention  # noqa: E402
+
+SCHEMA = "jvp_attention.carry_cost/1"
+# (B, H, N, d): the training shapes that carry (1024 keys and more), and one that splits
+SHAPES = [(16, 16, 1024, 72), (32, 12, 1024, 64), (16, 16, 1024, 128), (8, 16, 2048, 64),
+          (64, 12, 256, 64), (4, 16, 4096, 64)]
+SMOKE_SHAPES = [(1, 2, 40, 16)]
+CARRY_KERNELS = ("range_partials_kernel", "carried_copies_kernel")
+PROFILED_CALLS = 10
+
+
+def gpu_times(call) -> dict[str, float]:
+    """Each CUDA kernel's GPU time per call of `call`, in ms (the profiler's mean of ten)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_CALLS):
+            call()
+        torch.cuda.synchronize()
+    return {event.key: round(event.device_time_total / PROFILED_CALLS / 1000, 4)
+            for event in prof.key_averages()
+            if event.device_type.name == "CUDA" and event.device_time_total > 0}
+
+
+def measure(shape: tuple[int, ...], causal: bool, mode: str, dtype: torch.dtype,
+            device: str) -> dict:
+    """One case: the call's times in `mode`."""
+    generator = torch.Generator(device).manual_seed(0)
+    x = [torch.randn(shape, device=device, dtype=dtype, generator=generator) for _ in range(6)]
+
+    def call():
+        return torch.func.jvp(lambda q, k, v: jvp_attention.attention(q, k, v, is_causal=causal),
+                              tuple(x[:3]), tuple(x[3:]))
+
+    with jvp_attention.launch.precision(mode):
+        for _ in range(3):
+            call()
+        row = {"shape": list(shape), "causal": causal, "mode": mode, "call_ms": None,
+               "gpu_ms": None, "carry_ms": None, "kernels": None}
+        if device == "cuda":
+            import triton.testing
+
+            row["call_ms"] = round(triton.testing.do_bench(call, warmup=50, rep=300), 4)
+            kernels = gpu_times(call)
+            row.update(kernels=kernels, gpu_ms=round(sum(kernels.values()), 4),
+                       carry_ms=round(sum(ms for name, ms in kernels.items()
+                                          if name in CARRY_KERNELS), 4))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="CPU: a tiny fp16 case")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    shapes, dtype = (SMOKE_SHAPES, torch.float16) if args.smoke else (SHAPES, torch.bfloat16)
+    rows = []
+    for shape in shapes:
+        for causal in (False, True):
+            if causal and shape[2] < 1024 and not args.smoke:
+                continue
+            for mode in ("accurate", "fast"):
+                rows.append(measure(shape, causal, mode, dtype, device))
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels"}),
+                      flush=True)
+    data = {**bench.run_record(SCHEMA, args.smoke), "dtype": str(dtype).removeprefix("torch."),
+            "carry_kernels": list(CARRY_KERNELS), "rows": rows}
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

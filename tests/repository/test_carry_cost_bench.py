@@ -1,0 +1,38 @@
+"""benchmarks/carry_cost.py: a smoke run through Triton's interpreter writes a results file
+that names its command, each case in both modes, and no times without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "carry_cost.py"
+
+
+def test_smoke_run_saves_both_modes_of_each_case(tmp_path) -> None:
+    out = tmp_path / "carry_cost.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], env=env,
+                   check=True, capture_output=True, text=True, timeout=600)
+    data = json.loads(out.read_text())
+    assert data["schema"] == "jvp_attention.carry_cost/1" and data["smoke"] is True
+    assert data["command"].startswith("python benchmarks/carry_cost.py --smoke")
+    assert [(row["causal"], row["mode"]) for row in data["rows"]] == [
+        (False, "accurate"), (False, "fast"), (True, "accurate"), (True, "fast")]
+    assert all(row["gpu_ms"] is None and row["kernels"] is None for row in data["rows"])
+
+
+def test_saved_results_split_each_call_into_kernels_and_carry() -> None:
+    """The saved H100 runs: each accurate row's carry is part of its kernels' time, and the
+    carried shapes (1024 keys and more) ran the carry's passes."""
+    data = json.loads((REPO / "benchmarks/results/carry_cost_h100.json").read_text())
+    for run in data["runs"]:
+        for row in run["rows"]:
+            assert abs(sum(row["kernels"].values()) - row["gpu_ms"]) < 2e-3, row
+            assert 0 <= row["carry_ms"] <= row["gpu_ms"]
+            carried = row["mode"] == "accurate" and row["shape"][2] >= 1024
+            assert (row["carry_ms"] > 0) == carried, (run["code"], row)
