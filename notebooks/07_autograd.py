@@ -621,7 +621,7 @@ if not interpreting():
 # (`launch_column_tiles`, chapter 2), whose host time saved outweighs the extra products.
 # The bf16 carry's copy kernel cannot enter a graph either (it takes jit functions as
 # arguments), but it need not keep the whole call out: the twin calls the copies through
-# an opaque operator of their own (`graph_carry`, chapter 2; `jvp_operands`,
+# an opaque operator of their own (`graph_carry`, chapter 2; `value_operands`,
 # `backward_operands`, `second_order_operands`) and traces the attention kernels that read
 # them, so a graph carries wherever eager mode does, for two small launches' host time.
 #
