@@ -5,11 +5,15 @@ carry's two passes (the range pass and the fp16 copies). Saved as JSON.
 
     python benchmarks/carry_cost.py --out benchmarks/results/carry_cost_h100.json
     python benchmarks/carry_cost.py --smoke --out /tmp/carry_cost.json   # CPU, interpreter
+    python benchmarks/carry_cost.py --bias --modes accurate split fast --out results.json
 
 Each case calls `torch.func.jvp(attention)` as a user does (bf16, random inputs and
 tangents), warms it up with three calls, times it with `triton.testing.do_bench` (`call_ms`:
 the call as the host sees it, launches included) and then profiles ten calls: `kernels` is
 each CUDA kernel's GPU time per call, `gpu_ms` their sum, `carry_ms` the carry's share.
+Mode "split" is "accurate" with the carry turned off (the split products at every length).
+With `--bias` the call also takes a learnable additive mask, (1, H, N, N) in bf16, with a
+tangent of its own (`attention(..., attn_mask=bias)` under `torch.func.jvp`).
 Without CUDA (`--smoke`) a tiny fp16 case runs through Triton's interpreter and the times
 are None.
 """
@@ -59,20 +63,29 @@ def gpu_times(call) -> dict[str, float]:
 
 
 def measure(shape: tuple[int, ...], causal: bool, mode: str, dtype: torch.dtype,
-            device: str) -> dict:
-    """One case: the call's times in `mode`."""
+            device: str, bias: bool = False) -> dict:
+    """One case: the call's times in `mode` ("split": accurate without the carry)."""
     generator = torch.Generator(device).manual_seed(0)
     x = [torch.randn(shape, device=device, dtype=dtype, generator=generator) for _ in range(6)]
+    if bias:  # a learnable bias (1, H, N, N) after v, its tangent after tv
+        b, tb = (torch.randn((1, shape[1], shape[2], shape[2]), device=device, dtype=dtype,
+                             generator=generator) for _ in range(2))
+        x = [*x[:3], b, *x[3:], tb]
+
+    def attention(q, k, v, *mask):
+        return jvp_attention.attention(q, k, v, *mask, is_causal=causal)
 
     def call():
-        return torch.func.jvp(lambda q, k, v: jvp_attention.attention(q, k, v, is_causal=causal),
-                              tuple(x[:3]), tuple(x[3:]))
+        return torch.func.jvp(attention, tuple(x[:len(x) // 2]), tuple(x[len(x) // 2:]))
 
-    with jvp_attention.launch.precision(mode):
+    carry_min_keys = jvp_attention.launch.CARRY_MIN_KEYS
+    if mode == "split":
+        jvp_attention.launch.CARRY_MIN_KEYS = 1 << 62
+    with jvp_attention.launch.precision("accurate" if mode == "split" else mode):
         for _ in range(3):
             call()
-        row = {"shape": list(shape), "causal": causal, "mode": mode, "call_ms": None,
-               "gpu_ms": None, "carry_ms": None, "kernels": None}
+        row = {"shape": list(shape), "causal": causal, "mode": mode, "bias": bias,
+               "call_ms": None, "gpu_ms": None, "carry_ms": None, "kernels": None}
         if device == "cuda":
             import triton.testing
 
@@ -81,6 +94,7 @@ def measure(shape: tuple[int, ...], causal: bool, mode: str, dtype: torch.dtype,
             row.update(kernels=kernels, gpu_ms=round(sum(kernels.values()), 4),
                        carry_ms=round(sum(ms for name, ms in kernels.items()
                                           if name in CARRY_KERNELS), 4))
+    jvp_attention.launch.CARRY_MIN_KEYS = carry_min_keys
     return row
 
 
@@ -88,16 +102,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="CPU: a tiny fp16 case")
+    parser.add_argument("--bias", action="store_true",
+                        help="with a learnable additive mask and its tangent")
+    parser.add_argument("--modes", nargs="+", default=["accurate", "fast"],
+                        choices=["accurate", "split", "fast"])
+    parser.add_argument("--shapes", nargs="+", default=None,
+                        help="B,H,N,d shapes instead of the default list")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     shapes, dtype = (SMOKE_SHAPES, torch.float16) if args.smoke else (SHAPES, torch.bfloat16)
+    if args.shapes:
+        shapes = [tuple(int(n) for n in shape.split(",")) for shape in args.shapes]
     rows = []
     for shape in shapes:
         for causal in (False, True):
             if causal and shape[2] < 1024 and not args.smoke:
                 continue
-            for mode in ("accurate", "fast"):
-                rows.append(measure(shape, causal, mode, dtype, device))
+            for mode in args.modes:
+                rows.append(measure(shape, causal, mode, dtype, device, args.bias))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels"}),
                       flush=True)
     data = {**bench.run_record(SCHEMA, args.smoke), "dtype": str(dtype).removeprefix("torch."),

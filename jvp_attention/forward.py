@@ -47,6 +47,7 @@ from jvp_attention.launch import (
 )
 from jvp_attention.reference import AttentionOutputs
 from jvp_attention.tiles import (
+    ADDITIVE_WITH_TANGENT,
     LN2,
     LOG2E,
     MAX_SHIFT,
@@ -133,14 +134,20 @@ def _forward_key_block(
         l_safe = tl.where(l_new == 0.0, 1.0, l_new)
         if CARRY:  # acc_t moves to units that keep this block's rounded operands in range;
             tl.static_assert(not PAIR_DV)
-            # tS stays unscaled: scale and the units fold into one multiply-add (a mask's
-            # tB never comes with CARRY: see the launcher)
-            mu_new = (mu_i * l_i * alpha + scale * tl.sum(p * ts, 1)) / l_safe
-            units = tangent_units(ts, tl.abs(scale), mu_new, t_units, v_shift, t_shift)
+            # tS stays unscaled: scale and the units fold into one multiply-add, unless a
+            # mask's tB joins it, in natural units (its bound then counts tB too)
+            ts_scale = scale
+            if MASK_KIND == ADDITIVE_WITH_TANGENT:
+                ts = add_mask_tangent(ts * scale, rows, cols, mask_ptr, stride_mask_m,
+                                      stride_mask_n, n_q, n_k, MASK_KIND)
+                ts_scale = in_fp32(1.0)
+            mu_new = (mu_i * l_i * alpha + ts_scale * tl.sum(p * ts, 1)) / l_safe
+            units = tangent_units(ts, tl.abs(ts_scale), mu_new, t_units, v_shift, t_shift)
             to_v_units = power_of_two(units - v_shift)
             alpha_t = alpha * power_of_two(units - t_units)
             mu_step = (mu_new - mu_i) * to_v_units
-            ts_centred = ts * (scale * to_v_units)[:, None] - (mu_new * to_v_units)[:, None]
+            ts_centred = (ts * (ts_scale * to_v_units)[:, None]
+                          - (mu_new * to_v_units)[:, None])
             p_tangent = p * power_of_two(units - t_shift)[:, None]
             t_units = units
         else:
@@ -471,12 +478,9 @@ def flash_attention_forward(
     mask, mask_strides, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k),
                                                  mask_tangent)
 
-    # bf16 tangents in "accurate" mode: exact fp16 copies of v and tv instead of the split.
-    # The shifts bound tS by the inputs' magnitudes, which a mask tangent's tB escapes (the
-    # kernel would also need tB in the shifted units): with one, the split instead, which is
-    # as accurate.
-    carry = (has_tangent and exact and carries(q, n_k) and mask_tangent is None
-             and min(q.numel(), k.numel()) > 0)
+    # bf16 tangents in "accurate" mode: exact fp16 copies of v and tv instead of the split
+    # (a mask's tangent too: the kernel bounds tS + tB block by block).
+    carry = has_tangent and exact and carries(q, n_k) and min(q.numel(), k.numel()) > 0
     launcher = launchable(_attention_forward_jvp if has_tangent else _attention_forward, q)
     # The launches, recorded for a replay: the carry's too (a replay allocates copies of its
     # own). A copy of a column-strided input is not in the pool, so not replayed; a traced

@@ -694,13 +694,26 @@ def check_mask_tangent(attn_mask: torch.Tensor | None, mask_tangent: torch.Tenso
                          f"broadcast to the scores' shape {tuple(shape)}")
 
 
+def mask_pairs(attn_mask: torch.Tensor, mask_tangent: torch.Tensor,
+               shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """A bias and its tangent in one tensor, viewed as (B, H, Nq, 2, Nk): each query row's
+    Nk biases, then their Nk tangents, in the two's common dtype. Stored once along each of
+    B, H and Nq that both broadcast over (a per-head bias shared by the batch is stored once,
+    not B times, however expanded it arrives), so that both rows load at unit stride."""
+    bias, tangent = attn_mask.expand(shape), mask_tangent.expand(shape)
+    stored = tuple(slice(None) if bias.stride(i) or tangent.stride(i) else slice(0, 1)
+                   for i in range(3))
+    dtype = torch.promote_types(attn_mask.dtype, mask_tangent.dtype)
+    pairs = torch.stack((bias[stored].to(dtype), tangent[stored].to(dtype)), dim=-2)
+    return pairs.expand(*shape[:3], 2, shape[3])
+
+
 def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int],
                  mask_tangent: torch.Tensor | None = None):
     """The mask as the kernel reads it, broadcast to `shape` = (B, H, Nq, Nk) as a stride-0
     view (no copy): a bool mask as it is (Triton reads a bool pointer as bytes), an additive
-    one in its own dtype. With `mask_tangent` (see `check_mask_tangent`), the bias and its
-    tangent interleaved: (bias, tangent) pairs stored at their broadcast shape in their
-    common dtype, viewed as (B, H, Nq, Nk, 2), so that each tangent is the element after its
+    one in its own dtype. With `mask_tangent` (see `check_mask_tangent`), `mask_pairs`: each
+    query row's biases, then their tangents, so that each tangent is Nk elements after its
     bias. The kernel is handed the whole tensor it reads, never a view of part of it, so a
     compiled graph that stores the operand anew stores all of it (chapter 7).
 
@@ -710,10 +723,8 @@ def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int
     if attn_mask is None:
         return None, (0, 0, 0, 0), NO_MASK.value
     if mask_tangent is not None:
-        dtype = torch.promote_types(attn_mask.dtype, mask_tangent.dtype)
-        pairs = torch.stack(torch.broadcast_tensors(attn_mask.to(dtype), mask_tangent.to(dtype)),
-                            dim=-1).expand(*shape, 2)
-        return pairs, pairs.stride()[:4], ADDITIVE_WITH_TANGENT.value
+        pairs = mask_pairs(attn_mask, mask_tangent, shape)
+        return pairs, (*pairs.stride()[:3], 1), ADDITIVE_WITH_TANGENT.value
     if attn_mask.shape != shape:  # (the mask itself where it has the shape: a replay finds it)
         attn_mask = attn_mask.expand(shape)
     kind = BOOL_MASK if attn_mask.dtype == torch.bool else ADDITIVE_MASK

@@ -14,8 +14,8 @@ import triton.language as tl
 # constexpr, so that jit functions may read them (host code reads `.value`)
 LOG2E = tl.constexpr(math.log2(math.e))  # natural units to log2 units: exp2 for exp
 LN2 = tl.constexpr(math.log(2.0))  # log2 units back to natural ones (the LSE)
-# MASK_KIND: what the mask operand holds. ADDITIVE_WITH_TANGENT: (bias, tangent of the bias)
-# pairs, each tangent in the element right after its bias (`launch.mask_operand`).
+# MASK_KIND: what the mask operand holds. ADDITIVE_WITH_TANGENT: each query row's biases
+# followed by their tangents, Nk elements further on (`launch.mask_operand`).
 NO_MASK = tl.constexpr(0)
 BOOL_MASK = tl.constexpr(1)
 ADDITIVE_MASK = tl.constexpr(2)
@@ -210,9 +210,9 @@ def masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_
 def add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
                       MASK_KIND: tl.constexpr):
     """tS + tB for natural-unit tangent scores: with ADDITIVE_WITH_TANGENT (3) the tangent
-    of each bias sits in the element after it; any other mask has no tangent."""
+    of each bias sits n_k elements after it; any other mask has no tangent."""
     if MASK_KIND == ADDITIVE_WITH_TANGENT:
-        t_bias = load_tile(mask_ptr + 1, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
+        t_bias = load_tile(mask_ptr + n_k, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
         ts += t_bias.to(tl.float32)
     return ts
 

@@ -185,8 +185,8 @@ import triton.language as tl
 # constexpr, so that jit functions may read them (host code reads `.value`)
 LOG2E = tl.constexpr(math.log2(math.e))  # natural units to log2 units: exp2 for exp
 LN2 = tl.constexpr(math.log(2.0))  # log2 units back to natural ones (the LSE)
-# MASK_KIND: what the mask operand holds. ADDITIVE_WITH_TANGENT: (bias, tangent of the bias)
-# pairs, each tangent in the element right after its bias (`launch.mask_operand`).
+# MASK_KIND: what the mask operand holds. ADDITIVE_WITH_TANGENT: each query row's biases
+# followed by their tangents, Nk elements further on (`launch.mask_operand`).
 NO_MASK = tl.constexpr(0)
 BOOL_MASK = tl.constexpr(1)
 ADDITIVE_MASK = tl.constexpr(2)
@@ -399,9 +399,9 @@ def masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_
 def add_mask_tangent(ts, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_k,
                       MASK_KIND: tl.constexpr):
     """tS + tB for natural-unit tangent scores: with ADDITIVE_WITH_TANGENT (3) the tangent
-    of each bias sits in the element after it; any other mask has no tangent."""
+    of each bias sits n_k elements after it; any other mask has no tangent."""
     if MASK_KIND == ADDITIVE_WITH_TANGENT:
-        t_bias = load_tile(mask_ptr + 1, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
+        t_bias = load_tile(mask_ptr + n_k, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
         ts += t_bias.to(tl.float32)
     return ts
 
@@ -490,11 +490,17 @@ def query_block_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
 # $t_S$ enters the accumulators only through $\tilde P \circ t_S$ and $\mu$. The kernel adds
 # the tile of $t_B$ to `ts` in natural units (`add_mask_tangent`); where $B = -\infty$,
 # $\tilde P = 0$ and $t_B$ is never seen. $t_B$ reaches the kernel through the mask operand
-# itself (`MASK_KIND = ADDITIVE_WITH_TANGENT`): the launcher interleaves $B$ and $t_B$ into
-# one tensor of (bias, tangent) pairs, so the bias is read with stride 2 along the keys and
-# its tangent is the next element, with no second set of strides. The pairs are stored at the
-# broadcast shape of $B$ and $t_B$ (an $(N_q, N_k)$ bias stays $(N_q, N_k)$), twice the bias's
-# memory, never $(B, H, N_q, N_k)$.
+# itself (`MASK_KIND = ADDITIVE_WITH_TANGENT`): the launcher stores each query row's biases
+# followed by their tangents in one tensor (`mask_pairs`), so both are read at unit stride
+# along the keys and the tangent is $N_k$ elements after its bias, with no second set of
+# strides. The pairs are stored once along every dimension that both $B$ and $t_B$ broadcast
+# over (a per-head $(1, H, N_q, N_k)$ bias stays that, even when it arrives expanded to the
+# batch, as it does from `attention`), twice the bias's memory, never $(B, H, N_q, N_k)$.
+# The first layout put each tangent in the element right after its bias, at the broadcast
+# shape of the tensors as the launcher received them: a bias expanded to the batch was
+# stored B times, and both were read at stride 2. On an H100 (bf16, $(16, 16, 1024, 72)$, a
+# $(1, 16, 1024, 1024)$ learnable bias, `benchmarks/carry_cost.py --bias`) the copy took
+# 1.88 ms and the forward+JVP kernel 3.65 ms, against 0.78 ms without a bias.
 
 # %% tags=["export:tiles"]
 @triton.jit
@@ -581,6 +587,7 @@ from jvp_attention.launch import (
 )
 from jvp_attention.reference import AttentionOutputs
 from jvp_attention.tiles import (
+    ADDITIVE_WITH_TANGENT,
     LN2,
     LOG2E,
     MAX_SHIFT,
@@ -668,14 +675,20 @@ def _forward_key_block(
         l_safe = tl.where(l_new == 0.0, 1.0, l_new)
         if CARRY:  # acc_t moves to units that keep this block's rounded operands in range;
             tl.static_assert(not PAIR_DV)
-            # tS stays unscaled: scale and the units fold into one multiply-add (a mask's
-            # tB never comes with CARRY: see the launcher)
-            mu_new = (mu_i * l_i * alpha + scale * tl.sum(p * ts, 1)) / l_safe
-            units = tangent_units(ts, tl.abs(scale), mu_new, t_units, v_shift, t_shift)
+            # tS stays unscaled: scale and the units fold into one multiply-add, unless a
+            # mask's tB joins it, in natural units (its bound then counts tB too)
+            ts_scale = scale
+            if MASK_KIND == ADDITIVE_WITH_TANGENT:
+                ts = add_mask_tangent(ts * scale, rows, cols, mask_ptr, stride_mask_m,
+                                      stride_mask_n, n_q, n_k, MASK_KIND)
+                ts_scale = in_fp32(1.0)
+            mu_new = (mu_i * l_i * alpha + ts_scale * tl.sum(p * ts, 1)) / l_safe
+            units = tangent_units(ts, tl.abs(ts_scale), mu_new, t_units, v_shift, t_shift)
             to_v_units = power_of_two(units - v_shift)
             alpha_t = alpha * power_of_two(units - t_units)
             mu_step = (mu_new - mu_i) * to_v_units
-            ts_centred = ts * (scale * to_v_units)[:, None] - (mu_new * to_v_units)[:, None]
+            ts_centred = (ts * (ts_scale * to_v_units)[:, None]
+                          - (mu_new * to_v_units)[:, None])
             p_tangent = p * power_of_two(units - t_shift)[:, None]
             t_units = units
         else:
@@ -746,7 +759,10 @@ def _forward_key_block(
 # multiply-add that centres them ($t_S\,s\,2^{c - e_v} - \mu\,2^{c - e_v}$, from the
 # unscaled product), and only $\tilde P$'s factor for the $t_V$ product is a multiply of its
 # own. At the end, $t_O = \texttt{acc\_t}\,2^{-c_i}/\ell$ and $\mu$ is in natural units
-# throughout. An earlier version chose one power of two $w$ for the whole call from a bound on
+# throughout. A learnable mask's tangent $t_B$ joins the scores' tangent before the bound,
+# $M_i$ then bounding $|s\,t_S + t_B - \mu_i|$ (one multiply more per entry, only in such
+# calls), so a call with one carries as any other: a bias tangent a thousand times the
+# scores' stays in range (`test_carried_mask_tangent_gpu`). An earlier version chose one power of two $w$ for the whole call from a bound on
 # $t_S$, $s\,d\,(\max|t_Q|\max|K| + \max|Q|\max|t_K|)$, and scaled $t_V$'s copy by
 # $w\,2^{e_v}$ so that the kernel needed no per-row factor; the bound made the range pass
 # read $Q$, $K$, $t_Q$ and $t_K$ as well as the two tensors it copies (measurements below).
@@ -2021,13 +2037,26 @@ def check_mask_tangent(attn_mask: torch.Tensor | None, mask_tangent: torch.Tenso
                          f"broadcast to the scores' shape {tuple(shape)}")
 
 
+def mask_pairs(attn_mask: torch.Tensor, mask_tangent: torch.Tensor,
+               shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """A bias and its tangent in one tensor, viewed as (B, H, Nq, 2, Nk): each query row's
+    Nk biases, then their Nk tangents, in the two's common dtype. Stored once along each of
+    B, H and Nq that both broadcast over (a per-head bias shared by the batch is stored once,
+    not B times, however expanded it arrives), so that both rows load at unit stride."""
+    bias, tangent = attn_mask.expand(shape), mask_tangent.expand(shape)
+    stored = tuple(slice(None) if bias.stride(i) or tangent.stride(i) else slice(0, 1)
+                   for i in range(3))
+    dtype = torch.promote_types(attn_mask.dtype, mask_tangent.dtype)
+    pairs = torch.stack((bias[stored].to(dtype), tangent[stored].to(dtype)), dim=-2)
+    return pairs.expand(*shape[:3], 2, shape[3])
+
+
 def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int],
                  mask_tangent: torch.Tensor | None = None):
     """The mask as the kernel reads it, broadcast to `shape` = (B, H, Nq, Nk) as a stride-0
     view (no copy): a bool mask as it is (Triton reads a bool pointer as bytes), an additive
-    one in its own dtype. With `mask_tangent` (see `check_mask_tangent`), the bias and its
-    tangent interleaved: (bias, tangent) pairs stored at their broadcast shape in their
-    common dtype, viewed as (B, H, Nq, Nk, 2), so that each tangent is the element after its
+    one in its own dtype. With `mask_tangent` (see `check_mask_tangent`), `mask_pairs`: each
+    query row's biases, then their tangents, so that each tangent is Nk elements after its
     bias. The kernel is handed the whole tensor it reads, never a view of part of it, so a
     compiled graph that stores the operand anew stores all of it (chapter 7).
 
@@ -2037,10 +2066,8 @@ def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int
     if attn_mask is None:
         return None, (0, 0, 0, 0), NO_MASK.value
     if mask_tangent is not None:
-        dtype = torch.promote_types(attn_mask.dtype, mask_tangent.dtype)
-        pairs = torch.stack(torch.broadcast_tensors(attn_mask.to(dtype), mask_tangent.to(dtype)),
-                            dim=-1).expand(*shape, 2)
-        return pairs, pairs.stride()[:4], ADDITIVE_WITH_TANGENT.value
+        pairs = mask_pairs(attn_mask, mask_tangent, shape)
+        return pairs, (*pairs.stride()[:3], 1), ADDITIVE_WITH_TANGENT.value
     if attn_mask.shape != shape:  # (the mask itself where it has the shape: a replay finds it)
         attn_mask = attn_mask.expand(shape)
     kind = BOOL_MASK if attn_mask.dtype == torch.bool else ADDITIVE_MASK
@@ -2704,12 +2731,9 @@ def flash_attention_forward(
     mask, mask_strides, mask_kind = mask_operand(attn_mask, (batch, n_heads, n_q, n_k),
                                                  mask_tangent)
 
-    # bf16 tangents in "accurate" mode: exact fp16 copies of v and tv instead of the split.
-    # The shifts bound tS by the inputs' magnitudes, which a mask tangent's tB escapes (the
-    # kernel would also need tB in the shifted units): with one, the split instead, which is
-    # as accurate.
-    carry = (has_tangent and exact and carries(q, n_k) and mask_tangent is None
-             and min(q.numel(), k.numel()) > 0)
+    # bf16 tangents in "accurate" mode: exact fp16 copies of v and tv instead of the split
+    # (a mask's tangent too: the kernel bounds tS + tB block by block).
+    carry = has_tangent and exact and carries(q, n_k) and min(q.numel(), k.numel()) > 0
     launcher = launchable(_attention_forward_jvp if has_tangent else _attention_forward, q)
     # The launches, recorded for a replay: the carry's too (a replay allocates copies of its
     # own). A copy of a column-strided input is not in the pool, so not replayed; a traced

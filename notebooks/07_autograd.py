@@ -666,8 +666,9 @@ if not interpreting():
 # kernels read the tangents, were never written, and the compiled MeanFlow step's query
 # gradient was off eager's by 28% of its largest entry, silently. Now `mask_operand`
 # (chapter 2) hands the kernels a bool mask as it is (Triton reads a bool pointer as
-# bytes) and the pairs whole, as a (B, H, Nq, Nk, 2) view: whatever Inductor stores, it
-# stores all that the kernels read, and both masks are launched by the graph.
+# bytes) and the pairs whole, as a (B, H, Nq, 2, Nk) view (each row's biases, then their
+# tangents; `mask_pairs`): whatever Inductor stores, it stores all that the kernels read,
+# and both masks are launched by the graph.
 # `tests/library/test_traced.py` compares compiled steps with eager ones on the GPU for
 # each mask kind, fp32 biases beside bf16 queries (autocast's way) and the padded head
 # dims.

@@ -520,6 +520,46 @@ def test_the_mask_tangent_check_catches_a_wrong_sign() -> None:
                             p.label)
 
 
+@pytest.mark.parametrize("t_bias_scale", [1.0, 1e3], ids=["tB", "tB_x1000"])
+def test_carried_mask_tangent_forced_in_fp16(t_bias_scale: float, monkeypatch) -> None:
+    """A mask's tangent joins tS in the carried kernel (fp16 forced down the carrying path,
+    as above), and the tangent's units bound tS + tB: a bias tangent a thousand times the
+    scores' tangent stays inside float16 (bounded by tS alone, P~ (tS + tB) overflows)."""
+    monkeypatch.setattr(jvp_attention.forward, "carries", lambda q, n_keys: True)
+    carried = []
+    value_operands = jvp_attention.forward.carried_value_operands
+    monkeypatch.setattr(jvp_attention.forward, "carried_value_operands",
+                        lambda *args: carried.append(1) or value_operands(*args))
+    spec = Spec(batch=2, hq=2, hkv=1, nq=33, nk=40, d=16, causal=True)
+    p = make_problem(spec, torch.float16, seed=3)
+    bias, t_bias = make_bias(spec, "full", torch.float16, seed=3)
+    p.attn_mask, t_bias = bias, t_bias * t_bias_scale
+    truth, floor = expected_with_bias(p, bias, t_bias)
+    ours = kernel_with_bias(p, bias, t_bias)
+    assert carried, "the call did not carry"
+    assert_accurate(ours, truth, floor, torch.float16, p.label,
+                    f"carried with a mask tangent x {t_bias_scale}")
+    assert_empty_rows_are_zero(p, ours)
+
+
+def test_mask_pairs_store_each_distinct_row_once() -> None:
+    """A per-head bias expanded to the batch (as `attention` hands it over) is stored once
+    for the whole batch, each row's biases then their tangents at unit stride; a tangent
+    that varies over the batch stores it B times; the pair takes the common dtype."""
+    batch, heads, n = 3, 2, 5
+    bias = torch.randn(1, heads, n, n)
+    cases = [(torch.randn(1, heads, n, n).expand(batch, heads, n, n), heads),
+             (torch.randn(batch, 1, n, n, dtype=torch.float16), batch * heads)]
+    for tangent, rows_stored in cases:
+        full = (batch, heads, n, n)
+        pairs = jvp_attention.launch.mask_pairs(bias.expand(full), tangent, full)
+        assert pairs.shape == (batch, heads, n, 2, n) and pairs.stride()[-2:] == (n, 1)
+        assert pairs.dtype == torch.float32
+        assert pairs.untyped_storage().nbytes() == rows_stored * n * 2 * n * 4
+        assert torch.equal(pairs[:, :, :, 0], bias.expand(full))
+        assert torch.equal(pairs[:, :, :, 1], tangent.float().expand(full))
+
+
 def test_mask_tangent_needs_an_additive_mask_and_tangents() -> None:
     p = make_problem(Spec(nq=17, nk=17, d=16), torch.float32)
     bias = torch.randn(17, 17)
@@ -573,8 +613,24 @@ def test_precision_argument_overrides_the_global_mode() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec, shape, dtype", bias_params(GPU_BIAS_CASES, (F16, BF16, F32)))
 def test_forward_with_mask_tangent_gpu(spec: Spec, shape: str, dtype: torch.dtype) -> None:
-    """bf16 with a mask tangent takes the split, not the fp16 copies (notebook 02)."""
+    """bf16 with a mask tangent, split below carry_min_keys keys (notebook 02)."""
     check_with_bias(spec, shape, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 72], ids=["d128", "d72"])
+@pytest.mark.parametrize("t_bias_scale", [1.0, 1e3], ids=["tB", "tB_x1000"])
+def test_carried_mask_tangent_gpu(t_bias_scale: float, head_dim: int) -> None:
+    """bf16 with a mask tangent from carry_min_keys keys: carried, tB inside the bound."""
+    n = jvp_attention.launch.carry_min_keys(head_dim) + 70
+    spec = Spec(batch=1, hq=4, hkv=2, nq=n, nk=n, d=head_dim, causal=True)
+    assert jvp_attention.launch.carries(torch.empty(0, head_dim, dtype=torch.bfloat16), n)
+    p = make_problem(spec, torch.bfloat16, seed=5, device="cuda")
+    bias, t_bias = make_bias(spec, "2d", torch.bfloat16, seed=5, device="cuda")
+    p.attn_mask, t_bias = bias, t_bias * t_bias_scale
+    truth, floor = expected_with_bias(p, bias, t_bias)
+    assert_accurate(kernel_with_bias(p, bias, t_bias), truth, floor, torch.bfloat16,
+                    p.label, f"carried with a mask tangent x {t_bias_scale}")
 
 
 @triton.jit

@@ -78,9 +78,9 @@ CASES = [
      Carried("value_operands", [FORWARD_JVP])),
     ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "residual": True},
      Carried("value_operands", [FORWARD_JVP + RESIDUALS])),
-    # a mask tangent would enter tS in natural units: the split, traced
+    # with a mask tangent too (it enters tS in natural units inside the kernel)
     ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "mask": "float",
-      "mask_tangent": True, "device": "cpu"}, [FORWARD_JVP]),
+      "mask_tangent": True, "device": "cpu"}, Carried("value_operands", [FORWARD_JVP])),
     ({"op": "forward_jvp", "dtype": "bf16", "shape": [1, 2, 1024, 64], "precision": "fast"},
      [FORWARD_JVP]),
     # from FORWARD_TMA_MIN_KEYS keys, tensor descriptors, chosen by the data's alignment:
