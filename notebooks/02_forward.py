@@ -500,7 +500,11 @@ def query_block_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
 # shape of the tensors as the launcher received them: a bias expanded to the batch was
 # stored B times, and both were read at stride 2. On an H100 (bf16, $(16, 16, 1024, 72)$, a
 # $(1, 16, 1024, 1024)$ learnable bias, `benchmarks/carry_cost.py --bias`) the copy took
-# 1.88 ms and the forward+JVP kernel 3.65 ms, against 0.78 ms without a bias.
+# 1.88 ms and the forward+JVP kernel 3.65 ms, against 0.78 ms without a bias. With
+# `mask_pairs` the copy takes 0.042 ms and the kernel 1.11 ms: the call's GPU time went from
+# 5.63 to 1.25 ms in "accurate" and from 5.17 to 1.10 ms in "fast"; at (32, 12, 1024, 64)
+# from 7.59 to 1.30 ms, at (16, 16, 1024, 128) from 6.01 to 1.65 ms
+# (`benchmarks/results/carry_cost_bias_h100.json`, two runs on H100 machines of one kind).
 
 # %% tags=["export:tiles"]
 @triton.jit
@@ -762,10 +766,16 @@ def _forward_key_block(
 # throughout. A learnable mask's tangent $t_B$ joins the scores' tangent before the bound,
 # $M_i$ then bounding $|s\,t_S + t_B - \mu_i|$ (one multiply more per entry, only in such
 # calls), so a call with one carries as any other: a bias tangent a thousand times the
-# scores' stays in range (`test_carried_mask_tangent_gpu`). An earlier version chose one power of two $w$ for the whole call from a bound on
-# $t_S$, $s\,d\,(\max|t_Q|\max|K| + \max|Q|\max|t_K|)$, and scaled $t_V$'s copy by
-# $w\,2^{e_v}$ so that the kernel needed no per-row factor; the bound made the range pass
-# read $Q$, $K$, $t_Q$ and $t_K$ as well as the two tensors it copies (measurements below).
+# scores' stays in range (`test_carried_mask_tangent_gpu`). With a learnable bias the
+# carry is about level with the split, as without one (H100, bf16, GPU time per
+# forward+JVP call, carried against split,
+# `benchmarks/results/carry_cost_bias_h100.json`): 1.25 against 1.36 ms at (16, 16, 1024,
+# 72), 1.30 against 1.36 at (32, 12, 1024, 64), 1.65 against 1.64 at (16, 16, 1024, 128);
+# causal, 0.77 against 0.77, 0.79 against 0.78 and 1.05 against 0.96.
+# An earlier version chose one power of two $w$ for the whole call from a bound on $t_S$,
+# $s\,d\,(\max|t_Q|\max|K| + \max|Q|\max|t_K|)$, and scaled $t_V$'s copy by $w\,2^{e_v}$
+# so that the kernel needed no per-row factor; the bound made the range pass read $Q$,
+# $K$, $t_Q$ and $t_K$ as well as the two tensors it copies (measurements below).
 #
 # Everything is computed on the GPU, so the launch never waits for the host, in two
 # launches whatever the number of tensors (`carried_operands`). The first, the range pass,

@@ -48,3 +48,18 @@ def test_saved_results_split_each_call_into_kernels_and_carry() -> None:
             assert 0 <= row["carry_ms"] <= row["gpu_ms"]
             carried = row["mode"] == "accurate" and row["shape"][2] >= 1024
             assert (row["carry_ms"] > 0) == carried, (run["code"], row)
+
+
+def test_saved_bias_runs_time_the_mask_pairs_before_and_after() -> None:
+    """The saved H100 runs with a learnable bias: each row's kernels add up to its GPU time,
+    only carried rows run the carry's passes, every row copies the mask pairs once, and
+    the copy at the batch's size ("before") is the slower one in every case."""
+    data = json.loads((REPO / "benchmarks/results/carry_cost_bias_h100.json").read_text())
+    pairs = next(iter(data["kernel_names"]))
+    copy_ms = {}
+    for run in data["runs"]:
+        for row in run["rows"]:
+            assert row["bias"] and abs(sum(row["kernels"].values()) - row["gpu_ms"]) < 2e-3
+            assert (row["carry_ms"] > 0) == (row["mode"] == "accurate"), (run["code"], row)
+            copy_ms.setdefault(run["code"], []).append(row["kernels"][pairs])
+    assert min(copy_ms["before"]) > 10 * max(copy_ms["after"])
