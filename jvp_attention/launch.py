@@ -64,6 +64,13 @@ def scratch_tensor(shape, device: torch.device, dtype: torch.dtype) -> torch.Ten
     return x
 
 
+def read_flat(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the carry's passes read `tensors` as flat arrays (`_pass_block`): when all
+    are contiguous, so that no columns are padded (72 read as 128) and no row arithmetic
+    is done."""
+    return all(x.is_contiguous() for x in tensors)
+
+
 def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
                      shifts: triton.JITFunction, bound: float, n_factors: int,
                      epilogue: triton.JITFunction = no_epilogue, epilogue_args: tuple = (0,),
@@ -101,12 +108,15 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     factors = scratch_tensor(n_factors, device, torch.float32)
     batch = tensors[0].shape[0]
     cached(range_partials_kernel)[(programs, len(tensors))](
-        tensors, strides, shapes, batch, partials, num_warps=RANGE_WARPS, **meta)
-    rows = max(x.shape[:3].numel() for x in copied)
-    cached(carried_copies_kernel)[(cdiv(rows, meta["BLOCK_R"]), len(copied))](
+        tensors, strides, shapes, batch, partials, num_warps=RANGE_WARPS,
+        FLAT=read_flat(tensors), **meta)
+    flat_copies = epilogue is no_epilogue and read_flat(copied)  # an epilogue needs rows
+    blocks = (cdiv(max(x.numel() for x in copied), meta["BLOCK_R"] * width) if flat_copies
+              else cdiv(max(x.shape[:3].numel() for x in copied), meta["BLOCK_R"]))
+    cached(carried_copies_kernel)[(blocks, len(copied))](
         tensors, copies, strides, shapes, batch, partials, factors, bound, epilogue_args,
         SHIFTS=shifts, EPILOGUE=epilogue, N_COPIES=len(copied), N_FACTORS=n_factors,
-        num_warps=8, **meta)
+        num_warps=8, FLAT=flat_copies, **meta)
     return copies, factors
 
 

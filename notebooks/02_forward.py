@@ -947,19 +947,52 @@ def _row_block(strides, shapes, index: tl.constexpr, batch, block, BLOCK_R: tl.c
 
 
 @triton.jit
+def _pass_blocks(shapes, index: tl.constexpr, batch, BLOCK_R: tl.constexpr,
+                 BLOCK_W: tl.constexpr, FLAT: tl.constexpr):
+    """How many blocks of tensor `index` a pass takes (`_pass_block`)."""
+    rows = batch * shapes[3 * index] * shapes[3 * index + 1]
+    if FLAT:
+        blocks = tl.cdiv(rows * shapes[3 * index + 2], BLOCK_R * BLOCK_W)
+    else:
+        blocks = tl.cdiv(rows, BLOCK_R)
+    return blocks
+
+
+@triton.jit
+def _pass_block(strides, shapes, index: tl.constexpr, batch, block, BLOCK_R: tl.constexpr,
+                BLOCK_W: tl.constexpr, ALIGN: tl.constexpr, FLAT: tl.constexpr):
+    """Offsets into tensor `index` and into its contiguous copy, flat row numbers, columns
+    and mask of block `block`: BLOCK_R rows (`_row_block`) or, with FLAT, BLOCK_R * BLOCK_W
+    consecutive elements of a contiguous tensor (no padded columns, no divisions; its rows
+    and columns then mean nothing)."""
+    if FLAT:
+        numel = batch * shapes[3 * index] * shapes[3 * index + 1] * shapes[3 * index + 2]
+        rows = tl.arange(0, BLOCK_R).to(tl.int64) + block * BLOCK_R
+        cols = tl.arange(0, BLOCK_W)
+        offsets = rows[:, None] * BLOCK_W + cols[None, :]
+        copy_offsets, mask = offsets, offsets < numel
+    else:
+        offsets, rows, cols, mask = _row_block(strides, shapes, index, batch, block, BLOCK_R,
+                                               BLOCK_W, ALIGN)
+        copy_offsets = rows[:, None] * aligned(shapes[3 * index + 2], ALIGN) + cols[None, :]
+    return offsets, copy_offsets, rows, cols, mask
+
+
+@triton.jit
 def range_partials_kernel(tensors, strides, shapes, batch, partials_ptr,
                        N_TENSORS: tl.constexpr, PROGRAMS: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr):
-    """partials[t, p] = max |x| over row blocks p, p + PROGRAMS, ... of tensor t: a
+                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr,
+                       FLAT: tl.constexpr):
+    """partials[t, p] = max |x| over blocks p, p + PROGRAMS, ... of tensor t: a
     (PROGRAMS, N_TENSORS) grid reads every tensor once."""
     program, which = tl.program_id(0), tl.program_id(1)
     for t in tl.static_range(N_TENSORS):
         if which == t:
-            n_blocks = tl.cdiv(batch * shapes[3 * t] * shapes[3 * t + 1], BLOCK_R)
+            n_blocks = _pass_blocks(shapes, t, batch, BLOCK_R, BLOCK_W, FLAT)
             largest = tl.zeros([BLOCK_R, BLOCK_W], tl.float32)
             for block in range(program, n_blocks, PROGRAMS):
-                offsets, _, _, mask = _row_block(strides, shapes, t, batch, block, BLOCK_R,
-                                                 BLOCK_W, ALIGN)
+                offsets, _, _, _, mask = _pass_block(strides, shapes, t, batch, block,
+                                                     BLOCK_R, BLOCK_W, ALIGN, FLAT)
                 x = tl.load(tensors[t] + offsets, mask=mask, other=0.0)
                 largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
             tl.store(partials_ptr + t * PROGRAMS + program, tl.max(tl.max(largest, 1), 0))
@@ -977,8 +1010,9 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                            N_TENSORS: tl.constexpr, N_COPIES: tl.constexpr,
                            N_FACTORS: tl.constexpr, PROGRAMS: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-                           ALIGN: tl.constexpr):
-    """Row block program_id(0) of copy program_id(1): tensor c times its power of two,
+                           ALIGN: tl.constexpr, FLAT: tl.constexpr):
+    """Block program_id(0) of copy program_id(1) (`_pass_block`; FLAT only with
+    `no_epilogue`): tensor c times its power of two,
     written to float16 (contiguous). Every program reduces the partial maxima itself (a few
     hundred floats, from L2) and asks SHIFTS(maxima, bound) for a vector of 16 or 32
     values: the copies' shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
@@ -995,14 +1029,12 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                  mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
     for c in tl.static_range(N_COPIES):
         if which == c:
-            offsets, rows, cols, mask = _row_block(strides, shapes, c, batch, block, BLOCK_R,
-                                                   BLOCK_W, ALIGN)
+            offsets, copy_offsets, rows, cols, mask = _pass_block(
+                strides, shapes, c, batch, block, BLOCK_R, BLOCK_W, ALIGN, FLAT)
             x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
             # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
             copy = (x * vector_entry(values, c)).to(tl.float16)
-            tl.store(copies[c] + rows[:, None] * aligned(shapes[3 * c + 2], ALIGN)
-                     + cols[None, :], copy,
-                     mask=mask)
+            tl.store(copies[c] + copy_offsets, copy, mask=mask)
             EPILOGUE(c, x, rows, cols, epilogue_args)
 
 
@@ -1095,6 +1127,13 @@ def scratch_tensor(shape, device: torch.device, dtype: torch.dtype) -> torch.Ten
     return x
 
 
+def read_flat(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the carry's passes read `tensors` as flat arrays (`_pass_block`): when all
+    are contiguous, so that no columns are padded (72 read as 128) and no row arithmetic
+    is done."""
+    return all(x.is_contiguous() for x in tensors)
+
+
 def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
                      shifts: triton.JITFunction, bound: float, n_factors: int,
                      epilogue: triton.JITFunction = no_epilogue, epilogue_args: tuple = (0,),
@@ -1132,12 +1171,15 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     factors = scratch_tensor(n_factors, device, torch.float32)
     batch = tensors[0].shape[0]
     cached(range_partials_kernel)[(programs, len(tensors))](
-        tensors, strides, shapes, batch, partials, num_warps=RANGE_WARPS, **meta)
-    rows = max(x.shape[:3].numel() for x in copied)
-    cached(carried_copies_kernel)[(cdiv(rows, meta["BLOCK_R"]), len(copied))](
+        tensors, strides, shapes, batch, partials, num_warps=RANGE_WARPS,
+        FLAT=read_flat(tensors), **meta)
+    flat_copies = epilogue is no_epilogue and read_flat(copied)  # an epilogue needs rows
+    blocks = (cdiv(max(x.numel() for x in copied), meta["BLOCK_R"] * width) if flat_copies
+              else cdiv(max(x.shape[:3].numel() for x in copied), meta["BLOCK_R"]))
+    cached(carried_copies_kernel)[(blocks, len(copied))](
         tensors, copies, strides, shapes, batch, partials, factors, bound, epilogue_args,
         SHIFTS=shifts, EPILOGUE=epilogue, N_COPIES=len(copied), N_FACTORS=n_factors,
-        num_warps=8, **meta)
+        num_warps=8, FLAT=flat_copies, **meta)
     return copies, factors
 
 

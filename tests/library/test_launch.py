@@ -751,3 +751,43 @@ def test_carry_operators_return_what_their_functions_do(residual: bool) -> None:
         for fake, real in zip(fakes, expected, strict=True):
             assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype,
                                                                real.stride()), operator
+
+
+@pytest.mark.parametrize("width", [16, 24, 72])
+def test_carry_reads_contiguous_tensors_flat_and_others_by_rows(width: int,
+                                                                 monkeypatch) -> None:
+    """The carry's passes read contiguous tensors as flat arrays and strided ones row by row
+    (columns padded to a power of two): the two give the same exact copies and exponents,
+    bit for bit, and each path is the one launched."""
+    import jvp_attention.forward as forward
+
+    launched = []
+
+    class Spy:
+        def __init__(self, launcher):
+            self.launcher = launcher
+
+        def __getitem__(self, grid):
+            def launch_and_note(*args, **kwargs):
+                launched.append(kwargs["FLAT"])
+                return self.launcher[grid](*args, **kwargs)
+            return launch_and_note
+
+    cached = launch.cached
+    monkeypatch.setattr(launch, "cached", lambda kernel: Spy(cached(kernel)))
+    torch.manual_seed(0)
+    v, tv = (torch.randn(2, 3, 40, width, dtype=torch.float16, device=DEVICE) * scale
+             for scale in (3.0, 0.01))
+    # the same values stored as (B, N, H, W): unit last stride, not contiguous
+    strided = tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (v, tv))
+    assert not strided[0].is_contiguous() and torch.equal(strided[0], v)
+    flat = forward.value_operands(v, tv)
+    assert launched == [True, True]
+    by_rows = forward.value_operands(*strided)
+    assert launched[2:] == [False, False]
+    for ours, theirs in zip(flat, by_rows, strict=True):
+        assert torch.equal(ours, theirs)
+    v_hat, tv_hat, exponents = flat
+    for x, copy, exponent in ((v, v_hat, exponents[0]), (tv, tv_hat, exponents[1])):
+        assert torch.equal(copy.float(), x.float() * 2.0 ** exponent.item())
+        assert 0.5 <= copy.abs().max().item() < 1.0
