@@ -792,6 +792,20 @@ def _forward_key_block(
 # overflow float16. fp16 inputs have no wider 16-bit type and keep the split; chapter 5
 # carries the backward the same way.
 #
+# Both passes take their tensors in tiles of 8192 elements. A tensor whose rows are
+# strided (heads split off a projection without a copy, say) is read row by row, its
+# columns padded to a power of two; a contiguous one, the usual case, as a flat array
+# (`read_flat`, `_pass_block`), which wastes no lanes on padding (72 columns otherwise
+# read as 128) and does no row arithmetic. The copies keep rows where an epilogue needs
+# them (chapter 5's $\Delta$). Measured on one H100 machine (bf16, `carry_cost.py`, both
+# runs in `benchmarks/results/carry_cost_h100.json`), the forward's two passes took 0.078
+# ms flat against 0.090 by rows at (16, 16, 1024, 72); at head dims that are powers of two
+# nothing changed (0.103 against 0.105 ms at (32, 12, 1024, 64), 0.137 at
+# (16, 16, 1024, 128)). A sweep of the flat passes' programs, warps and tile sizes on the
+# same machine (256 or 1024 programs per tensor, 4 or 8 warps, tiles of 2048 to 8192
+# elements, one or four tiles per copy program) found none more than 3% faster: the two
+# passes stream at about 1.3 and 1.5 TB/s at these sizes (tens of MB), whatever the launch.
+#
 # The first version did the same arithmetic with PyTorch operations (`torch._foreach_norm`,
 # a stack, a one-program shifts kernel, one multiply per copy): about a dozen launches per
 # call, against the two above. The range pass and the copies still cost two O(N) passes,
