@@ -2126,6 +2126,37 @@ if FAST_RUN is not None:
               f"{carry_ms / (attention_ms + carry_ms):18.0%}")
 
 # %% [markdown]
+# A learnable bias (an additive mask with a tangent, inside `torch.func.jvp`) adds two
+# tiles per key block to the forward's reads: the bias and its tangent, which the launcher
+# stores together (chapter 2's `mask_pairs`). Until 2026-12-06 it stored them at the
+# batch's size, interleaved element by element: `attention` hands a per-head bias over
+# expanded to the batch. Measured on H100 machines before and after (bf16, a
+# (1, H, N, N) bias, GPU time per forward+JVP call; `benchmarks/carry_cost.py --bias`):
+
+# %% tags=["hide_input"]
+BIAS_COST = RESULTS / "carry_cost_bias_h100.json"
+if BIAS_COST.is_file():
+    bias_runs = {run["code"]: run["rows"] for run in json.loads(BIAS_COST.read_text())["runs"]}
+    pairs_kernel = next(iter(json.loads(BIAS_COST.read_text())["kernel_names"]))
+    print(f"{'shape':20} {'causal':6} {'mode':8} {'before ms':>9} {'after ms':>8} "
+          f"{'speed-up':>8} {'pairs copy ms':>16}")
+    for old, new in zip(bias_runs["before"], bias_runs["after"], strict=True):
+        copies = f"{old['kernels'][pairs_kernel]:.3f} -> {new['kernels'][pairs_kernel]:.3f}"
+        print(f"{str(tuple(new['shape'])):20} {str(new['causal']):6} {new['mode']:8} "
+              f"{old['gpu_ms']:9.3f} {new['gpu_ms']:8.3f} "
+              f"{old['gpu_ms'] / new['gpu_ms']:7.1f}x {copies:>16}")
+else:
+    print(f"no {BIAS_COST.name}: run benchmarks/carry_cost.py --bias on a GPU")
+
+# %% [markdown]
+# Stored once per head and read at unit stride, the pairs cost 0.03 to 0.04 ms to build
+# instead of 1.9 to 2.8, and the call 3.6x to 8.6x less GPU time. The attention kernel
+# with a bias still takes about 1.4x its time without one (1.11 against 0.78 ms at (16,
+# 16, 1024, 72) in accurate mode, `carry_cost_h100.json`). ("split" is accurate mode with
+# the carry turned off: with a bias, as without, the carry and the split are about level
+# at 1024 keys.)
+
+# %% [markdown]
 # The attention kernels run at fast's pace in accurate mode (within 3%: fp16 products cost
 # what bf16 ones do), so at 1024 keys the whole of accurate mode's extra time is the carry's
 # passes: 14 to 17% of the call. They stream six tensors once for the ranges and two (four
