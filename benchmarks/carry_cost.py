@@ -81,6 +81,15 @@ def measure(shape: tuple[int, ...], causal: bool, mode: str, dtype: torch.dtype,
     carry_min_keys = jvp_attention.launch.CARRY_MIN_KEYS
     if mode == "split":
         jvp_attention.launch.CARRY_MIN_KEYS = 1 << 62
+    try:
+        return timed_row(call, shape, causal, mode, bias, device)
+    finally:
+        jvp_attention.launch.CARRY_MIN_KEYS = carry_min_keys
+
+
+def timed_row(call, shape: tuple[int, ...], causal: bool, mode: str, bias: bool,
+              device: str) -> dict:
+    """`call` warmed up and timed in `mode` ("split" runs as "accurate")."""
     with jvp_attention.launch.precision("accurate" if mode == "split" else mode):
         for _ in range(3):
             call()
@@ -94,7 +103,6 @@ def measure(shape: tuple[int, ...], causal: bool, mode: str, dtype: torch.dtype,
             row.update(kernels=kernels, gpu_ms=round(sum(kernels.values()), 4),
                        carry_ms=round(sum(ms for name, ms in kernels.items()
                                           if name in CARRY_KERNELS), 4))
-    jvp_attention.launch.CARRY_MIN_KEYS = carry_min_keys
     return row
 
 
