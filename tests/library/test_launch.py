@@ -273,13 +273,15 @@ print(len(kernel.device_caches[0][0]), len(threads - {threading.current_thread()
 """
 
 
-def test_candidates_compile_together_on_threads_for_hopper() -> None:
+def test_candidates_compile_together_on_threads_for_hopper(tmp_path) -> None:
     """Triton's own compile, for an H200 on this CPU: the forward with the tangent's first
     three candidate tiles, as recorded from the launcher, compiled by `compile_candidates`
     on worker threads into the kernel's cache (no kernel runs). A subprocess, since Triton
-    must not be in its interpreter for this."""
+    must not be in its interpreter for this; with a cache directory of its own, since
+    compiles that another test left on disk finish so fast that one worker takes them all."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["JVP_ATTENTION_COMPILE_WORKERS"] = "2"
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
     result = subprocess.run([sys.executable, "-c", COMPILE_TOGETHER], capture_output=True,
                             text=True, env=env, cwd=REPO, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
