@@ -54,6 +54,7 @@ from jvp_attention.tiles import (
     TANGENT_TOP,
     add_mask_tangent,
     aligned_operands,
+    batch_and_head,
     dot_rounded,
     head_base,
     in_fp32,
@@ -132,15 +133,15 @@ def _forward_key_block(
             ts = tl.dot(q2, tl.trans(tk2), acc=ts, input_precision=DOT_PRECISION)
         # The running mu including this block; acc_t is kept centred on it.
         l_safe = tl.where(l_new == 0.0, 1.0, l_new)
+        # The carry keeps tS unscaled (scale and the units fold into one multiply-add)
+        # unless a mask's tB joins it, in natural units (its bound then counts tB too)
+        ts_scale = scale
+        if MASK_KIND == ADDITIVE_WITH_TANGENT or not CARRY:
+            ts = add_mask_tangent(ts * scale, rows, cols, mask_ptr, stride_mask_m,
+                                  stride_mask_n, n_q, n_k, MASK_KIND)
+            ts_scale = in_fp32(1.0)
         if CARRY:  # acc_t moves to units that keep this block's rounded operands in range;
             tl.static_assert(not PAIR_DV)
-            # tS stays unscaled: scale and the units fold into one multiply-add, unless a
-            # mask's tB joins it, in natural units (its bound then counts tB too)
-            ts_scale = scale
-            if MASK_KIND == ADDITIVE_WITH_TANGENT:
-                ts = add_mask_tangent(ts * scale, rows, cols, mask_ptr, stride_mask_m,
-                                      stride_mask_n, n_q, n_k, MASK_KIND)
-                ts_scale = in_fp32(1.0)
             mu_new = (mu_i * l_i * alpha + ts_scale * tl.sum(p * ts, 1)) / l_safe
             units = tangent_units(ts, tl.abs(ts_scale), mu_new, t_units, v_shift, t_shift)
             to_v_units = power_of_two(units - v_shift)
@@ -151,8 +152,6 @@ def _forward_key_block(
             p_tangent = p * power_of_two(units - t_shift)[:, None]
             t_units = units
         else:
-            ts = add_mask_tangent(ts * scale, rows, cols, mask_ptr, stride_mask_m,
-                                  stride_mask_n, n_q, n_k, MASK_KIND)  # + tB, natural units
             mu_new = (mu_i * l_i * alpha + tl.sum(p * ts, 1)) / l_safe
             alpha_t, mu_step, ts_centred, p_tangent = (alpha, mu_new - mu_i,
                                                        ts - mu_new[:, None], p)
@@ -209,12 +208,27 @@ def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Te
     return v_hat, tv_hat, factors
 
 
+# The largest entries for which a copy made unshifted keeps its tensor's own scale ("Exact
+# fp16 operands" above): [COPY_LOW, COPY_HIGH).
+COPY_LOW = tl.constexpr(2.0**-6)
+COPY_HIGH = tl.constexpr(2.0**14)
+
+
+@triton.jit
+def copy_exponent(largest):
+    """The exponent e of a copy made unshifted first (`carried_operands`' copy_first): 0,
+    the tensor's own scale, while its largest entry lies in [COPY_LOW, COPY_HIGH), else the
+    one that brings that entry into [1/2, 1) (`shift_exponent`)."""
+    own_scale = (largest >= COPY_LOW) & (largest < COPY_HIGH)
+    return tl.where(own_scale, 0, shift_exponent(largest, 0))
+
+
 @triton.jit
 def value_shifts(maxima, unused):
-    """From max |v|, |tv|: the shifts 2**e_v and 2**e_t that bring each one's largest entry
-    into [1/2, 1), then the exponents e_v, e_t themselves (exact in fp32)."""
-    e_v = shift_exponent(vector_entry(maxima, 0), 0)
-    e_t = shift_exponent(vector_entry(maxima, 1), 0)
+    """From max |v|, |tv|: the shifts 2**e_v and 2**e_t of their copies (`copy_exponent`),
+    then the exponents e_v, e_t themselves (exact in fp32)."""
+    e_v = copy_exponent(vector_entry(maxima, 0))
+    e_t = copy_exponent(vector_entry(maxima, 1))
     values = tl.zeros([16], tl.float32)
     values = with_entry(values, 0, power_of_two(e_v))
     values = with_entry(values, 1, power_of_two(e_t))
@@ -225,7 +239,8 @@ def value_shifts(maxima, unused):
 def value_operands(v: torch.Tensor, tv: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Exact fp16 copies of v and tv for this chapter's forward+JVP kernel on bf16 inputs,
     each shifted by its own power of two, and the two exponents (fp32, on the device)."""
-    (v_hat, tv_hat), exponents = carried_operands((v, tv), (), value_shifts, 0.0, 2)
+    (v_hat, tv_hat), exponents = carried_operands((v, tv), (), value_shifts, 0.0, 2,
+                                                  copy_first=True)
     return v_hat, tv_hat, exponents
 
 
@@ -264,8 +279,7 @@ def _attention_forward_kernel(
     qk_scale, scale = in_fp32(qk_scale), in_fp32(scale)
     block, bh = query_program(IS_CAUSAL, HEAD_GROUP)
     start_m = block * BLOCK_M
-    batch = (bh // n_heads).to(tl.int64)
-    head = bh % n_heads
+    batch, head = batch_and_head(bh, n_heads, stride_mask_b, stride_mask_h, MASK_KIND)
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
     q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh, ALIGN)
@@ -340,7 +354,7 @@ def _attention_forward_kernel(
     o_factor = inv_l
     if CARRY:
         o_factor *= power_of_two(-v_shift)
-    flat_rows = bh.to(tl.int64) * n_q + rows
+    flat_rows = (batch * n_heads + head) * n_q + rows
     dims_v = tl.arange(0, BLOCK_DV)
     store_rounded(o_ptr, o_residual_ptr, acc_o * o_factor[:, None], flat_rows, rows, dims_v,
                    n_q, value_dim, STORE_RESIDUAL)

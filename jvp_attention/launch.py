@@ -64,16 +64,10 @@ def scratch_tensor(shape, device: torch.device, dtype: torch.dtype) -> torch.Ten
     return x
 
 
-def read_flat(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether the carry's passes read `tensors` as flat arrays (`_pass_block`): when all
-    are contiguous, so that no columns are padded (72 read as 128) and no row arithmetic
-    is done."""
-    return all(x.is_contiguous() for x in tensors)
-
-
 def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
                      shifts: triton.JITFunction, bound: float, n_factors: int,
                      epilogue: triton.JITFunction = no_epilogue, epilogue_args: tuple = (0,),
+                     copy_first: bool = False,
                      ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Exact fp16 copies of `copied`, each scaled by a power of two, and the factors that
     undo the shifts, in two launches that never wait for the host.
@@ -90,6 +84,10 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
             fp32, their flat (b, h, n) row numbers, the columns, `epilogue_args`) that the
             copy kernel calls after writing each block (`no_epilogue`: nothing).
         epilogue_args: A tuple of tensors and numbers that `epilogue` reads.
+        copy_first: The range pass writes the copies unshifted as it reads them, and the
+            second launch rewrites only those whose shift is not 1 (`shifts` then keeps a
+            tensor's own scale wherever that copy is as exact: `copy_exponent`); only with
+            `no_epilogue`.
 
     Returns:
         The contiguous fp16 copies, and the factors (fp32, on the inputs' device).
@@ -107,16 +105,23 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     copies = tuple(scratch_tensor(x.shape, device, torch.float16) for x in copied)
     factors = scratch_tensor(n_factors, device, torch.float32)
     batch = tensors[0].shape[0]
+    # Contiguous tensors are read as flat arrays (`_pass_block`: no padded columns, no row
+    # arithmetic); the copies keep rows where an epilogue needs them. (Loops, not
+    # generators: this runs on every call.)
+    flat, flat_copies = True, epilogue is no_epilogue
+    for i, x in enumerate(tensors):
+        if not x.is_contiguous():
+            flat, flat_copies = False, flat_copies and i >= len(copied)
     cached(range_partials_kernel)[(programs, len(tensors))](
-        tensors, strides, shapes, batch, partials, num_warps=RANGE_WARPS,
-        FLAT=read_flat(tensors), **meta)
-    flat_copies = epilogue is no_epilogue and read_flat(copied)  # an epilogue needs rows
+        (*tensors, *copies) if copy_first else tensors, strides, shapes, batch, partials,
+        num_warps=RANGE_WARPS, N_COPIES=len(copied), FLAT=flat, COPY_FIRST=copy_first,
+        **meta)
     blocks = (cdiv(max(x.numel() for x in copied), meta["BLOCK_R"] * width) if flat_copies
               else cdiv(max(x.shape[:3].numel() for x in copied), meta["BLOCK_R"]))
     cached(carried_copies_kernel)[(blocks, len(copied))](
         tensors, copies, strides, shapes, batch, partials, factors, bound, epilogue_args,
         SHIFTS=shifts, EPILOGUE=epilogue, N_COPIES=len(copied), N_FACTORS=n_factors,
-        num_warps=8, FLAT=flat_copies, **meta)
+        num_warps=8, FLAT=flat_copies, COPY_FIRST=copy_first, **meta)
     return copies, factors
 
 

@@ -257,6 +257,22 @@ def query_program(IS_CAUSAL: tl.constexpr, HEAD_GROUP: tl.constexpr):
 
 
 @triton.jit
+def batch_and_head(bh, n_heads, stride_mask_b, stride_mask_h, MASK_KIND: tl.constexpr):
+    """The (batch, head) of flat program index `bh` (`batch` int64): heads fastest, or,
+    for a mask that every batch element shares but each head has its own (a learnable
+    (1, H, Nq, Nk) bias), batch fastest. Programs that run together then read one head's
+    mask, which L2 serves to the whole batch; heads fastest, each batch element would read
+    the mask from memory again (B times its size, more than L2 holds at 1024 tokens)."""
+    batch, head = bh // n_heads, bh % n_heads
+    if MASK_KIND != NO_MASK:
+        n_batch = tl.num_programs(1) // n_heads
+        batch_fastest = (stride_mask_b == 0) & (stride_mask_h != 0)
+        batch = tl.where(batch_fastest, bh % n_batch, batch)
+        head = tl.where(batch_fastest, bh // n_batch, head)
+    return batch.to(tl.int64), head
+
+
+@triton.jit
 def query_block_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """The first query row of this program's tile, for kernels that take their batch x head
     from program_id(1): under a causal mask the longest tiles of each head first (groups of
@@ -383,21 +399,26 @@ def _pass_block(strides, shapes, index: tl.constexpr, batch, block, BLOCK_R: tl.
 
 @triton.jit
 def range_partials_kernel(tensors, strides, shapes, batch, partials_ptr,
-                       N_TENSORS: tl.constexpr, PROGRAMS: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr,
-                       FLAT: tl.constexpr):
+                       N_TENSORS: tl.constexpr, N_COPIES: tl.constexpr,
+                       PROGRAMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                       ALIGN: tl.constexpr, FLAT: tl.constexpr, COPY_FIRST: tl.constexpr):
     """partials[t, p] = max |x| over blocks p, p + PROGRAMS, ... of tensor t: a
-    (PROGRAMS, N_TENSORS) grid reads every tensor once."""
+    (PROGRAMS, N_TENSORS) grid reads every tensor once. With COPY_FIRST it also writes the
+    first N_COPIES tensors in float16 as they are (unshifted) to their copies, which follow
+    the N_TENSORS inputs in `tensors` (one tuple: a replay fills in one)."""
     program, which = tl.program_id(0), tl.program_id(1)
     for t in tl.static_range(N_TENSORS):
         if which == t:
             n_blocks = _pass_blocks(shapes, t, batch, BLOCK_R, BLOCK_W, FLAT)
             largest = tl.zeros([BLOCK_R, BLOCK_W], tl.float32)
             for block in range(program, n_blocks, PROGRAMS):
-                offsets, _, _, _, mask = _pass_block(strides, shapes, t, batch, block,
-                                                     BLOCK_R, BLOCK_W, ALIGN, FLAT)
+                offsets, copy_offsets, _, _, mask = _pass_block(
+                    strides, shapes, t, batch, block, BLOCK_R, BLOCK_W, ALIGN, FLAT)
                 x = tl.load(tensors[t] + offsets, mask=mask, other=0.0)
                 largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
+                if COPY_FIRST and t < N_COPIES:
+                    tl.store(tensors[N_TENSORS + t] + copy_offsets, x.to(tl.float16),
+                             mask=mask)
             tl.store(partials_ptr + t * PROGRAMS + program, tl.max(tl.max(largest, 1), 0))
 
 
@@ -413,9 +434,11 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                            N_TENSORS: tl.constexpr, N_COPIES: tl.constexpr,
                            N_FACTORS: tl.constexpr, PROGRAMS: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-                           ALIGN: tl.constexpr, FLAT: tl.constexpr):
-    """Block program_id(0) of copy program_id(1) (`_pass_block`; FLAT only with
-    `no_epilogue`): tensor c times its power of two,
+                           ALIGN: tl.constexpr, FLAT: tl.constexpr,
+                           COPY_FIRST: tl.constexpr):
+    """Block program_id(0) of copy program_id(1) (`_pass_block`; FLAT and COPY_FIRST only
+    with `no_epilogue`): tensor c times its power of two (with COPY_FIRST, only where that
+    is not 1: the range pass wrote the copy unshifted),
     written to float16 (contiguous). Every program reduces the partial maxima itself (a few
     hundred floats, from L2) and asks SHIFTS(maxima, bound) for a vector of 16 or 32
     values: the copies' shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
@@ -431,13 +454,16 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
         tl.store(factors_ptr + entry - N_COPIES, values,
                  mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
     for c in tl.static_range(N_COPIES):
-        if which == c:
+        shift = vector_entry(values, c)
+        rewrite = which == c
+        if COPY_FIRST:
+            rewrite = rewrite & (shift != 1.0)
+        if rewrite:
             offsets, copy_offsets, rows, cols, mask = _pass_block(
                 strides, shapes, c, batch, block, BLOCK_R, BLOCK_W, ALIGN, FLAT)
             x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
             # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
-            copy = (x * vector_entry(values, c)).to(tl.float16)
-            tl.store(copies[c] + copy_offsets, copy, mask=mask)
+            tl.store(copies[c] + copy_offsets, (x * shift).to(tl.float16), mask=mask)
             EPILOGUE(c, x, rows, cols, epilogue_args)
 
 

@@ -446,6 +446,22 @@ def query_program(IS_CAUSAL: tl.constexpr, HEAD_GROUP: tl.constexpr):
 
 
 @triton.jit
+def batch_and_head(bh, n_heads, stride_mask_b, stride_mask_h, MASK_KIND: tl.constexpr):
+    """The (batch, head) of flat program index `bh` (`batch` int64): heads fastest, or,
+    for a mask that every batch element shares but each head has its own (a learnable
+    (1, H, Nq, Nk) bias), batch fastest. Programs that run together then read one head's
+    mask, which L2 serves to the whole batch; heads fastest, each batch element would read
+    the mask from memory again (B times its size, more than L2 holds at 1024 tokens)."""
+    batch, head = bh // n_heads, bh % n_heads
+    if MASK_KIND != NO_MASK:
+        n_batch = tl.num_programs(1) // n_heads
+        batch_fastest = (stride_mask_b == 0) & (stride_mask_h != 0)
+        batch = tl.where(batch_fastest, bh % n_batch, batch)
+        head = tl.where(batch_fastest, bh // n_batch, head)
+    return batch.to(tl.int64), head
+
+
+@triton.jit
 def query_block_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """The first query row of this program's tile, for kernels that take their batch x head
     from program_id(1): under a causal mask the longest tiles of each head first (groups of
@@ -505,6 +521,18 @@ def query_block_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
 # 5.63 to 1.25 ms in "accurate" and from 5.17 to 1.10 ms in "fast"; at (32, 12, 1024, 64)
 # from 7.59 to 1.30 ms, at (16, 16, 1024, 128) from 6.01 to 1.65 ms
 # (`benchmarks/results/carry_cost_bias_h100.json`, two runs on H100 machines of one kind).
+#
+# Such a bias is the same for every batch element, so the kernel's programs take the batch
+# fastest when the mask has a batch stride of 0 and a head stride that is not
+# (`batch_and_head`): the programs that run together then read one head's bias, and L2
+# serves it to the whole batch. In the grid's usual order, heads fastest, each batch element
+# reads every head's bias again, 16 times 64 MB at (16, 16, 1024, 72), more than L2 holds.
+# It helped less than that traffic suggests (H100, one session, the call's attention kernel
+# in "accurate" before and after, runs "mask pairs, again" and "batch fastest" of
+# `carry_cost_bias_h100.json`): 1.078 to 0.981 ms at (32, 12, 1024, 64),
+# 1.473 to 1.426 at (16, 16, 1024, 128), and no change at (16, 16, 1024, 72) (1.110 and
+# 1.118). Most of what a bias costs the kernel (1.12 against 0.79 ms without one at
+# (16, 16, 1024, 72)) is thus not its memory traffic.
 
 # %% tags=["export:tiles"]
 @triton.jit
@@ -598,6 +626,7 @@ from jvp_attention.tiles import (
     TANGENT_TOP,
     add_mask_tangent,
     aligned_operands,
+    batch_and_head,
     dot_rounded,
     head_base,
     in_fp32,
@@ -677,15 +706,15 @@ def _forward_key_block(
             ts = tl.dot(q2, tl.trans(tk2), acc=ts, input_precision=DOT_PRECISION)
         # The running mu including this block; acc_t is kept centred on it.
         l_safe = tl.where(l_new == 0.0, 1.0, l_new)
+        # The carry keeps tS unscaled (scale and the units fold into one multiply-add)
+        # unless a mask's tB joins it, in natural units (its bound then counts tB too)
+        ts_scale = scale
+        if MASK_KIND == ADDITIVE_WITH_TANGENT or not CARRY:
+            ts = add_mask_tangent(ts * scale, rows, cols, mask_ptr, stride_mask_m,
+                                  stride_mask_n, n_q, n_k, MASK_KIND)
+            ts_scale = in_fp32(1.0)
         if CARRY:  # acc_t moves to units that keep this block's rounded operands in range;
             tl.static_assert(not PAIR_DV)
-            # tS stays unscaled: scale and the units fold into one multiply-add, unless a
-            # mask's tB joins it, in natural units (its bound then counts tB too)
-            ts_scale = scale
-            if MASK_KIND == ADDITIVE_WITH_TANGENT:
-                ts = add_mask_tangent(ts * scale, rows, cols, mask_ptr, stride_mask_m,
-                                      stride_mask_n, n_q, n_k, MASK_KIND)
-                ts_scale = in_fp32(1.0)
             mu_new = (mu_i * l_i * alpha + ts_scale * tl.sum(p * ts, 1)) / l_safe
             units = tangent_units(ts, tl.abs(ts_scale), mu_new, t_units, v_shift, t_shift)
             to_v_units = power_of_two(units - v_shift)
@@ -696,8 +725,6 @@ def _forward_key_block(
             p_tangent = p * power_of_two(units - t_shift)[:, None]
             t_units = units
         else:
-            ts = add_mask_tangent(ts * scale, rows, cols, mask_ptr, stride_mask_m,
-                                  stride_mask_n, n_q, n_k, MASK_KIND)  # + tB, natural units
             mu_new = (mu_i * l_i * alpha + tl.sum(p * ts, 1)) / l_safe
             alpha_t, mu_step, ts_centred, p_tangent = (alpha, mu_new - mu_i,
                                                        ts - mu_new[:, None], p)
@@ -742,9 +769,15 @@ def _forward_key_block(
 # The powers of two come back out exactly in fp32, once per row at the end. What has to be
 # chosen is the range, so that nothing overflows and nothing that matters underflows:
 #
-# * $\hat V$ gets its largest entry in $[1/2, 1)$. $\tilde P \le 1$ is safe as it is: entries
-#   below float16's normal range ($2^{-14}$ of the row's largest) add less than $2^{-25}$ each.
-# * $\hat t_V$ gets its largest entry in $[1/2, 1)$ too. The tangent's two products,
+# * $\hat V$ keeps $V$'s own scale ($e_v = 0$) while its largest entry lies in
+#   $[2^{-6}, 2^{14})$ (`copy_exponent`), and is otherwise shifted so that its largest
+#   entry lies in $[1/2, 1)$. Unshifted, a bf16 value at or above $2^{-17}$ is exact in
+#   float16 (its 8 significant bits fit even float16's subnormals down to there), and a
+#   smaller one errs by at most $2^{-25}$, below $2^{-19}$ of the largest entry and far
+#   below the output's own rounding; past $2^{14}$ the copy would come near float16's
+#   largest value. $\tilde P \le 1$ is safe as it is: entries below float16's normal range
+#   ($2^{-14}$ of the row's largest) add less than $2^{-25}$ each.
+# * $\hat t_V$ is chosen the same way ($e_t$). The tangent's two products,
 #   $\tilde P \circ (t_S - \mu)$ times $\hat V$ and $\tilde P$ times $\hat t_V$, share one
 #   accumulator, so they must land in the same units. Row $i$ keeps its tangent accumulator
 #   in units $2^{c_i}$ and multiplies its operands by powers of two before rounding them:
@@ -785,7 +818,16 @@ def _forward_key_block(
 # two with a small @triton.jit function passed to it as a constexpr (`value_shifts` here,
 # `backward_shifts` in chapter 5), and writes one tile of one copy, a multiply straight to
 # float16; its first program also stores what the attention kernel needs to undo the
-# shifts, here the two exponents, a small device tensor it reads once. The tensors travel to both kernels as
+# shifts, here the two exponents, a small device tensor it reads once. This chapter's two
+# copies are made first (`copy_first`): the range pass writes $V$ and $t_V$ to float16
+# unshifted as it reads them, and the second launch rewrites a copy only where its shift is
+# not 1, so a tensor whose largest entry lies in $[2^{-6}, 2^{14})$ is read once and written
+# once, not read twice. Measured on one H100 machine, before and after in one session
+# (bf16, `carry_cost.py`, runs "flat passes, again" and "copies made first" in
+# `benchmarks/results/carry_cost_h100.json`), the two passes went from 0.078 to 0.058 ms at
+# (16, 16, 1024, 72), 0.103 to 0.078 at (32, 12, 1024, 64) and 0.137 to 0.105 at
+# (16, 16, 1024, 128): the range pass now takes 0.049 to 0.091 ms and the copy launch, which
+# rewrites nothing for such data, 0.009 to 0.015. The tensors travel to both kernels as
 # tuples, so the host does the same few steps for any of them. The copies are O(N) memory.
 # Exponents are clamped to $\pm 36$: a tensor whose largest entry lies below $2^{-37}$ (about
 # $10^{-11}$) keeps fewer bits for its smallest entries, and one above $2^{52}$ would
@@ -795,7 +837,7 @@ def _forward_key_block(
 # Both passes take their tensors in tiles of 8192 elements. A tensor whose rows are
 # strided (heads split off a projection without a copy, say) is read row by row, its
 # columns padded to a power of two; a contiguous one, the usual case, as a flat array
-# (`read_flat`, `_pass_block`), which wastes no lanes on padding (72 columns otherwise
+# (`carried_operands`, `_pass_block`), which wastes no lanes on padding (72 columns otherwise
 # read as 128) and does no row arithmetic. The copies keep rows where an epilogue needs
 # them (chapter 5's $\Delta$). Measured on one H100 machine (bf16, `carry_cost.py`, both
 # runs in `benchmarks/results/carry_cost_h100.json`), the forward's two passes took 0.078
@@ -994,21 +1036,26 @@ def _pass_block(strides, shapes, index: tl.constexpr, batch, block, BLOCK_R: tl.
 
 @triton.jit
 def range_partials_kernel(tensors, strides, shapes, batch, partials_ptr,
-                       N_TENSORS: tl.constexpr, PROGRAMS: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr,
-                       FLAT: tl.constexpr):
+                       N_TENSORS: tl.constexpr, N_COPIES: tl.constexpr,
+                       PROGRAMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                       ALIGN: tl.constexpr, FLAT: tl.constexpr, COPY_FIRST: tl.constexpr):
     """partials[t, p] = max |x| over blocks p, p + PROGRAMS, ... of tensor t: a
-    (PROGRAMS, N_TENSORS) grid reads every tensor once."""
+    (PROGRAMS, N_TENSORS) grid reads every tensor once. With COPY_FIRST it also writes the
+    first N_COPIES tensors in float16 as they are (unshifted) to their copies, which follow
+    the N_TENSORS inputs in `tensors` (one tuple: a replay fills in one)."""
     program, which = tl.program_id(0), tl.program_id(1)
     for t in tl.static_range(N_TENSORS):
         if which == t:
             n_blocks = _pass_blocks(shapes, t, batch, BLOCK_R, BLOCK_W, FLAT)
             largest = tl.zeros([BLOCK_R, BLOCK_W], tl.float32)
             for block in range(program, n_blocks, PROGRAMS):
-                offsets, _, _, _, mask = _pass_block(strides, shapes, t, batch, block,
-                                                     BLOCK_R, BLOCK_W, ALIGN, FLAT)
+                offsets, copy_offsets, _, _, mask = _pass_block(
+                    strides, shapes, t, batch, block, BLOCK_R, BLOCK_W, ALIGN, FLAT)
                 x = tl.load(tensors[t] + offsets, mask=mask, other=0.0)
                 largest = tl.maximum(largest, tl.abs(x.to(tl.float32)))
+                if COPY_FIRST and t < N_COPIES:
+                    tl.store(tensors[N_TENSORS + t] + copy_offsets, x.to(tl.float16),
+                             mask=mask)
             tl.store(partials_ptr + t * PROGRAMS + program, tl.max(tl.max(largest, 1), 0))
 
 
@@ -1024,9 +1071,11 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                            N_TENSORS: tl.constexpr, N_COPIES: tl.constexpr,
                            N_FACTORS: tl.constexpr, PROGRAMS: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-                           ALIGN: tl.constexpr, FLAT: tl.constexpr):
-    """Block program_id(0) of copy program_id(1) (`_pass_block`; FLAT only with
-    `no_epilogue`): tensor c times its power of two,
+                           ALIGN: tl.constexpr, FLAT: tl.constexpr,
+                           COPY_FIRST: tl.constexpr):
+    """Block program_id(0) of copy program_id(1) (`_pass_block`; FLAT and COPY_FIRST only
+    with `no_epilogue`): tensor c times its power of two (with COPY_FIRST, only where that
+    is not 1: the range pass wrote the copy unshifted),
     written to float16 (contiguous). Every program reduces the partial maxima itself (a few
     hundred floats, from L2) and asks SHIFTS(maxima, bound) for a vector of 16 or 32
     values: the copies' shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
@@ -1042,13 +1091,16 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
         tl.store(factors_ptr + entry - N_COPIES, values,
                  mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
     for c in tl.static_range(N_COPIES):
-        if which == c:
+        shift = vector_entry(values, c)
+        rewrite = which == c
+        if COPY_FIRST:
+            rewrite = rewrite & (shift != 1.0)
+        if rewrite:
             offsets, copy_offsets, rows, cols, mask = _pass_block(
                 strides, shapes, c, batch, block, BLOCK_R, BLOCK_W, ALIGN, FLAT)
             x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
             # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
-            copy = (x * vector_entry(values, c)).to(tl.float16)
-            tl.store(copies[c] + copy_offsets, copy, mask=mask)
+            tl.store(copies[c] + copy_offsets, (x * shift).to(tl.float16), mask=mask)
             EPILOGUE(c, x, rows, cols, epilogue_args)
 
 
@@ -1141,16 +1193,10 @@ def scratch_tensor(shape, device: torch.device, dtype: torch.dtype) -> torch.Ten
     return x
 
 
-def read_flat(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether the carry's passes read `tensors` as flat arrays (`_pass_block`): when all
-    are contiguous, so that no columns are padded (72 read as 128) and no row arithmetic
-    is done."""
-    return all(x.is_contiguous() for x in tensors)
-
-
 def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
                      shifts: triton.JITFunction, bound: float, n_factors: int,
                      epilogue: triton.JITFunction = no_epilogue, epilogue_args: tuple = (0,),
+                     copy_first: bool = False,
                      ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Exact fp16 copies of `copied`, each scaled by a power of two, and the factors that
     undo the shifts, in two launches that never wait for the host.
@@ -1167,6 +1213,10 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
             fp32, their flat (b, h, n) row numbers, the columns, `epilogue_args`) that the
             copy kernel calls after writing each block (`no_epilogue`: nothing).
         epilogue_args: A tuple of tensors and numbers that `epilogue` reads.
+        copy_first: The range pass writes the copies unshifted as it reads them, and the
+            second launch rewrites only those whose shift is not 1 (`shifts` then keeps a
+            tensor's own scale wherever that copy is as exact: `copy_exponent`); only with
+            `no_epilogue`.
 
     Returns:
         The contiguous fp16 copies, and the factors (fp32, on the inputs' device).
@@ -1184,16 +1234,23 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     copies = tuple(scratch_tensor(x.shape, device, torch.float16) for x in copied)
     factors = scratch_tensor(n_factors, device, torch.float32)
     batch = tensors[0].shape[0]
+    # Contiguous tensors are read as flat arrays (`_pass_block`: no padded columns, no row
+    # arithmetic); the copies keep rows where an epilogue needs them. (Loops, not
+    # generators: this runs on every call.)
+    flat, flat_copies = True, epilogue is no_epilogue
+    for i, x in enumerate(tensors):
+        if not x.is_contiguous():
+            flat, flat_copies = False, flat_copies and i >= len(copied)
     cached(range_partials_kernel)[(programs, len(tensors))](
-        tensors, strides, shapes, batch, partials, num_warps=RANGE_WARPS,
-        FLAT=read_flat(tensors), **meta)
-    flat_copies = epilogue is no_epilogue and read_flat(copied)  # an epilogue needs rows
+        (*tensors, *copies) if copy_first else tensors, strides, shapes, batch, partials,
+        num_warps=RANGE_WARPS, N_COPIES=len(copied), FLAT=flat, COPY_FIRST=copy_first,
+        **meta)
     blocks = (cdiv(max(x.numel() for x in copied), meta["BLOCK_R"] * width) if flat_copies
               else cdiv(max(x.shape[:3].numel() for x in copied), meta["BLOCK_R"]))
     cached(carried_copies_kernel)[(blocks, len(copied))](
         tensors, copies, strides, shapes, batch, partials, factors, bound, epilogue_args,
         SHIFTS=shifts, EPILOGUE=epilogue, N_COPIES=len(copied), N_FACTORS=n_factors,
-        num_warps=8, FLAT=flat_copies, **meta)
+        num_warps=8, FLAT=flat_copies, COPY_FIRST=copy_first, **meta)
     return copies, factors
 
 
@@ -1277,12 +1334,27 @@ def jvp_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tq: torch.Te
     return v_hat, tv_hat, factors
 
 
+# The largest entries for which a copy made unshifted keeps its tensor's own scale ("Exact
+# fp16 operands" above): [COPY_LOW, COPY_HIGH).
+COPY_LOW = tl.constexpr(2.0**-6)
+COPY_HIGH = tl.constexpr(2.0**14)
+
+
+@triton.jit
+def copy_exponent(largest):
+    """The exponent e of a copy made unshifted first (`carried_operands`' copy_first): 0,
+    the tensor's own scale, while its largest entry lies in [COPY_LOW, COPY_HIGH), else the
+    one that brings that entry into [1/2, 1) (`shift_exponent`)."""
+    own_scale = (largest >= COPY_LOW) & (largest < COPY_HIGH)
+    return tl.where(own_scale, 0, shift_exponent(largest, 0))
+
+
 @triton.jit
 def value_shifts(maxima, unused):
-    """From max |v|, |tv|: the shifts 2**e_v and 2**e_t that bring each one's largest entry
-    into [1/2, 1), then the exponents e_v, e_t themselves (exact in fp32)."""
-    e_v = shift_exponent(vector_entry(maxima, 0), 0)
-    e_t = shift_exponent(vector_entry(maxima, 1), 0)
+    """From max |v|, |tv|: the shifts 2**e_v and 2**e_t of their copies (`copy_exponent`),
+    then the exponents e_v, e_t themselves (exact in fp32)."""
+    e_v = copy_exponent(vector_entry(maxima, 0))
+    e_t = copy_exponent(vector_entry(maxima, 1))
     values = tl.zeros([16], tl.float32)
     values = with_entry(values, 0, power_of_two(e_v))
     values = with_entry(values, 1, power_of_two(e_t))
@@ -1293,7 +1365,8 @@ def value_shifts(maxima, unused):
 def value_operands(v: torch.Tensor, tv: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Exact fp16 copies of v and tv for this chapter's forward+JVP kernel on bf16 inputs,
     each shifted by its own power of two, and the two exponents (fp32, on the device)."""
-    (v_hat, tv_hat), exponents = carried_operands((v, tv), (), value_shifts, 0.0, 2)
+    (v_hat, tv_hat), exponents = carried_operands((v, tv), (), value_shifts, 0.0, 2,
+                                                  copy_first=True)
     return v_hat, tv_hat, exponents
 
 
@@ -1353,8 +1426,7 @@ def _attention_forward_kernel(
     qk_scale, scale = in_fp32(qk_scale), in_fp32(scale)
     block, bh = query_program(IS_CAUSAL, HEAD_GROUP)
     start_m = block * BLOCK_M
-    batch = (bh // n_heads).to(tl.int64)
-    head = bh % n_heads
+    batch, head = batch_and_head(bh, n_heads, stride_mask_b, stride_mask_h, MASK_KIND)
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
     q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh, ALIGN)
@@ -1429,7 +1501,7 @@ def _attention_forward_kernel(
     o_factor = inv_l
     if CARRY:
         o_factor *= power_of_two(-v_shift)
-    flat_rows = bh.to(tl.int64) * n_q + rows
+    flat_rows = (batch * n_heads + head) * n_q + rows
     dims_v = tl.arange(0, BLOCK_DV)
     store_rounded(o_ptr, o_residual_ptr, acc_o * o_factor[:, None], flat_rows, rows, dims_v,
                    n_q, value_dim, STORE_RESIDUAL)

@@ -108,8 +108,8 @@ GRAD_NAMES = ("dq", "dk", "dv")
 SECOND_ORDER_NAMES = ("dq", "dk", "dv", "dtq", "dtk", "dtv")
 # Gradients of an additive mask and of its tangent: fp32 (B, Hq, Nq, Nk) from the launchers.
 MASK_GRAD_NAMES = ("dmask", "dmask_tangent")
-MASK_KINDS = ("none", "keypad", "bool", "additive", "additive4d", "empty_rows",
-              "empty_rows_additive", "empty_batch", "bool_transposed")
+MASK_KINDS = ("none", "keypad", "bool", "additive", "additive4d", "head_bias",
+              "empty_rows", "empty_rows_additive", "empty_batch", "bool_transposed")
 
 
 # --- problems -----------------------------------------------------------------------------
@@ -246,6 +246,11 @@ def _make_mask(spec: Spec, gen: torch.Generator, dtype: torch.dtype) -> torch.Te
         bias = 2 * torch.randn(b, h, nq, nk, generator=gen)
         bias = bias.masked_fill(rand(b, h, nq, nk) < 0.2, -math.inf)
         bias[..., 0] = -1.0
+        return bias.to(dtype)
+    if spec.mask == "head_bias":  # (1, Hq, Nq, Nk): a bias per head, shared by the batch
+        bias = torch.randn(1, h, nq, nk, generator=gen)
+        bias = bias.masked_fill(rand(1, h, nq, nk) < 0.2, -math.inf)
+        bias[..., 0] = 0.25
         return bias.to(dtype)
     if spec.mask == "empty_rows":  # (B, Hq, Nq, Nk) bool: rows 0, nq // 2 of head 0 see nothing
         keep = rand(b, h, nq, nk) < 0.6
@@ -615,6 +620,7 @@ COMMON_GPU_CASES = [
     (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64), F16),
     (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), BF16),
     (Spec(batch=2, hq=8, hkv=8, nq=1000, nk=1000, d=64, causal=True), F32),
+    (Spec(batch=3, hq=4, hkv=2, nq=1100, nk=1100, d=72, mask="head_bias"), BF16),
 ]
 
 
@@ -754,6 +760,7 @@ CPU_CASES = [
     Spec(nq=40, nk=33, d=80, mask="bool"),
     Spec(hq=2, hkv=1, nq=33, nk=33, d=64, mask="additive"),
     Spec(batch=2, nq=17, nk=40, d=16, mask="additive4d"),
+    Spec(batch=3, hq=2, hkv=1, nq=33, nk=40, d=16, mask="head_bias"),
     Spec(hq=4, hkv=2, nq=33, nk=17, d=40, mask="empty_rows"),
     Spec(nq=17, nk=33, d=64, mask="empty_rows_additive"),
     Spec(batch=2, hq=1, hkv=1, nq=17, nk=17, d=16, mask="empty_batch"),

@@ -479,10 +479,10 @@ def test_carrying_starts_at_long_rows(head_dim: int) -> None:
 
 
 # --- an additive mask with a tangent (learnable biases: tS gains tB; notebook 02) ----------
-# (spec, shape of the bias): a per-head bias shared by the batch, an (Nq, Nk) bias with
+# (spec, shape of the bias): a per-head bias shared by a batch of 3, an (Nq, Nk) bias with
 # causal, a bias per batch and head with GQA; each in fp32 and fp16.
 FORWARD_BIAS_CASES = [
-    (Spec(hq=2, hkv=2, nq=17, nk=33, d=16), "head"),
+    (Spec(batch=3, hq=2, hkv=2, nq=17, nk=33, d=16), "head"),
     (Spec(batch=2, hq=2, hkv=2, nq=33, nk=17, d=16, causal=True), "2d"),
     (Spec(batch=2, hq=4, hkv=2, nq=40, nk=40, d=16), "full"),
 ]

@@ -791,5 +791,28 @@ def test_carry_reads_contiguous_tensors_flat_and_others_by_rows(width: int,
         assert torch.equal(ours, theirs)
     v_hat, tv_hat, exponents = flat
     for x, copy, exponent in ((v, v_hat, exponents[0]), (tv, tv_hat, exponents[1])):
-        assert torch.equal(copy.float(), x.float() * 2.0 ** exponent.item())
-        assert 0.5 <= copy.abs().max().item() < 1.0
+        assert torch.equal(copy, (x.float() * 2.0 ** exponent.item()).half())
+
+
+@pytest.mark.parametrize("scale, kept", [(1.0, True), (2.0**-6, True), (2.0**14 - 64, True),
+                                         (2.0**14, False), (1e6, False), (2.0**-6.5, False),
+                                         (1e-9, False)])
+def test_value_copies_keep_their_scale_inside_the_window(scale: float, kept: bool) -> None:
+    """The forward's carry writes v and tv to float16 unshifted as its range pass reads
+    them, and rewrites a copy only when its largest entry falls outside
+    [COPY_LOW, COPY_HIGH): there the unshifted copy would overflow, or keep fewer bits than
+    one shifted into [1/2, 1). Either way each copy is x times 2**e rounded to float16
+    (exact but for entries that land below float16's normal range)."""
+    import jvp_attention.forward as forward
+
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 40, 24, dtype=torch.float32, device=DEVICE)
+    x = (x / x.abs().max() * scale).to(torch.bfloat16)  # largest entry: scale (bf16 rounded)
+    other = torch.randn(2, 3, 40, 24, dtype=torch.bfloat16, device=DEVICE)
+    v_hat, tv_hat, exponents = forward.value_operands(x, other)
+    assert (exponents[0].item() == 0) == kept, exponents
+    assert exponents[1].item() == 0
+    assert torch.equal(v_hat, (x.float() * 2.0 ** exponents[0].item()).half())
+    assert torch.equal(tv_hat, other.half())
+    if not kept:
+        assert 0.5 <= v_hat.abs().max().item() < 1.0
