@@ -118,6 +118,8 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
         **meta)
     blocks = (cdiv(max(x.numel() for x in copied), meta["BLOCK_R"] * width) if flat_copies
               else cdiv(max(x.shape[:3].numel() for x in copied), meta["BLOCK_R"]))
+    if copy_first:  # as many programs as the range pass's, each taking many blocks
+        blocks = min(blocks, programs)
     cached(carried_copies_kernel)[(blocks, len(copied))](
         tensors, copies, strides, shapes, batch, partials, factors, bound, epilogue_args,
         SHIFTS=shifts, EPILOGUE=epilogue, N_COPIES=len(copied), N_FACTORS=n_factors,

@@ -443,13 +443,15 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
     hundred floats, from L2) and asks SHIFTS(maxima, bound) for a vector of 16 or 32
     values: the copies' shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
     in fp32, their flat row numbers, columns, epilogue_args) then may use the rows in
-    registers for more (the backward's row statistics, chapter 5)."""
-    block, which = tl.program_id(0), tl.program_id(1)
+    registers for more (the backward's row statistics, chapter 5). With COPY_FIRST the
+    grid is smaller than the blocks and each program takes every num_programs(0)-th block:
+    most such launches rewrite nothing, and each program reads the partial maxima once."""
+    first, which = tl.program_id(0), tl.program_id(1)
     tensor = tl.arange(0, 8)  # at most 8 tensors
     partial = tl.load(partials_ptr + tensor[:, None] * PROGRAMS + tl.arange(0, PROGRAMS)[None, :],
                       mask=(tensor < N_TENSORS)[:, None], other=0.0)
     values = SHIFTS(tl.max(partial, 1), bound)
-    if (block == 0) & (which == 0):
+    if (first == 0) & (which == 0):
         entry = tl.arange(0, values.shape[0])
         tl.store(factors_ptr + entry - N_COPIES, values,
                  mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
@@ -459,12 +461,16 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
         if COPY_FIRST:
             rewrite = rewrite & (shift != 1.0)
         if rewrite:
-            offsets, copy_offsets, rows, cols, mask = _pass_block(
-                strides, shapes, c, batch, block, BLOCK_R, BLOCK_W, ALIGN, FLAT)
-            x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
-            # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
-            tl.store(copies[c] + copy_offsets, (x * shift).to(tl.float16), mask=mask)
-            EPILOGUE(c, x, rows, cols, epilogue_args)
+            end = first + 1  # one block per program
+            if COPY_FIRST:
+                end = _pass_blocks(shapes, c, batch, BLOCK_R, BLOCK_W, FLAT)
+            for block in range(first, end, tl.num_programs(0)):
+                offsets, copy_offsets, rows, cols, mask = _pass_block(
+                    strides, shapes, c, batch, block, BLOCK_R, BLOCK_W, ALIGN, FLAT)
+                x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
+                # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
+                tl.store(copies[c] + copy_offsets, (x * shift).to(tl.float16), mask=mask)
+                EPILOGUE(c, x, rows, cols, epilogue_args)
 
 
 # The tangent operands' largest entries stay below 2**TANGENT_TOP, four times below

@@ -827,8 +827,15 @@ def _forward_key_block(
 # `benchmarks/results/carry_cost_h100.json`), the two passes went from 0.078 to 0.058 ms at
 # (16, 16, 1024, 72), 0.103 to 0.078 at (32, 12, 1024, 64) and 0.137 to 0.105 at
 # (16, 16, 1024, 128): the range pass now takes 0.049 to 0.091 ms and the copy launch, which
-# rewrites nothing for such data, 0.009 to 0.015. The tensors travel to both kernels as
-# tuples, so the host does the same few steps for any of them. The copies are O(N) memory.
+# rewrites nothing for such data, 0.009 to 0.015. That launch then had a program per tile,
+# each reducing the partial maxima only to find nothing to do; after copies made first it
+# has as many programs as the range pass, each taking every 256th tile, and takes 0.002 ms
+# (the carry 0.051, 0.068 and 0.093 ms at those shapes, run "copy launch of 256 programs"
+# against "copies made first, again" on one H100 machine). The range pass itself streams at
+# 2.6 to 2.8 TB/s, reads and writes together, whatever its programs (128 to 1024) and warps
+# (4 or 8); PyTorch's own `x.to(torch.float16)` of the same tensors ran at 1.35 TB/s there.
+# What is left of the carry is one read and one write of $V$ and $t_V$. The tensors travel
+# to both kernels as tuples, so the host does the same few steps for any of them. The copies are O(N) memory.
 # Exponents are clamped to $\pm 36$: a tensor whose largest entry lies below $2^{-37}$ (about
 # $10^{-11}$) keeps fewer bits for its smallest entries, and one above $2^{52}$ would
 # overflow float16. fp16 inputs have no wider 16-bit type and keep the split; chapter 5
@@ -1080,13 +1087,15 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
     hundred floats, from L2) and asks SHIFTS(maxima, bound) for a vector of 16 or 32
     values: the copies' shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
     in fp32, their flat row numbers, columns, epilogue_args) then may use the rows in
-    registers for more (the backward's row statistics, chapter 5)."""
-    block, which = tl.program_id(0), tl.program_id(1)
+    registers for more (the backward's row statistics, chapter 5). With COPY_FIRST the
+    grid is smaller than the blocks and each program takes every num_programs(0)-th block:
+    most such launches rewrite nothing, and each program reads the partial maxima once."""
+    first, which = tl.program_id(0), tl.program_id(1)
     tensor = tl.arange(0, 8)  # at most 8 tensors
     partial = tl.load(partials_ptr + tensor[:, None] * PROGRAMS + tl.arange(0, PROGRAMS)[None, :],
                       mask=(tensor < N_TENSORS)[:, None], other=0.0)
     values = SHIFTS(tl.max(partial, 1), bound)
-    if (block == 0) & (which == 0):
+    if (first == 0) & (which == 0):
         entry = tl.arange(0, values.shape[0])
         tl.store(factors_ptr + entry - N_COPIES, values,
                  mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
@@ -1096,12 +1105,16 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
         if COPY_FIRST:
             rewrite = rewrite & (shift != 1.0)
         if rewrite:
-            offsets, copy_offsets, rows, cols, mask = _pass_block(
-                strides, shapes, c, batch, block, BLOCK_R, BLOCK_W, ALIGN, FLAT)
-            x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
-            # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
-            tl.store(copies[c] + copy_offsets, (x * shift).to(tl.float16), mask=mask)
-            EPILOGUE(c, x, rows, cols, epilogue_args)
+            end = first + 1  # one block per program
+            if COPY_FIRST:
+                end = _pass_blocks(shapes, c, batch, BLOCK_R, BLOCK_W, FLAT)
+            for block in range(first, end, tl.num_programs(0)):
+                offsets, copy_offsets, rows, cols, mask = _pass_block(
+                    strides, shapes, c, batch, block, BLOCK_R, BLOCK_W, ALIGN, FLAT)
+                x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
+                # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
+                tl.store(copies[c] + copy_offsets, (x * shift).to(tl.float16), mask=mask)
+                EPILOGUE(c, x, rows, cols, epilogue_args)
 
 
 # The tangent operands' largest entries stay below 2**TANGENT_TOP, four times below
@@ -1247,6 +1260,8 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
         **meta)
     blocks = (cdiv(max(x.numel() for x in copied), meta["BLOCK_R"] * width) if flat_copies
               else cdiv(max(x.shape[:3].numel() for x in copied), meta["BLOCK_R"]))
+    if copy_first:  # as many programs as the range pass's, each taking many blocks
+        blocks = min(blocks, programs)
     cached(carried_copies_kernel)[(blocks, len(copied))](
         tensors, copies, strides, shapes, batch, partials, factors, bound, epilogue_args,
         SHIFTS=shifts, EPILOGUE=epilogue, N_COPIES=len(copied), N_FACTORS=n_factors,

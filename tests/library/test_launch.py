@@ -802,13 +802,16 @@ def test_value_copies_keep_their_scale_inside_the_window(scale: float, kept: boo
     them, and rewrites a copy only when its largest entry falls outside
     [COPY_LOW, COPY_HIGH): there the unshifted copy would overflow, or keep fewer bits than
     one shifted into [1/2, 1). Either way each copy is x times 2**e rounded to float16
-    (exact but for entries that land below float16's normal range)."""
+    (exact but for entries that land below float16's normal range). Five tiles of 8192
+    each: more than the copy launch's programs under the interpreter (4), so a rewrite
+    takes two tiles in one program."""
     import jvp_attention.forward as forward
 
     torch.manual_seed(1)
-    x = torch.randn(2, 3, 40, 24, dtype=torch.float32, device=DEVICE)
+    shape = (2, 5, 64, 64)
+    x = torch.randn(shape, dtype=torch.float32, device=DEVICE)
     x = (x / x.abs().max() * scale).to(torch.bfloat16)  # largest entry: scale (bf16 rounded)
-    other = torch.randn(2, 3, 40, 24, dtype=torch.bfloat16, device=DEVICE)
+    other = torch.randn(shape, dtype=torch.bfloat16, device=DEVICE)
     v_hat, tv_hat, exponents = forward.value_operands(x, other)
     assert (exponents[0].item() == 0) == kept, exponents
     assert exponents[1].item() == 0
