@@ -2098,8 +2098,11 @@ if announce_run(FAST_RUN, FAST_SHAPES, "ours ours_fast", "GPU ms per call"):
 # six tensors to two: on H100 machines its carry took 0.089 instead of 0.153 ms at
 # DiT-XL/2 512 px (16, 16, 1024, 72) and accurate over "fast" for the forward+JVP went from
 # 1.17 to 1.15 there, 1.23 to 1.20 at DiT-B/2 512 px and 1.16 to 1.14 at `n1k-d128`
-# (`benchmarks/carry_cost.py`, `benchmarks/results/carry_cost_h100.json`); the backward's
-# carry (chapter 5) reads what it copies and is unchanged.
+# (`benchmarks/carry_cost.py`, `benchmarks/results/carry_cost_h100.json`). Making the two
+# copies as the range pass reads them (chapter 2, "copies made first") then took the carry
+# to 0.051 ms, and accurate over "fast" to 1.09, 1.10 and 1.11 at the three shapes (causal
+# 1.15, 1.20, 1.16: the kernel takes half as long, the carry as long). The backward's carry
+# (chapter 5) reads what it copies and is unchanged.
 
 # %% tags=["hide_input"]
 CARRY_KERNELS = ("range_partials_kernel", "carried_copies_kernel")
@@ -2152,7 +2155,10 @@ else:
 # Stored once per head and read at unit stride, the pairs cost 0.03 to 0.04 ms to build
 # instead of 1.9 to 2.8, and the call 3.6x to 8.6x less GPU time. The attention kernel
 # with a bias still takes about 1.4x its time without one (1.11 against 0.78 ms at (16,
-# 16, 1024, 72) in accurate mode, `carry_cost_h100.json`). ("split" is accurate mode with
+# 16, 1024, 72) in accurate mode, `carry_cost_h100.json`): each query tile reads its rows
+# of the bias and of its tangent, about as many bytes in all as the tiles of $K$, $V$,
+# $t_K$ and $t_V$ (chapter 2 takes the batch fastest for such a bias, so that L2 serves
+# each head's bias to the whole batch; that gained 0 to 9%). ("split" is accurate mode with
 # the carry turned off: with a bias, as without, the carry and the split are about level
 # at 1024 keys.)
 
