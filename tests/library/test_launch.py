@@ -797,20 +797,26 @@ def test_carry_reads_contiguous_tensors_flat_and_others_by_rows(width: int,
 @pytest.mark.parametrize("scale, kept", [(1.0, True), (2.0**-6, True), (2.0**14 - 64, True),
                                          (2.0**14, False), (1e6, False), (2.0**-6.5, False),
                                          (1e-9, False)])
-def test_value_copies_keep_their_scale_inside_the_window(scale: float, kept: bool) -> None:
+@pytest.mark.parametrize("layout", ["contiguous", "bnhd"])
+def test_value_copies_keep_their_scale_inside_the_window(scale: float, kept: bool,
+                                                          layout: str) -> None:
     """The forward's carry writes v and tv to float16 unshifted as its range pass reads
     them, and rewrites a copy only when its largest entry falls outside
     [COPY_LOW, COPY_HIGH): there the unshifted copy would overflow, or keep fewer bits than
     one shifted into [1/2, 1). Either way each copy is x times 2**e rounded to float16
     (exact but for entries that land below float16's normal range). Five tiles of 8192
     each: more than the copy launch's programs under the interpreter (4), so a rewrite
-    takes two tiles in one program."""
+    takes two tiles in one program; "bnhd" (heads split off a projection: strided rows)
+    is read and copied row by row, five blocks of 128 rows."""
     import jvp_attention.forward as forward
 
     torch.manual_seed(1)
     shape = (2, 5, 64, 64)
     x = torch.randn(shape, dtype=torch.float32, device=DEVICE)
+    if layout == "bnhd":
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
     x = (x / x.abs().max() * scale).to(torch.bfloat16)  # largest entry: scale (bf16 rounded)
+    assert x.is_contiguous() == (layout == "contiguous")
     other = torch.randn(shape, dtype=torch.bfloat16, device=DEVICE)
     v_hat, tv_hat, exponents = forward.value_operands(x, other)
     assert (exponents[0].item() == 0) == kept, exponents
