@@ -760,7 +760,7 @@ CPU_CASES = [
     Spec(nq=40, nk=33, d=80, mask="bool"),
     Spec(hq=2, hkv=1, nq=33, nk=33, d=64, mask="additive"),
     Spec(batch=2, nq=17, nk=40, d=16, mask="additive4d"),
-    Spec(batch=3, hq=2, hkv=1, nq=33, nk=40, d=16, mask="head_bias"),
+    Spec(batch=3, hq=4, hkv=2, nq=33, nk=40, d=16, mask="head_bias"),
     Spec(hq=4, hkv=2, nq=33, nk=17, d=40, mask="empty_rows"),
     Spec(nq=17, nk=33, d=64, mask="empty_rows_additive"),
     Spec(batch=2, hq=1, hkv=1, nq=17, nk=17, d=16, mask="empty_batch"),
