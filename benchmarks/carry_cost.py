@@ -48,16 +48,17 @@ CARRY_KERNELS = ("range_partials_kernel", "carried_copies_kernel")
 PROFILED_CALLS = 10
 
 
-def gpu_times(call) -> dict[str, float]:
-    """Each CUDA kernel's GPU time per call of `call`, in ms (the profiler's mean of ten)."""
+def gpu_times(call, calls: int = PROFILED_CALLS) -> dict[str, float]:
+    """Each CUDA kernel's GPU time per call of `call`, in ms (the profiler's mean of
+    `calls`)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED_CALLS):
+        for _ in range(calls):
             call()
         torch.cuda.synchronize()
-    return {event.key: round(event.device_time_total / PROFILED_CALLS / 1000, 4)
+    return {event.key: round(event.device_time_total / calls / 1000, 4)
             for event in prof.key_averages()
             if event.device_type.name == "CUDA" and event.device_time_total > 0}
 

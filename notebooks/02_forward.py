@@ -833,7 +833,8 @@ def _forward_key_block(
 # (the carry 0.051, 0.068 and 0.093 ms at those shapes, run "copy launch of 256 programs"
 # against "copies made first, again" on one H100 machine). The range pass itself streams at
 # 2.6 to 2.8 TB/s, reads and writes together, whatever its programs (128 to 1024) and warps
-# (4 or 8); PyTorch's own `x.to(torch.float16)` of the same tensors ran at 1.35 TB/s there.
+# (4 or 8); PyTorch's own `x.to(torch.float16)` of the same tensors ran at 1.35 TB/s there
+# (`benchmarks/carry_passes.py`, `benchmarks/results/carry_passes_h100.json`).
 # What is left of the carry is one read and one write of $V$ and $t_V$. The tensors travel
 # to both kernels as tuples, so the host does the same few steps for any of them. The copies are O(N) memory.
 # Exponents are clamped to $\pm 36$: a tensor whose largest entry lies below $2^{-37}$ (about

@@ -63,3 +63,35 @@ def test_saved_bias_runs_time_the_mask_pairs_before_and_after() -> None:
             assert (row["carry_ms"] > 0) == (row["mode"] == "accurate"), (run["code"], row)
             copy_ms.setdefault(run["code"], []).append(row["kernels"][pairs])
     assert min(copy_ms["before"]) > 10 * max(copy_ms["after"])
+
+
+PASSES_SCRIPT = REPO / "benchmarks" / "carry_passes.py"
+
+
+def test_passes_smoke_run_checks_every_variant_of_ours(tmp_path) -> None:
+    """benchmarks/carry_passes.py in the interpreter: every variant of a tiny case, each of
+    ours compared with `value_operands`' copies (it raises otherwise), no times."""
+    out = tmp_path / "carry_passes.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, str(PASSES_SCRIPT), "--smoke", "--out", str(out)], env=env,
+                   check=True, capture_output=True, text=True, timeout=600)
+    data = json.loads(out.read_text())
+    assert data["schema"] == "jvp_attention.carry_passes/1" and data["smoke"] is True
+    variants = [row["variant"] for row in data["rows"]]
+    assert variants[:4] == ["copies made first", "range pass, then copies",
+                            "torch to float16", "torch max |x|"]
+    assert len(variants) == 4 + 6 and all(row["ms"] is None for row in data["rows"])
+
+
+def test_saved_passes_add_up_and_move_what_they_must() -> None:
+    """The saved H100 run: each row's time is its kernels' sum and its bandwidth the bytes
+    it must move over that time; copies made first move a third less than the two passes."""
+    data = json.loads((REPO / "benchmarks/results/carry_passes_h100.json").read_text())
+    by_case = {}
+    for row in data["rows"]:
+        assert abs(sum(row["kernels"].values()) - row["ms"]) < 2e-3, row
+        assert abs(row["gb_moved"] / row["ms"] - row["tb_per_s"]) < 0.01, row
+        by_case[tuple(row["shape"]), row["variant"]] = row["gb_moved"]
+    for shape in {shape for shape, _ in by_case}:
+        first, two = by_case[shape, "copies made first"], by_case[shape, "range pass, then copies"]
+        assert abs(first / two - 2 / 3) < 1e-3
