@@ -2163,6 +2163,38 @@ else:
 # at 1024 keys.)
 
 # %% [markdown]
+# Since these H200 runs the forward's carry has been cut three times, each time measured
+# before and after on one H100 machine (`benchmarks/carry_cost.py`, runs of
+# `carry_cost_h100.json`): the passes read contiguous tensors as flat arrays; the range
+# pass makes the copies as it reads (chapter 2, "copies made first"); and the copy launch
+# after it takes many tiles per program. The carry's GPU time per forward+JVP call and
+# accurate over "fast" for the call, without a causal mask (pairs of runs on one machine
+# side by side; fast itself moves by a few percent between machines):
+
+# %% tags=["hide_input"]
+CARRY_COST = RESULTS / "carry_cost_h100.json"
+CARRY_STEPS = [("passes by rows", "flat passes"), ("flat passes, again", "copies made first"),
+               ("copies made first, again", "copy launch of 256 programs")]
+carry_runs = {run["code"]: run for run in json.loads(CARRY_COST.read_text())["runs"]}
+
+
+def carry_and_ratio(run, shape):
+    """(carry ms, accurate / fast) of one run's non-causal forward+JVP at `shape`."""
+    rows = {row["mode"]: row for row in run["rows"]
+            if row["shape"] == list(shape) and not row["causal"]}
+    return rows["accurate"]["carry_ms"], rows["accurate"]["gpu_ms"] / rows["fast"]["gpu_ms"]
+
+
+carry_shapes = [(16, 16, 1024, 72), (32, 12, 1024, 64), (16, 16, 1024, 128)]
+print(f"{'run':30} {'machine':>7} " + " ".join(f"{str(s):>22}" for s in carry_shapes))
+for pair in CARRY_STEPS:
+    for code in pair:
+        cells = [f"{ms:.3f} ms, {ratio:.2f}x" for ms, ratio in
+                 (carry_and_ratio(carry_runs[code], shape) for shape in carry_shapes)]
+        print(f"{code:30} {carry_runs[code]['machine']:>7} "
+              + " ".join(f"{cell:>22}" for cell in cells))
+
+# %% [markdown]
 # The attention kernels run at fast's pace in accurate mode (within 3%: fp16 products cost
 # what bf16 ones do), so at 1024 keys the whole of accurate mode's extra time is the carry's
 # passes: 14 to 17% of the call. They stream six tensors once for the ranges and two (four
@@ -2584,9 +2616,6 @@ def precision_targets(rows):
                 bound += per_row_units_clause(shape)
             target(rows, "accurate / fast (GPU) <= 1.1", f"{shape} {mode}", f"{ratio:.2f}",
                    1.1, ratio <= 1.1, bound, FAST_SHAPES.name)
-
-
-CARRY_COST = RESULTS / "carry_cost_h100.json"
 
 
 def per_row_units_clause(shape):
