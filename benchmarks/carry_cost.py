@@ -6,6 +6,7 @@ carry's two passes (the range pass and the fp16 copies). Saved as JSON.
     python benchmarks/carry_cost.py --out benchmarks/results/carry_cost_h100.json
     python benchmarks/carry_cost.py --smoke --out /tmp/carry_cost.json   # CPU, interpreter
     python benchmarks/carry_cost.py --bias --modes accurate split fast --out results.json
+    python benchmarks/carry_cost.py --bias --backward --modes accurate --out results.json
 
 Each case calls `torch.func.jvp(attention)` as a user does (bf16, random inputs and
 tangents), warms it up with three calls, times it with `triton.testing.do_bench` (`call_ms`:
@@ -14,6 +15,8 @@ each CUDA kernel's GPU time per call, `gpu_ms` their sum, `carry_ms` the carry's
 Mode "split" is "accurate" with the carry turned off (the split products at every length).
 With `--bias` the call also takes a learnable additive mask, (1, H, N, N) in bf16, with a
 tangent of its own (`attention(..., attn_mask=bias)` under `torch.func.jvp`).
+With `--backward` each call is a MeanFlow step's attention: the forward+JVP with q, k, v (and
+the bias) requiring grad, then `out.backward(grad)`, so `kernels` holds the backward's too.
 Without CUDA (`--smoke`) a tiny fp16 case runs through Triton's interpreter and the times
 are None.
 """
@@ -64,8 +67,9 @@ def gpu_times(call, calls: int = PROFILED_CALLS) -> dict[str, float]:
 
 
 def measure(shape: tuple[int, ...], causal: bool, mode: str, dtype: torch.dtype,
-            device: str, bias: bool = False) -> dict:
-    """One case: the call's times in `mode` ("split": accurate without the carry)."""
+            device: str, bias: bool = False, backward: bool = False) -> dict:
+    """One case: the call's times in `mode` ("split": accurate without the carry); with
+    `backward`, the forward+JVP and then the primal backward of q, k, v (and the bias)."""
     generator = torch.Generator(device).manual_seed(0)
     x = [torch.randn(shape, device=device, dtype=dtype, generator=generator) for _ in range(6)]
     if bias:  # a learnable bias (1, H, N, N) after v, its tangent after tv
@@ -76,14 +80,24 @@ def measure(shape: tuple[int, ...], causal: bool, mode: str, dtype: torch.dtype,
     def attention(q, k, v, *mask):
         return jvp_attention.attention(q, k, v, *mask, is_causal=causal)
 
+    primals, tangents = tuple(x[:len(x) // 2]), tuple(x[len(x) // 2:])
+    grad = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+    for primal in primals if backward else ():
+        primal.requires_grad_(True)
+
     def call():
-        return torch.func.jvp(attention, tuple(x[:len(x) // 2]), tuple(x[len(x) // 2:]))
+        out, t_out = torch.func.jvp(attention, primals, tangents)
+        if backward:
+            for primal in primals:
+                primal.grad = None
+            out.backward(grad)
+        return out, t_out
 
     carry_min_keys = jvp_attention.launch.CARRY_MIN_KEYS
     if mode == "split":
         jvp_attention.launch.CARRY_MIN_KEYS = 1 << 62
     try:
-        return timed_row(call, shape, causal, mode, bias, device)
+        return {**timed_row(call, shape, causal, mode, bias, device), "backward": backward}
     finally:
         jvp_attention.launch.CARRY_MIN_KEYS = carry_min_keys
 
@@ -113,6 +127,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU: a tiny fp16 case")
     parser.add_argument("--bias", action="store_true",
                         help="with a learnable additive mask and its tangent")
+    parser.add_argument("--backward", action="store_true",
+                        help="then the primal backward (a MeanFlow step's attention)")
     parser.add_argument("--modes", nargs="+", default=["accurate", "fast"],
                         choices=["accurate", "split", "fast"])
     parser.add_argument("--shapes", nargs="+", default=None,
@@ -128,7 +144,8 @@ def main() -> None:
             if causal and shape[2] < 1024 and not args.smoke:
                 continue
             for mode in args.modes:
-                rows.append(measure(shape, causal, mode, dtype, device, args.bias))
+                rows.append(measure(shape, causal, mode, dtype, device, args.bias,
+                                    args.backward))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels"}),
                       flush=True)
     data = {**bench.run_record(SCHEMA, args.smoke), "dtype": str(dtype).removeprefix("torch."),

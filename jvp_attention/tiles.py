@@ -429,6 +429,20 @@ def no_epilogue(copy_index: tl.constexpr, x, rows, cols, args):
 
 
 @triton.jit
+def _copy_block(x_ptr, copy_ptr, shift, strides, shapes, index: tl.constexpr, batch, block,
+                epilogue_args, EPILOGUE: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_W: tl.constexpr, ALIGN: tl.constexpr, FLAT: tl.constexpr):
+    """Block `block` of tensor `index` times `shift`, written to its float16 copy, then
+    EPILOGUE on the rows (`carried_copies_kernel`)."""
+    offsets, copy_offsets, rows, cols, mask = _pass_block(strides, shapes, index, batch, block,
+                                                          BLOCK_R, BLOCK_W, ALIGN, FLAT)
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
+    tl.store(copy_ptr + copy_offsets, (x * shift).to(tl.float16), mask=mask)
+    EPILOGUE(index, x, rows, cols, epilogue_args)
+
+
+@triton.jit
 def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr, factors_ptr,
                            bound, epilogue_args, SHIFTS: tl.constexpr, EPILOGUE: tl.constexpr,
                            N_TENSORS: tl.constexpr, N_COPIES: tl.constexpr,
@@ -457,20 +471,15 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                  mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
     for c in tl.static_range(N_COPIES):
         shift = vector_entry(values, c)
-        rewrite = which == c
-        if COPY_FIRST:
-            rewrite = rewrite & (shift != 1.0)
-        if rewrite:
-            end = first + 1  # one block per program
-            if COPY_FIRST:
-                end = _pass_blocks(shapes, c, batch, BLOCK_R, BLOCK_W, FLAT)
-            for block in range(first, end, tl.num_programs(0)):
-                offsets, copy_offsets, rows, cols, mask = _pass_block(
-                    strides, shapes, c, batch, block, BLOCK_R, BLOCK_W, ALIGN, FLAT)
-                x = tl.load(tensors[c] + offsets, mask=mask, other=0.0).to(tl.float32)
-                # bf16 (8 bits) times a power of two is exact in fp16 (11) inside its range
-                tl.store(copies[c] + copy_offsets, (x * shift).to(tl.float16), mask=mask)
-                EPILOGUE(c, x, rows, cols, epilogue_args)
+        if COPY_FIRST:  # only where the shift is not 1, many blocks per program
+            if (which == c) & (shift != 1.0):
+                for block in range(first, _pass_blocks(shapes, c, batch, BLOCK_R, BLOCK_W,
+                                                       FLAT), tl.num_programs(0)):
+                    _copy_block(tensors[c], copies[c], shift, strides, shapes, c, batch,
+                                block, epilogue_args, EPILOGUE, BLOCK_R, BLOCK_W, ALIGN, FLAT)
+        elif which == c:  # one block per program
+            _copy_block(tensors[c], copies[c], shift, strides, shapes, c, batch, first,
+                        epilogue_args, EPILOGUE, BLOCK_R, BLOCK_W, ALIGN, FLAT)
 
 
 # The tangent operands' largest entries stay below 2**TANGENT_TOP, four times below

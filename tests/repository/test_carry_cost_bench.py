@@ -26,16 +26,16 @@ def test_smoke_run_saves_both_modes_of_each_case(tmp_path) -> None:
     assert all(row["gpu_ms"] is None and row["kernels"] is None for row in data["rows"])
 
 
-def test_smoke_run_with_a_learnable_bias_and_the_split(tmp_path) -> None:
+def test_smoke_run_with_a_learnable_bias_the_split_and_the_backward(tmp_path) -> None:
     out = tmp_path / "carry_cost_bias.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
-    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--bias", "--modes", "accurate",
-                    "split", "--out", str(out)], env=env, check=True, capture_output=True,
-                   text=True, timeout=600)
+    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--bias", "--backward", "--modes",
+                    "accurate", "split", "--out", str(out)], env=env, check=True,
+                   capture_output=True, text=True, timeout=600)
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["causal"], row["mode"], row["bias"]) for row in rows] == [
-        (False, "accurate", True), (False, "split", True), (True, "accurate", True),
-        (True, "split", True)]
+    assert [(row["causal"], row["mode"], row["bias"], row["backward"]) for row in rows] == [
+        (False, "accurate", True, True), (False, "split", True, True),
+        (True, "accurate", True, True), (True, "split", True, True)]
 
 
 def test_saved_results_split_each_call_into_kernels_and_carry() -> None:
