@@ -65,6 +65,26 @@ def test_saved_bias_runs_time_the_mask_pairs_before_and_after() -> None:
     assert min(copy_ms["before"]) > 10 * max(copy_ms["after"])
 
 
+def test_saved_backward_runs_time_the_backward_copies_before_and_after() -> None:
+    """The saved H100 MeanFlow-step runs (forward+JVP, then the primal backward): every row
+    ran the backward, the carry only in accurate mode, and at the shape both runs timed the
+    carry (the forward's and the backward's copies) is faster after than before."""
+    data = json.loads((REPO / "benchmarks/results/carry_cost_backward_h100.json").read_text())
+    assert data["command"].startswith("python benchmarks/carry_cost.py --backward")
+    carry = {}
+    for run in data["runs"]:
+        for row in run["rows"]:
+            assert row["backward"] and not row["bias"]
+            assert (row["carry_ms"] > 0) == (row["mode"] == "accurate"), (run["code"], row)
+            if row["kernels"] is not None:
+                assert abs(sum(row["kernels"].values()) - row["gpu_ms"]) < 2e-3, row
+            key = (tuple(row["shape"]), row["causal"], row["mode"])
+            carry.setdefault(key, {})[run["code"]] = row["carry_ms"]
+    shared = [times for key, times in carry.items() if len(times) == 2 and key[2] == "accurate"]
+    assert shared and all(times["backward copies compiled as before"] < times["before"]
+                          for times in shared)
+
+
 PASSES_SCRIPT = REPO / "benchmarks" / "carry_passes.py"
 
 
