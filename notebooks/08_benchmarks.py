@@ -2202,6 +2202,43 @@ for pair in CARRY_STEPS:
 # 2), so no faster pass gets them under the 10% goal; only reading fewer tensors can (the
 # backward could reuse the forward's ranges of $Q$, $K$, $V$ and range only $dO$).
 #
+# A MeanFlow step's attention adds the primal backward, which carries four tensors ($Q$,
+# $K$, $V$, $dO$: chapter 5) with the same two passes. `benchmarks/carry_cost.py
+# --backward` times the forward+JVP and `out.backward(grad)` together on an H100 (bf16;
+# `benchmarks/results/carry_cost_backward_h100.json`): GPU time per step in each mode,
+# the carry's passes of both directions in accurate mode, and what the attention kernels
+# of accurate mode take beyond fast's. The run "before" has all three shapes; the one
+# after chapter 2 went back to one tile per copy program for the backward's copies has
+# the first shape.
+
+# %% tags=["hide_input"]
+STEP_COST = RESULTS / "carry_cost_backward_h100.json"
+print(f"{'run':36} {'shape':20} {'causal':6} {'accurate ms':>11} {'fast ms':>8} "
+      f"{'ratio':>6} {'carry ms':>9} {'kernels beyond fast':>20}")
+for run in json.loads(STEP_COST.read_text())["runs"]:
+    steps = {(tuple(row["shape"]), row["causal"], row["mode"]): row for row in run["rows"]}
+    for (shape, causal, mode), row in steps.items():
+        if mode != "accurate":
+            continue
+        fast_ms = steps[shape, causal, "fast"]["gpu_ms"]
+        print(f"{run['code']:36} {str(shape):20} {str(causal):6} {row['gpu_ms']:11.3f} "
+              f"{fast_ms:8.3f} {row['gpu_ms'] / fast_ms:5.2f}x {row['carry_ms']:9.3f} "
+              f"{row['gpu_ms'] - row['carry_ms'] - fast_ms:+20.3f}")
+
+# %% [markdown]
+# Accurate mode's step costs 1.15 to 1.18x fast's without a causal mask and 1.23 to 1.27x
+# with one, and the carry is all of the difference: the kernels beyond it are within
+# 0.06 ms of fast's. It takes 0.28 to 0.38 ms per step: the forward's 0.05 to 0.09 ms (copies
+# made first), then the backward's range pass over four tensors and its four copies, which
+# read those tensors a second time (and $O$ for $\Delta$). Making $Q$, $K$, $V$'s copies
+# as the range pass reads them, as the forward does, would save one read of three of
+# those tensors, about 0.04 ms at (16, 16, 1024, 72); $dO$ must be shifted to its own
+# range before it is copied (a MeanFlow loss's $dO$ lies far below float16's normal range),
+# so its second read stays. Reaching 1.1x at (16, 16, 1024, 72) needs the whole carry
+# under 0.17 ms, the backward's near 0.12 ms: about what reading each of its four tensors
+# once and writing its copy takes at the memory's pace (0.30 GB at 2.7 TB/s), so only a
+# backward that copied fewer tensors (reusing the forward's copy of $V$, say) could.
+#
 # At these shapes accurate mode costs 7 to 29% more GPU time than fast, short of the 10%
 # goal everywhere but one row. Splitting rounds the fp32 factor of three of the forward's
 # six products as hi + lo ($\tilde P V$, $\tilde P\, t_V$ and
