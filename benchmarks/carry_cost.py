@@ -15,6 +15,8 @@ each CUDA kernel's GPU time per call, `gpu_ms` their sum, `carry_ms` the carry's
 Mode "split" is "accurate" with the carry turned off (the split products at every length).
 With `--bias` the call also takes a learnable additive mask, (1, H, N, N) in bf16, with a
 tangent of its own (`attention(..., attn_mask=bias)` under `torch.func.jvp`).
+With `--parameter-bias` that bias has no tangent: a parameter closed over, as a model's
+bias is under `torch.func.jvp` of its inputs (MeanFlow's call).
 With `--backward` each call is a MeanFlow step's attention: the forward+JVP with q, k, v (and
 the bias) requiring grad, then `out.backward(grad)`, so `kernels` holds the backward's too.
 Without CUDA (`--smoke`) a tiny fp16 case runs through Triton's interpreter and the times
@@ -67,29 +69,33 @@ def gpu_times(call, calls: int = PROFILED_CALLS) -> dict[str, float]:
 
 
 def measure(shape: tuple[int, ...], causal: bool, mode: str, dtype: torch.dtype,
-            device: str, bias: bool = False, backward: bool = False) -> dict:
+            device: str, bias: bool = False, backward: bool = False,
+            bias_tangent: bool = True) -> dict:
     """One case: the call's times in `mode` ("split": accurate without the carry); with
-    `backward`, the forward+JVP and then the primal backward of q, k, v (and the bias)."""
+    `backward`, the forward+JVP and then the primal backward of q, k, v (and the bias).
+    Without `bias_tangent` the bias is a parameter the transform does not see (no tangent)."""
     generator = torch.Generator(device).manual_seed(0)
     x = [torch.randn(shape, device=device, dtype=dtype, generator=generator) for _ in range(6)]
-    if bias:  # a learnable bias (1, H, N, N) after v, its tangent after tv
+    parameters = ()
+    if bias:  # a learnable bias (1, H, N, N): after v, its tangent after tv, or a parameter
         b, tb = (torch.randn((1, shape[1], shape[2], shape[2]), device=device, dtype=dtype,
                              generator=generator) for _ in range(2))
-        x = [*x[:3], b, *x[3:], tb]
+        x, parameters = ([*x[:3], b, *x[3:], tb], ()) if bias_tangent else (x, (b,))
 
     def attention(q, k, v, *mask):
-        return jvp_attention.attention(q, k, v, *mask, is_causal=causal)
+        return jvp_attention.attention(q, k, v, *(mask or parameters), is_causal=causal)
 
     primals, tangents = tuple(x[:len(x) // 2]), tuple(x[len(x) // 2:])
     grad = torch.randn(shape, device=device, dtype=dtype, generator=generator)
-    for primal in primals if backward else ():
-        primal.requires_grad_(True)
+    learnable = (*primals, *parameters) if backward else ()
+    for tensor in learnable:
+        tensor.requires_grad_(True)
 
     def call():
         out, t_out = torch.func.jvp(attention, primals, tangents)
         if backward:
-            for primal in primals:
-                primal.grad = None
+            for tensor in learnable:
+                tensor.grad = None
             out.backward(grad)
         return out, t_out
 
@@ -97,7 +103,8 @@ def measure(shape: tuple[int, ...], causal: bool, mode: str, dtype: torch.dtype,
     if mode == "split":
         jvp_attention.launch.CARRY_MIN_KEYS = 1 << 62
     try:
-        return {**timed_row(call, shape, causal, mode, bias, device), "backward": backward}
+        return {**timed_row(call, shape, causal, mode, bias, device), "backward": backward,
+                "bias_tangent": bias and bias_tangent}
     finally:
         jvp_attention.launch.CARRY_MIN_KEYS = carry_min_keys
 
@@ -127,6 +134,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU: a tiny fp16 case")
     parser.add_argument("--bias", action="store_true",
                         help="with a learnable additive mask and its tangent")
+    parser.add_argument("--parameter-bias", action="store_true",
+                        help="with --bias: the bias has no tangent (a parameter, as in "
+                             "MeanFlow, where the tangents are the inputs')")
     parser.add_argument("--backward", action="store_true",
                         help="then the primal backward (a MeanFlow step's attention)")
     parser.add_argument("--modes", nargs="+", default=["accurate", "fast"],
@@ -134,6 +144,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=None,
                         help="B,H,N,d shapes instead of the default list")
     args = parser.parse_args()
+    args.bias = args.bias or args.parameter_bias
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     shapes, dtype = (SMOKE_SHAPES, torch.float16) if args.smoke else (SHAPES, torch.bfloat16)
     if args.shapes:
@@ -145,7 +156,7 @@ def main() -> None:
                 continue
             for mode in args.modes:
                 rows.append(measure(shape, causal, mode, dtype, device, args.bias,
-                                    args.backward))
+                                    args.backward, not args.parameter_bias))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "kernels"}),
                       flush=True)
     data = {**bench.run_record(SCHEMA, args.smoke), "dtype": str(dtype).removeprefix("torch."),

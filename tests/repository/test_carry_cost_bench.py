@@ -38,6 +38,19 @@ def test_smoke_run_with_a_learnable_bias_the_split_and_the_backward(tmp_path) ->
         (True, "accurate", True, True), (True, "split", True, True)]
 
 
+def test_smoke_run_with_a_bias_that_is_a_parameter(tmp_path) -> None:
+    """`--parameter-bias`: the bias has no tangent (closed over, as a model's parameter under
+    torch.func.jvp of its inputs) and still gets its gradient in the backward."""
+    out = tmp_path / "carry_cost_parameter_bias.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--parameter-bias", "--backward",
+                    "--modes", "fast", "--out", str(out)], env=env, check=True,
+                   capture_output=True, text=True, timeout=600)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["causal"], row["bias"], row["bias_tangent"], row["backward"])
+            for row in rows] == [(False, True, False, True), (True, True, False, True)]
+
+
 def test_saved_results_split_each_call_into_kernels_and_carry() -> None:
     """The saved H100 runs: each accurate row's carry is part of its kernels' time, and the
     carried shapes (1024 keys and more) ran the carry's passes."""
