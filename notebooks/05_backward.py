@@ -124,6 +124,7 @@ from jvp_attention.tiles import (
     add_mask_tangent,
     aligned,
     aligned_operands,
+    batch_and_head,
     carry_factor,
     dot_rounded,
     head_base,
@@ -459,8 +460,8 @@ def _with_first_order_factors(values, at: tl.constexpr, e_q, e_k, e_v, e_o, e_ds
 def backward_shifts(maxima, do_top):
     """From max |q|, |k|, |v|, |dO|: their shifts (2**e_q, 2**e_k, 2**e_v, 2**e_o, with
     max |dO| below 2**do_top), then the kernels' factors: scores 2**-(e_q + e_k), Delta
-    2**(e_o + e_v), dQ 2**-(e_ds + e_k), dK 2**-(e_ds + e_q), dV 2**-(8 + e_o) and P's 8,
-    where dS is carried times 2**e_ds = 2**(8 + e_o + e_v)."""
+    2**(e_o + e_v), dQ 2**-(e_ds + e_k), dK 2**-(e_ds + e_q), dV 2**-(8 + e_o), P's 8 and
+    the mask's gradient 2**-e_ds, where dS is carried times 2**e_ds = 2**(8 + e_o + e_v)."""
     e_q = shift_exponent(vector_entry(maxima, 0), 0)
     e_k = shift_exponent(vector_entry(maxima, 1), 0)
     e_v = shift_exponent(vector_entry(maxima, 2), 0)
@@ -471,6 +472,7 @@ def backward_shifts(maxima, do_top):
     values = with_entry(values, 1, power_of_two(e_k))
     values = with_entry(values, 2, power_of_two(e_v))
     values = with_entry(values, 3, power_of_two(e_o))
+    values = with_entry(values, 10, _power(-e_ds))
     return _with_first_order_factors(values, 4, e_q, e_k, e_v, e_o, e_ds)
 
 
@@ -538,18 +540,18 @@ def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       delta: torch.Tensor, dq_sum: torch.Tensor | None = None,
                       ) -> tuple[torch.Tensor, ...]:
     """Exact fp16 copies of q, k, v, dO for the first-order backward of bf16 inputs, and the
-    factors that undo their shifts (fp32, on the device): scores, Delta, dQ, dK, dV, and the
-    log2 of P's shift, in the order the kernels read them. The copy kernel also writes
-    `delta`, rowsum(dO * O), from the contiguous forward output `out` (plus its rounding
-    residual `out_residual`, if any), in place of the row-statistics launch, and zeros in
-    `dq_sum` (fp32, contiguous, q's shape), the sum chapter 12's dK/dV kernel adds dQ into,
-    in place of a fill launch."""
+    factors that undo their shifts (fp32, on the device): scores, Delta, dQ, dK, dV, the
+    log2 of P's shift and dS's factor (for the mask's gradient), in the order the kernels
+    read them. The copy kernel also writes `delta`, rowsum(dO * O), from the contiguous
+    forward output `out` (plus its rounding residual `out_residual`, if any), in place of
+    the row-statistics launch, and zeros in `dq_sum` (fp32, contiguous, q's shape), the sum
+    chapter 12's dK/dV kernel adds dQ into, in place of a fill launch."""
     ceil_log2_dv = next_power_of_2(v.shape[-1]).bit_length() - 1
     epilogue = DELTA_EPILOGUES[out_residual is not None, dq_sum is not None]
     n_rows, value_dim = out.shape[:3].numel(), out.shape[3]
     # max |dO| below 2**(5 - ceil(log2 d_v)) bounds |dS| by 2**14
     copies, factors = carried_operands(
-        (q, k, v, grad_out), (), backward_shifts, 5 - ceil_log2_dv, 6, epilogue,
+        (q, k, v, grad_out), (), backward_shifts, 5 - ceil_log2_dv, 7, epilogue,
         (out, out if out_residual is None else out_residual, delta, n_rows, value_dim,
          delta if dq_sum is None else dq_sum, q.shape[-1]))
     return (*copies, factors)
@@ -580,7 +582,7 @@ carried_backward_operands = graph_carry(
     " bool zero_dq_sum) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     backward_operands_and_delta,
     lambda q, k, v, grad_out, out, out_residual, zero_dq_sum: (
-        *carried_fakes((q, k, v, grad_out), 6), *_delta_and_dq_sum(q, out, zero_dq_sum)))
+        *carried_fakes((q, k, v, grad_out), 7), *_delta_and_dq_sum(q, out, zero_dq_sum)))
 
 
 @triton.jit
@@ -794,8 +796,8 @@ def _attention_backward_dkdv_kernel(
      from_tangent) = _carried_units(factors_ptr, qk_scale, scale, CARRY, HAS_TANGENT)
     scale = in_fp32(scale)
     start_n = tl.program_id(0) * BLOCK_N
-    batch = (tl.program_id(1) // n_kv_heads).to(tl.int64)
-    kv_head = tl.program_id(1) % n_kv_heads
+    batch, kv_head = batch_and_head(tl.program_id(1), n_kv_heads, stride_mask_b,
+                                    stride_mask_h, MASK_KIND)  # a per-head bias: L2 serves it
     cols = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
@@ -864,7 +866,7 @@ def _attention_backward_dkdv_kernel(
                 acc_dk = _key_gradient(dts, tq, acc_dk * to_tangent, DOT_PRECISION, SPLIT,
                                        TRANSPOSED) * from_tangent
                 acc_dtk = _key_gradient(dts, q, acc_dtk, DOT_PRECISION, SPLIT, TRANSPOSED)
-    key_rows = tl.program_id(1).to(tl.int64) * n_k + cols
+    key_rows = (batch * n_kv_heads + kv_head) * n_k + cols
     dk_factor = scale * carry_factor(factors_ptr, 3, CARRY, 1.0)
     if KEYS:
         _store_key_rows(dk_ptr, acc_dk * dk_factor, key_rows, cols, dims, n_k, head_dim,
@@ -910,14 +912,15 @@ def _dq_key_block(
     k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, stride_tkn, tv_src,
     stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
     n_q, n_k, head_dim, value_dim, qk_scale, t_scale, ds_factor, dts_factor, to_tangent,
-    from_tangent, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_TANGENT: tl.constexpr,
-    CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    USE_TMA: tl.constexpr, MASK_GRAD: tl.constexpr, D_TAIL: tl.constexpr,
+    from_tangent, natural_ds, IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_TANGENT: tl.constexpr, CHECK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, USE_TMA: tl.constexpr, MASK_GRAD: tl.constexpr, D_TAIL: tl.constexpr,
     DV_TAIL: tl.constexpr,
 ):
     """Fold the key block starting at `start_n` into dQ (and dtQ); with MASK_GRAD, store
-    its tile of dS (and dtS) as the gradient of the additive mask (and of its tangent)."""
+    its tile of dS (times `natural_ds`, back from the carried units) and dtS as the
+    gradients of the additive mask and of its tangent."""
     cols = start_n + tl.arange(0, BLOCK_N)
     k = load_rows(k_src, start_n, stride_kn, n_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
     v = load_rows(v_src, start_n, stride_vn, n_k, value_dim, BLOCK_N, BLOCK_DV, USE_TMA)
@@ -937,9 +940,9 @@ def _dq_key_block(
         dts_factor, IS_CAUSAL, MASK_KIND, HAS_TANGENT, CHECK_BOUNDS, DOT_PRECISION, q2, k2, v2,
         do2,
         D_TAIL, DV_TAIL)
-    if MASK_GRAD:  # dS, dtS in natural units: the launcher does not carry with MASK_GRAD
+    if MASK_GRAD:  # the launcher carries with MASK_GRAD only without the tangent
         wide_rows = rows.to(tl.int64)  # a head's Nq x Nk entries can pass 2**31
-        store_rows(dmask_ptr, ds, wide_rows, rows, cols, n_q, n_k)
+        store_rows(dmask_ptr, ds * natural_ds, wide_rows, rows, cols, n_q, n_k)
         if HAS_TANGENT:
             store_rows(dtmask_ptr, dts, wide_rows, rows, cols, n_q, n_k)
     acc_dq = dot_rounded(ds, k, acc_dq, DOT_PRECISION, SPLIT)
@@ -949,6 +952,21 @@ def _dq_key_block(
         acc_dq = dot_rounded(dts, tk, acc_dq * to_tangent, DOT_PRECISION, SPLIT) * from_tangent
         acc_dtq = dot_rounded(dts, k, acc_dtq, DOT_PRECISION, SPLIT)
     return acc_dq, acc_dq2, acc_dtq
+
+
+@triton.jit
+def _store_zero_mask_grads(dmask_ptr, dtmask_ptr, rows, start, n_q, n_k,
+                           HAS_TANGENT: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    """Store dS = 0 (and dtS = 0) in this program's rows from key `start` on, the tiles
+    above the causal band that it never visits: the mask's gradient is not zeroed first."""
+    wide_rows = rows.to(tl.int64)
+    zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start_n in range(start, n_k, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        store_rows(dmask_ptr, zeros, wide_rows, rows, cols, n_q, n_k)
+        if HAS_TANGENT:
+            store_rows(dtmask_ptr, zeros, wide_rows, rows, cols, n_q, n_k)
 
 
 @triton.jit
@@ -970,9 +988,9 @@ def _attention_backward_dq_kernel(
     HAS_RESIDUAL: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """dQ (and dtQ) of one query block of one (batch, head); with MASK_GRAD also its rows of
-    the mask's gradient dS (and dtS), contiguous (B, H, Nq, Nk) fp32. With DELTA_HERE it
-    computes its rows' Delta from dO and the contiguous forward output O (plus its residual
-    with HAS_RESIDUAL) and stores it for the dK/dV kernel, launched after it. Row strides and
+    the mask's gradient dS (and dtS), contiguous (B, H, Nq, Nk) in the mask's dtype. With
+    DELTA_HERE it computes its rows' Delta from dO and the contiguous forward output O (plus
+    its residual with HAS_RESIDUAL) and stores it for the dK/dV kernel, launched after it. Row strides and
     head dims are multiples of ALIGN."""
     (stride_qm, stride_kn, stride_vn, stride_tqm, stride_tkn, stride_tvn, stride_dom,
      stride_dtom, head_dim, value_dim) = _aligned_backward_operands(
@@ -982,14 +1000,14 @@ def _attention_backward_dq_kernel(
      from_tangent) = _carried_units(factors_ptr, qk_scale, scale, CARRY, HAS_TANGENT)
     scale = in_fp32(scale)
     start_m = query_block_start(BLOCK_M, IS_CAUSAL)  # causal: longest tiles first
-    batch = (tl.program_id(1) // n_heads).to(tl.int64)
-    head = tl.program_id(1) % n_heads
+    batch, head = batch_and_head(tl.program_id(1), n_heads, stride_mask_b, stride_mask_h,
+                                 MASK_KIND)  # a per-head bias: L2 serves it to the batch
     kv_head = head // group_size
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     q_base = head_base(q_ptr, batch, head, stride_qb, stride_qh, ALIGN)
     do_base = head_base(do_ptr, batch, head, stride_dob, stride_doh, ALIGN)
-    stats = tl.program_id(1).to(tl.int64) * n_q
+    stats = (batch * n_heads + head) * n_q
     if DELTA_HERE:  # first thing, while no other tile holds registers
         delta = _delta_of_block(o_ptr, o_residual_ptr, do_base, stride_dom, stats, rows, n_q,
                                 value_dim, BLOCK_DV, DV_TAIL, HAS_RESIDUAL)
@@ -1030,6 +1048,9 @@ def _attention_backward_dq_kernel(
     else:
         tk_src, tv_src = k_src, v_src
     mask_ptr = head_base(mask_ptr, batch, head, stride_mask_b, stride_mask_h)
+    natural_ds = 1.0
+    if not HAS_TANGENT:  # carried first-order dS is 2**e_ds dS (`backward_shifts`)
+        natural_ds = carry_factor(factors_ptr, 6, CARRY, 1.0)
     dmask_ptr += stats * n_k  # this program's (batch, head); it alone writes its rows
     dtmask_ptr += stats * n_k
     acc_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -1041,16 +1062,19 @@ def _attention_backward_dq_kernel(
             start_n, k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, stride_tkn,
             tv_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
             n_q, n_k, head_dim, value_dim, qk_scale, t_scale, ds_factor, dts_factor, to_tangent,
-            from_tangent, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT,
-            USE_TMA, MASK_GRAD, D_TAIL, DV_TAIL)
+            from_tangent, natural_ds, IS_CAUSAL, MASK_KIND, HAS_TANGENT, False, BLOCK_N, BLOCK_D,
+            BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD, D_TAIL, DV_TAIL)
     for start_n in range(full_end, end, BLOCK_N):
         acc_dq, acc_dq2, acc_dtq = _dq_key_block(
             acc_dq, acc_dq2, acc_dtq, q, q2, tq, do, do2, dto, lse2, delta, mu, c, rows,
             start_n, k_src, k2_src, stride_kn, v_src, v2_src, stride_vn, tk_src, stride_tkn,
             tv_src, stride_tvn, mask_ptr, stride_mask_m, stride_mask_n, dmask_ptr, dtmask_ptr,
             n_q, n_k, head_dim, value_dim, qk_scale, t_scale, ds_factor, dts_factor, to_tangent,
-            from_tangent, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, SPLIT,
-            USE_TMA, MASK_GRAD, D_TAIL, DV_TAIL)
+            from_tangent, natural_ds, IS_CAUSAL, MASK_KIND, HAS_TANGENT, True, BLOCK_N, BLOCK_D,
+            BLOCK_DV, DOT_PRECISION, SPLIT, USE_TMA, MASK_GRAD, D_TAIL, DV_TAIL)
+    if MASK_GRAD and IS_CAUSAL:
+        _store_zero_mask_grads(dmask_ptr, dtmask_ptr, rows, end, n_q, n_k, HAS_TANGENT,
+                               BLOCK_M, BLOCK_N)
     flat_rows = stats + rows
     dq_factor = scale * carry_factor(factors_ptr, 2, CARRY, 1.0)
     store_rows(dq_ptr, acc_dq * dq_factor, flat_rows, rows, dims, n_q, head_dim)
@@ -1283,9 +1307,10 @@ def flash_attention_backward(
             use the fp32 outputs, which keeps 16-bit gradients at PyTorch's accuracy.
         mask_tangent: The forward's tangent of an additive attn_mask: the backward through
             the tangent needs it (it changes tS); the first-order backward ignores it.
-        mask_grad: Also return the gradient of the additive (float) attn_mask, dS, as fp32
-            (B, Hq, Nq, Nk) (and, through the tangent, that of `mask_tangent`, dtS); the
-            caller sums it over the dimensions its mask was broadcast along.
+        mask_grad: Also return the gradient of the additive (float) attn_mask, dS, as a
+            (B, Hq, Nq, Nk) tensor in the mask's dtype (and, through the tangent, that of
+            `mask_tangent`, dtS, in its dtype), rounded once from fp32; the caller sums it
+            over the dimensions its mask was broadcast along.
         precision: "accurate" or "fast" for this call; None uses the global mode
             (`set_precision`). Pass the mode the forward ran in.
 
@@ -1340,6 +1365,13 @@ def flash_attention_backward(
     return grads
 
 
+def mask_grad_buffer(mask: torch.Tensor, scores_shape: tuple[int, ...]) -> torch.Tensor:
+    """An unfilled (B, Hq, Nq, Nk) buffer for the gradient of `mask`, in its dtype: the
+    kernels round their fp32 dS once into it, the values `.to(mask.dtype)` of an fp32
+    buffer would give, without that copy and, for a 16-bit bias, at half the bytes."""
+    return torch.empty(scores_shape, device=mask.device, dtype=mask.dtype)
+
+
 def _launch_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, tq, tk, tv,
                      t_out, mu, dto, out_residual, residual, t_residual, mask_tangent,
                      mask_grad, exact, has_tangent, buffers):
@@ -1351,15 +1383,16 @@ def _launch_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, t
     grad_tangent = dto  # the row statistics read the cotangents themselves
     mask, mask_strides, mask_kind = mask_operand(attn_mask, scores_shape,
                                                  mask_tangent if has_tangent else None)
-    # The mask's gradients (not written without MASK_GRAD): entries that the dQ programs
-    # skip (above the causal band) stay 0.
-    dmask = (torch.zeros(scores_shape, device=q.device, dtype=torch.float32) if mask_grad
-             else lse)
-    dmask_tangent = torch.zeros_like(dmask) if mask_grad and has_tangent else dmask
-    # bf16 gradients in "accurate" mode: exact fp16 copies instead of the split. Carried dS
-    # is in shifted units, so the mask's gradient takes the split (as accurate), and so does
-    # a mask's tangent, which would enter tS in natural units.
-    carry = (exact and not mask_grad and carries(q, n_k)
+    # The mask's gradients in the masks' own dtypes (not written without MASK_GRAD): the dQ
+    # programs write every entry, zeros above the causal band included, so no fill first.
+    dmask = mask_grad_buffer(attn_mask, scores_shape) if mask_grad else lse
+    dmask_tangent = (mask_grad_buffer(attn_mask if mask_tangent is None else mask_tangent,
+                                      scores_shape) if mask_grad and has_tangent else dmask)
+    # bf16 gradients in "accurate" mode: exact fp16 copies instead of the split. The dQ
+    # kernel brings carried first-order dS back to natural units for the mask's gradient;
+    # through the tangent (dS and dtS in units of their own) that gradient takes the split
+    # (as accurate), and so does a mask's tangent, which would enter tS in natural units.
+    carry = (exact and not (mask_grad and has_tangent) and carries(q, n_k)
              and not (has_tangent and mask_tangent is not None)
              and min(q.numel(), k.numel(), grad_out.numel()) > 0)
     if carry and not has_tangent:  # carried first-order, the copy operator returns Delta
@@ -1600,15 +1633,20 @@ print("bitwise deterministic")
 # $$\frac{\partial L}{\partial B} = dS = P \circ (dP - \Delta),$$
 #
 # exactly the tile `_backward_tile` already computes for $dQ$ and $dK$, in natural units. With
-# `mask_grad=True` the dQ kernel stores each tile of $dS$ into a zero-initialised fp32
-# buffer of shape $(B, H_q, N_q, N_k)$: each dQ program owns its query rows and visits every
-# key block of them, so every entry has a single writer, no atomics. Tiles above the causal
-# band are never visited and keep their zeros, which is their gradient; entries masked to
-# $-\infty$ have $P = 0$ and so $dS = 0$. The buffer is $O(N^2)$, as the gradient of an
-# $(N_q, N_k)$ parameter must be; the caller sums it over the dimensions its bias was
-# broadcast along (autograd of `expand` does). The bf16 path through exact fp16 copies
-# carries $dS$ times a power of two, so with `mask_grad` the launcher takes the split
-# instead, which is just as accurate. The check: float64 autograd of attention written out
+# `mask_grad=True` the dQ kernel stores each tile of $dS$, rounded once from fp32, into a
+# buffer of shape $(B, H_q, N_q, N_k)$ in the mask's own dtype: each dQ program owns its
+# query rows and visits every key block of them, so every entry has a single writer, no
+# atomics. Above the causal band it visits no tiles, so it stores zeros there, their
+# gradient: the buffer is allocated unfilled. Entries masked to $-\infty$ have $P = 0$ and
+# so $dS = 0$. The buffer is $O(N^2)$, as the gradient of an $(N_q, N_k)$ parameter must be;
+# for a bf16 bias, writing bf16 rather than fp32 and casting afterwards gives the same
+# values, halves the bytes written and saves a fill and a copy (on an H100 at
+# $(16, 16, 1024)$ those two took 0.32 and 0.52 ms of a 4.2 ms attention step). The caller
+# sums the buffer over the dimensions its bias was broadcast along (autograd of `expand`
+# does). The bf16 path through exact fp16 copies carries $dS$ times $2^{e_{dS}}$, so the
+# dQ kernel multiplies each tile by $2^{-e_{dS}}$ (one more factor of `backward_shifts`,
+# exact) before storing it; through the tangent, where $dS$ and $dt_S$ have units of their
+# own, the launcher takes the split instead, which is just as accurate. The check: float64 autograd of attention written out
 # with the bias as an input, an $(N_q, N_k)$ bias shared over batch and heads, causal.
 
 # %%

@@ -101,7 +101,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from jvp_attention.backward import flash_attention_backward, traceable_backward
+from jvp_attention.backward import flash_attention_backward, mask_grad_buffer, traceable_backward
 from jvp_attention.forward import flash_attention_forward, traceable_forward
 from jvp_attention.launch import accurate, get_precision, interpreting
 from jvp_attention.reference import check_sdpa_arguments, reference_attention, tiled_attention
@@ -212,7 +212,8 @@ def _backward_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
 def _backward_fake(q, k, v, out, lse, out_residual, grad_out, attn_mask, is_causal, scale,
                    mask_grad, precision):
     # contiguous, like the kernels' results
-    return (*(x.new_empty(x.shape) for x in (q, k, v)), _empty_mask_grad(q, k, mask_grad))
+    return (*(x.new_empty(x.shape) for x in (q, k, v)),
+            _empty_mask_grad(q, k, attn_mask, mask_grad))
 
 
 @_operator("backward_tangent")
@@ -236,7 +237,9 @@ def _backward_tangent_fake(q, k, v, tq, tk, tv, out, lse, tangent_out, mu, out_r
                            tangent_out_residual, grad_out, grad_tangent_out, attn_mask,
                            mask_tangent, is_causal, scale, mask_grad, precision):
     return (*(x.new_empty(x.shape) for x in (q, k, v, q, k, v)),
-            _empty_mask_grad(q, k, mask_grad), _empty_mask_grad(q, k, mask_grad))
+            _empty_mask_grad(q, k, attn_mask, mask_grad),
+            _empty_mask_grad(q, k, attn_mask if mask_tangent is None else mask_tangent,
+                             mask_grad))
 
 
 def _NO_TENSOR(q: Tensor) -> Tensor:  # noqa: N802 - reads as a constant at the call sites
@@ -263,10 +266,11 @@ def _empty_rows(q: Tensor) -> Tensor:
     return q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-def _empty_mask_grad(q: Tensor, k: Tensor, mask_grad: bool) -> Tensor:
-    """The fp32 (B, Hq, Nq, Nk) gradient of the mask, or the empty placeholder."""
-    shape = (*q.shape[:-1], k.shape[-2]) if mask_grad else (0,)
-    return q.new_empty(shape, dtype=torch.float32)
+def _empty_mask_grad(q: Tensor, k: Tensor, mask: Tensor | None, mask_grad: bool) -> Tensor:
+    """The (B, Hq, Nq, Nk) gradient of `mask` in its dtype, or the empty placeholder."""
+    if not mask_grad:
+        return _NO_TENSOR(q)
+    return mask_grad_buffer(mask, (*q.shape[:-1], k.shape[-2]))
 
 
 # %% [markdown]
@@ -482,8 +486,8 @@ class _Attention(torch.autograd.Function):
 
 
 def _mask_grad(d_mask: Tensor, attn_mask: Tensor | None, wanted: bool) -> Tensor | None:
-    """The kernels' fp32 mask gradient in the mask's dtype; autograd sums it over the
-    dimensions the mask was broadcast along."""
+    """The kernels' mask gradient (in the mask's dtype already, a fallback's cast to it);
+    autograd sums it over the dimensions the mask was broadcast along."""
     return d_mask.to(attn_mask.dtype) if wanted else None
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import (
     BF16,
+    BIAS_CASES,
     COMMON_GPU_CASES,
     DEVICE,
     F16,
@@ -297,8 +298,9 @@ def test_carried_copies_zero_the_dq_sum(layout: str, with_residual: bool) -> Non
 
 
 # --- the gradient of an additive mask (learnable biases: dL/dB = dS; notebook 05) ----------
-# The launcher returns dS as fp32 (B, Hq, Nq, Nk); the tests sum it over the dimensions the
-# bias was broadcast along (as autograd of `expand` will) and compare with float64 autograd.
+# The launcher returns dS as (B, Hq, Nq, Nk) in the mask's dtype; the tests sum it over the
+# dimensions the bias was broadcast along (as autograd of `expand` will) and compare with
+# float64 autograd.
 @pytest.mark.parametrize("spec, shape, dtype", bias_params())
 def test_backward_mask_gradient(spec: Spec, shape: str, dtype: torch.dtype) -> None:
     check_with_bias(spec, shape, dtype, grad=True)
@@ -307,7 +309,7 @@ def test_backward_mask_gradient(spec: Spec, shape: str, dtype: torch.dtype) -> N
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
 def test_mask_gradient_is_zero_where_no_key_is_seen(dtype: torch.dtype) -> None:
     """Rows that see no key, -inf biases and the causal band: dmask exactly 0 there, and
-    finite everywhere (the kernels skip tiles above the band: the buffer's zeros remain)."""
+    finite everywhere (the dQ kernel stores zeros above the band into an unfilled buffer)."""
     spec = Spec(hq=2, hkv=1, nq=33, nk=40, d=16, causal=True)
     ours = check_with_bias(spec, "full", dtype, grad=True, empty_rows=True)
     p = make_problem(spec, dtype)
@@ -319,6 +321,20 @@ def test_mask_gradient_is_zero_where_no_key_is_seen(dtype: torch.dtype) -> None:
 def test_mask_gradient_of_an_fp32_mask_with_fp16_inputs() -> None:
     check_with_bias(Spec(batch=2, hq=2, hkv=1, nq=17, nk=33, d=16), "2d", torch.float16,
                     grad=True, mask_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("spec, shape", BIAS_CASES[::2], ids=lambda x: getattr(x, "id", x))
+def test_carried_mask_gradient_forced_in_fp16(spec: Spec, shape: str, monkeypatch) -> None:
+    """The first-order carry keeps a learnable mask's gradient (fp16 forced down the
+    carrying path, as in test_forward): the dQ kernel brings dS back from its carried
+    units, 2**e_ds with e_ds = 8 + e_o + e_v, before storing it."""
+    monkeypatch.setattr(jvp_attention.backward, "carries", lambda q, n_keys: True)
+    carried = []
+    operands = jvp_attention.backward.carried_backward_operands
+    monkeypatch.setattr(jvp_attention.backward, "carried_backward_operands",
+                        lambda *args: carried.append(1) or operands(*args))
+    check_with_bias(spec, shape, torch.float16, grad=True)
+    assert carried, "the call did not carry"
 
 
 def test_the_mask_gradient_check_catches_a_wrong_sign() -> None:
@@ -369,5 +385,6 @@ def test_backward_precision_argument_overrides_the_global_mode() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("spec, shape, dtype", bias_params(GPU_BIAS_CASES, (F16, BF16, F32)))
 def test_backward_mask_gradient_gpu(spec: Spec, shape: str, dtype: torch.dtype) -> None:
-    """bf16 with the mask's gradient takes the split, not the fp16 copies (notebook 05)."""
+    """bf16 with 1100 keys carries: the first-order backward keeps the mask's gradient
+    through the fp16 copies (notebook 05)."""
     check_with_bias(spec, shape, dtype, grad=True, device="cuda")

@@ -110,9 +110,10 @@ CASES = [
      Carried("backward_operands", [["dq_ptr"], KEY_GRADS])),
     ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64], "residual": True},
      Carried("backward_operands", [["dq_ptr"], KEY_GRADS])),
-    # with the mask's gradient, in natural units: the split
+    # with the mask's gradient too: dS is carried as one more factor (2^-e_ds), so the
+    # first-order backward carries; the dQ kernel writes the mask's gradient
     ({"op": "backward", "dtype": "bf16", "shape": [1, 2, 1024, 64], "mask": "float",
-      "mask_grad": True}, [["delta_ptr", "dq_ptr", "dmask_ptr"], KEY_GRADS]),
+      "mask_grad": True}, Carried("backward_operands", [["dq_ptr", "dmask_ptr"], KEY_GRADS])),
     ({"op": "backward", "shape": [1, 2, 2048, 64]}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
     # from GRAPH_TMA_MIN_TOKENS, descriptors in calls above GRAPH_POINTER_MAX_SCORES only
     ({"op": "backward", "shape": [1, 2, 4096, 64]}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
