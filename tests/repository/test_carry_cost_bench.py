@@ -98,6 +98,29 @@ def test_saved_backward_runs_time_the_backward_copies_before_and_after() -> None
                           for times in shared)
 
 
+
+def test_saved_bias_backward_runs_carry_and_drop_the_cast() -> None:
+    """The saved H100 MeanFlow-step runs with a learnable bias as a parameter: every row's
+    kernels add up to its GPU time; before, "accurate" split its backward (the carry only
+    in the forward) and every row filled and cast a float32 mask gradient; after, no row
+    fills or casts, "accurate" carries its backward's copies too, and every case is faster."""
+    data = json.loads((REPO / "benchmarks/results/carry_cost_bias_backward_h100.json").read_text())
+    assert data["command"].startswith("python benchmarks/carry_cost.py --parameter-bias --backward")
+    fill, cast, reduce = list(data["kernel_names"])
+    gpu = {}
+    for run in data["runs"]:
+        for row in run["rows"]:
+            assert row["backward"] and row["bias"] and not row["bias_tangent"]
+            assert abs(sum(row["kernels"].values()) - row["gpu_ms"]) < 2e-3, row
+            assert reduce in row["kernels"]
+            for kernel in (fill, cast):
+                assert (kernel in row["kernels"]) == (run["code"] == "before"), (run["code"], row)
+            accurate = row["mode"] == "accurate"
+            copies = row["kernels"].get("carried_copies_kernel", 0.0)
+            assert (copies > 0.1) == (accurate and run["code"] == "after"), (run["code"], row)
+            gpu.setdefault((row["causal"], row["mode"]), {})[run["code"]] = row["gpu_ms"]
+    assert len(gpu) == 4 and all(t["after"] < t["before"] for t in gpu.values())
+
 PASSES_SCRIPT = REPO / "benchmarks" / "carry_passes.py"
 
 
