@@ -921,7 +921,13 @@ HTML(html_table(["target", "shape", "measured", "target", "met", "results file"]
 # forward row still below its line. That call takes 0.898 ms in "accurate" precision
 # against "fast"'s 0.787 (524 TFLOP/s): the carry's range pass and copies (0.072 and
 # 0.044 ms of GPU time on the H100, chapter 11) are the difference, in a call short enough
-# for them to weigh 12%. The
+# for them to weigh 12%. 500 TFLOP/s needs the call under 0.825 ms, so a carry under
+# 0.043 ms beside the kernel's 0.782. The leanest carry this library has, chapter 2's,
+# whose kernel picks the tangent's units row by row and so ranges and copies only $V$ and
+# $t_V$ (copies made first), moves 0.13 GB at this shape: 0.048 ms at the 2.8 TB/s the
+# passes stream at (`carry_passes_h100.json`), 495 TFLOP/s even if chapter 11's kernel
+# took on the row-by-row units at no cost (**derived**). Only an accurate product that
+# reads the bf16 inputs without copies of them could meet the line here. The
 # first-order backward runs chapter 12's warp-specialised kernels from 4096 tokens, its
 # dK/dV kernel summing dQ too, and chapter 12's run times it at every backward shape of the
 # grid from 4096 to 32768 tokens: in "accurate" precision 0.83x to 0.86x cuDNN at
@@ -2238,6 +2244,46 @@ for run in json.loads(STEP_COST.read_text())["runs"]:
 # under 0.17 ms, the backward's near 0.12 ms: about what reading each of its four tensors
 # once and writing its copy takes at the memory's pace (0.30 GB at 2.7 TB/s), so only a
 # backward that copied fewer tensors (reusing the forward's copy of $V$, say) could.
+
+#
+# With a learnable bias, as a relative-position bias or a learned mask is in a model,
+# the step also computes the bias's gradient: $dS$ itself, summed over the dimensions the
+# bias broadcasts along (chapter 5). `carry_cost.py --parameter-bias --backward` gives
+# each call a (1, H, N, N) bf16 bias that requires grad and has no tangent (a parameter
+# closed over, as in a MeanFlow step), H100, bf16
+# (`benchmarks/results/carry_cost_bias_backward_h100.json`). "before" is the code that
+# summed the gradient in a zero-filled float32 tensor, cast it to bf16 and split accurate
+# mode's backward; "after" writes it in the bias's dtype from the dQ kernel without a fill,
+# takes the batch fastest in the backward's programs and keeps the carry.
+
+# %% tags=["hide_input"]
+BIAS_STEP = json.loads((RESULTS / "carry_cost_bias_backward_h100.json").read_text())
+GRADIENT_KERNELS = list(BIAS_STEP["kernel_names"])  # fill, cast, sum over the batch
+print(f"{'run':7} {'shape':20} {'causal':6} {'accurate ms':>11} {'fast ms':>8} {'ratio':>6} "
+      f"{'carry ms':>9} {'gradient fill+cast+sum ms':>26}")
+for run in BIAS_STEP["runs"]:
+    steps = {(tuple(row["shape"]), row["causal"], row["mode"]): row for row in run["rows"]}
+    for (shape, causal, mode), row in steps.items():
+        if mode != "accurate":
+            continue
+        fast_ms = steps[shape, causal, "fast"]["gpu_ms"]
+        gradient_ms = sum(row["kernels"].get(name, 0.0) for name in GRADIENT_KERNELS)
+        print(f"{run['code']:7} {str(shape):20} {str(causal):6} {row['gpu_ms']:11.3f} "
+              f"{fast_ms:8.3f} {row['gpu_ms'] / fast_ms:5.2f}x {row['carry_ms']:9.3f} "
+              f"{gradient_ms:26.3f}")
+
+# %% [markdown]
+# The bias's gradient had taken a quarter of the step: a fill and a cast of a
+# (B, H, N, N) tensor and its sum over the batch (1.04 ms of the 4.10 ms step at
+# (16, 16, 1024, 72)), with dQ kernels that wrote it in float32. Written once in bf16, it
+# leaves only the sum (0.20 ms), and the step takes 2.87 ms in accurate mode, 2.58 ms in
+# fast: 1.41 to 1.65x faster at the three shapes, causal too. Accurate over fast is now
+# 1.11 to 1.14x (1.15 to 1.23x causal), the carry again all of the difference; before, it
+# was 1.10 to 1.15x, a split backward's extra products in a step that the gradient's
+# passes had made longer (the ratio grew, the times shrank). The sum over the batch
+# reads the per-sample gradients once at the memory's pace; folding it into the kernels
+# would need the programs of one head to add into one tile, which float32 atomics do
+# only in an order that changes from run to run.
 #
 # At these shapes accurate mode costs 7 to 29% more GPU time than fast, short of the 10%
 # goal everywhere but one row. Splitting rounds the fp32 factor of three of the forward's
