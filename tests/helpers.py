@@ -790,7 +790,7 @@ def cpu_grid(cases=CPU_CASES, dtypes=CPU_DTYPES):
 # --- additive masks with a tangent or a gradient (learnable biases) -------------------------
 # Shapes of the bias as the user passes it: a bias per batch and head, one per head shared by
 # the batch, one (Nq, Nk) shared by all; the launchers read each broadcast to (B, Hq, Nq, Nk).
-BIAS_SHAPES = ("full", "head", "2d")
+BIAS_SHAPES = ("full", "head", "2d", "batch")
 
 
 def make_bias(spec: Spec, shape: str, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -801,7 +801,8 @@ def make_bias(spec: Spec, shape: str, dtype: torch.dtype = torch.float32, seed: 
     `empty_rows`, query rows 0 and nq // 2 see no key (all -inf)."""
     gen = torch.Generator().manual_seed(seed + 2)
     full = (spec.batch, spec.hq, spec.nq, spec.nk)
-    shapes = {"full": full, "head": (1, *full[1:]), "2d": full[2:]}
+    shapes = {"full": full, "head": (1, *full[1:]), "2d": full[2:],
+              "batch": (full[0], 1, *full[2:])}
     bias = torch.randn(shapes[shape], generator=gen)
     bias = bias.masked_fill(torch.rand(bias.shape, generator=gen) < 0.15, -math.inf)
     bias[..., 0] = 0.5

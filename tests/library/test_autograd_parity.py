@@ -240,8 +240,11 @@ def test_learnable_bias_tangent_and_gradient(spec: Spec, shape: str, path: str) 
     assert_accurate(grads, truth, floor, p.dtype, p.label, f"{path}: bias gradients")
 
 
-@pytest.mark.parametrize("shape", ["head", "2d"])
+@pytest.mark.parametrize("shape", ["head", "2d", "batch"])
 def test_learnable_bias_gradient_of_a_plain_backward(shape: str, path: str) -> None:
+    """A learnable bias without a tangent (MeanFlow's case: a parameter), shared by the
+    batch, by everything, or by the heads (one per sample): its gradient through a plain
+    backward, summed over the dimensions it broadcasts along."""
     spec = MASK_SPECS[0]
     p = make_problem(spec, torch.float32)
     bias, _ = make_bias(spec, shape)

@@ -318,6 +318,15 @@ def test_mask_gradient_is_zero_where_no_key_is_seen(dtype: torch.dtype) -> None:
     assert p.empty_rows().any() and not ours["dmask"][unseen].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_name)
+def test_mask_gradient_of_a_bias_shared_by_the_heads(dtype: torch.dtype) -> None:
+    """A (B, 1, Nq, Nk) bias (one per sample, as a padding mask made learnable): its
+    gradient is dS summed over the heads, the backward's programs taking the heads fastest
+    (only a bias shared by the batch takes the batch fastest)."""
+    check_with_bias(Spec(batch=3, hq=4, hkv=2, nq=33, nk=40, d=16, causal=True), "batch",
+                    dtype, grad=True)
+
+
 def test_mask_gradient_of_an_fp32_mask_with_fp16_inputs() -> None:
     check_with_bias(Spec(batch=2, hq=2, hkv=1, nq=17, nk=33, d=16), "2d", torch.float16,
                     grad=True, mask_dtype=torch.float32)
