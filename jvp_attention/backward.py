@@ -263,6 +263,9 @@ def backward_shifts(maxima, do_top):
 
 QUERY_COPY = tl.constexpr(0)  # q is the first tensor `backward_operands` copies
 GRAD_OUT_COPY = tl.constexpr(3)  # dO is the fourth
+# The copies whose rows the epilogues below read (the others are copied as flat arrays)
+DELTA_ROWS = (GRAD_OUT_COPY.value,)
+DELTA_AND_DQ_SUM_ROWS = (QUERY_COPY.value, GRAD_OUT_COPY.value)
 
 
 @triton.jit
@@ -338,7 +341,8 @@ def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     copies, factors = carried_operands(
         (q, k, v, grad_out), (), backward_shifts, 5 - ceil_log2_dv, 7, epilogue,
         (out, out if out_residual is None else out_residual, delta, n_rows, value_dim,
-         delta if dq_sum is None else dq_sum, q.shape[-1]))
+         delta if dq_sum is None else dq_sum, q.shape[-1]),
+        row_copies=DELTA_ROWS if dq_sum is None else DELTA_AND_DQ_SUM_ROWS)
     return (*copies, factors)
 
 

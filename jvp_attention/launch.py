@@ -67,7 +67,7 @@ def scratch_tensor(shape, device: torch.device, dtype: torch.dtype) -> torch.Ten
 def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
                      shifts: triton.JITFunction, bound: float, n_factors: int,
                      epilogue: triton.JITFunction = no_epilogue, epilogue_args: tuple = (0,),
-                     copy_first: bool = False,
+                     copy_first: bool = False, row_copies: tuple[int, ...] | None = None,
                      ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Exact fp16 copies of `copied`, each scaled by a power of two, and the factors that
     undo the shifts, in two launches that never wait for the host.
@@ -88,6 +88,8 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
             second launch rewrites only those whose shift is not 1 (`shifts` then keeps a
             tensor's own scale wherever that copy is as exact: `copy_exponent`); only with
             `no_epilogue`.
+        row_copies: The copies whose rows `epilogue` reads (None: every copy, unless there
+            is no epilogue); the others, where contiguous, are copied as flat arrays.
 
     Returns:
         The contiguous fp16 copies, and the factors (fp32, on the inputs' device).
@@ -106,18 +108,22 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     factors = scratch_tensor(n_factors, device, torch.float32)
     batch = tensors[0].shape[0]
     # Contiguous tensors are read as flat arrays (`_pass_block`: no padded columns, no row
-    # arithmetic); the copies keep rows where an epilogue needs them. (Loops, not
-    # generators: this runs on every call.)
-    flat, flat_copies = True, epilogue is no_epilogue
+    # arithmetic); a copy keeps its rows where the epilogue reads them (bit c of
+    # `flat_copies`: copy c flat). (Loops, not generators: this runs on every call.)
+    if row_copies is None:
+        row_copies = () if epilogue is no_epilogue else tuple(range(len(copied)))
+    flat, flat_copies, blocks = True, 0, 0
     for i, x in enumerate(tensors):
-        if not x.is_contiguous():
-            flat, flat_copies = False, flat_copies and i >= len(copied)
+        flat = flat and x.is_contiguous()
+        if i < len(copied) and x.is_contiguous() and i not in row_copies:
+            flat_copies |= 1 << i
+            blocks = max(blocks, cdiv(x.numel(), meta["BLOCK_R"] * width))
+        elif i < len(copied):
+            blocks = max(blocks, cdiv(x.shape[:3].numel(), meta["BLOCK_R"]))
     cached(range_partials_kernel)[(programs, len(tensors))](
         (*tensors, *copies) if copy_first else tensors, strides, shapes, batch, partials,
         num_warps=RANGE_WARPS, N_COPIES=len(copied), FLAT=flat, COPY_FIRST=copy_first,
         **meta)
-    blocks = (cdiv(max(x.numel() for x in copied), meta["BLOCK_R"] * width) if flat_copies
-              else cdiv(max(x.shape[:3].numel() for x in copied), meta["BLOCK_R"]))
     if copy_first:  # as many programs as the range pass's, each taking many blocks
         blocks = min(blocks, programs)
     cached(carried_copies_kernel)[(blocks, len(copied))](

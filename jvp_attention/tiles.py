@@ -450,36 +450,45 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
                            ALIGN: tl.constexpr, FLAT: tl.constexpr,
                            COPY_FIRST: tl.constexpr):
-    """Block program_id(0) of copy program_id(1) (`_pass_block`; FLAT and COPY_FIRST only
-    with `no_epilogue`): tensor c times its power of two (with COPY_FIRST, only where that
-    is not 1: the range pass wrote the copy unshifted),
-    written to float16 (contiguous). Every program reduces the partial maxima itself (a few
-    hundred floats, from L2) and asks SHIFTS(maxima, bound) for a vector of 16 or 32
-    values: the copies' shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
+    """Block program_id(0) of copy program_id(1) (`_pass_block`; bit c of FLAT: copy c as
+    a flat array, which EPILOGUE must not read rows of; COPY_FIRST only with
+    `no_epilogue`): tensor c times its power of two (with COPY_FIRST, only where that is
+    not 1: the range pass wrote the copy unshifted), written to float16 (contiguous). Every
+    program with a block to copy reduces the partial maxima itself (a few hundred floats,
+    from L2) and asks SHIFTS(maxima, bound) for a vector of 16 or 32 values: the copies'
+    shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
     in fp32, their flat row numbers, columns, epilogue_args) then may use the rows in
     registers for more (the backward's row statistics, chapter 5). With COPY_FIRST the
     grid is smaller than the blocks and each program takes every num_programs(0)-th block:
     most such launches rewrite nothing, and each program reads the partial maxima once."""
     first, which = tl.program_id(0), tl.program_id(1)
-    tensor = tl.arange(0, 8)  # at most 8 tensors
-    partial = tl.load(partials_ptr + tensor[:, None] * PROGRAMS + tl.arange(0, PROGRAMS)[None, :],
-                      mask=(tensor < N_TENSORS)[:, None], other=0.0)
-    values = SHIFTS(tl.max(partial, 1), bound)
-    if (first == 0) & (which == 0):
-        entry = tl.arange(0, values.shape[0])
-        tl.store(factors_ptr + entry - N_COPIES, values,
-                 mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
-    for c in tl.static_range(N_COPIES):
-        shift = vector_entry(values, c)
-        if COPY_FIRST:  # only where the shift is not 1, many blocks per program
-            if (which == c) & (shift != 1.0):
-                for block in range(first, _pass_blocks(shapes, c, batch, BLOCK_R, BLOCK_W,
-                                                       FLAT), tl.num_programs(0)):
-                    _copy_block(tensors[c], copies[c], shift, strides, shapes, c, batch,
-                                block, epilogue_args, EPILOGUE, BLOCK_R, BLOCK_W, ALIGN, FLAT)
-        elif which == c:  # one block per program
-            _copy_block(tensors[c], copies[c], shift, strides, shapes, c, batch, first,
-                        epilogue_args, EPILOGUE, BLOCK_R, BLOCK_W, ALIGN, FLAT)
+    live = (first == 0) & (which == 0)  # the program that stores the factors
+    for c in tl.static_range(N_COPIES):  # a flat copy has fewer blocks than one by rows
+        live |= (which == c) & (first < _pass_blocks(shapes, c, batch, BLOCK_R, BLOCK_W,
+                                                     (FLAT >> c) & 1))
+    if live:
+        tensor = tl.arange(0, 8)  # at most 8 tensors
+        partial = tl.load(partials_ptr + tensor[:, None] * PROGRAMS
+                          + tl.arange(0, PROGRAMS)[None, :],
+                          mask=(tensor < N_TENSORS)[:, None], other=0.0)
+        values = SHIFTS(tl.max(partial, 1), bound)
+        if (first == 0) & (which == 0):
+            entry = tl.arange(0, values.shape[0])
+            tl.store(factors_ptr + entry - N_COPIES, values,
+                     mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
+        for c in tl.static_range(N_COPIES):
+            shift = vector_entry(values, c)
+            if COPY_FIRST:  # only where the shift is not 1, many blocks per program
+                if (which == c) & (shift != 1.0):
+                    for block in range(first, _pass_blocks(shapes, c, batch, BLOCK_R, BLOCK_W,
+                                                           (FLAT >> c) & 1),
+                                       tl.num_programs(0)):
+                        _copy_block(tensors[c], copies[c], shift, strides, shapes, c, batch,
+                                    block, epilogue_args, EPILOGUE, BLOCK_R, BLOCK_W, ALIGN,
+                                    (FLAT >> c) & 1)
+            elif which == c:  # one block per program
+                _copy_block(tensors[c], copies[c], shift, strides, shapes, c, batch, first,
+                            epilogue_args, EPILOGUE, BLOCK_R, BLOCK_W, ALIGN, (FLAT >> c) & 1)
 
 
 # The tangent operands' largest entries stay below 2**TANGENT_TOP, four times below

@@ -846,8 +846,10 @@ def _forward_key_block(
 # strided (heads split off a projection without a copy, say) is read row by row, its
 # columns padded to a power of two; a contiguous one, the usual case, as a flat array
 # (`carried_operands`, `_pass_block`), which wastes no lanes on padding (72 columns otherwise
-# read as 128) and does no row arithmetic. The copies keep rows where an epilogue needs
-# them (chapter 5's $\Delta$). Measured on one H100 machine (bf16, `carry_cost.py`, both
+# read as 128) and does no row arithmetic. A copy keeps its rows only where the epilogue
+# reads them (`row_copies`; bit $c$ of the copy kernel's `FLAT` says copy $c$ is flat):
+# chapter 5's backward copies $Q$, $K$ and $V$ flat and dO, whose rows make $\Delta$, by
+# rows. Measured on one H100 machine (bf16, `carry_cost.py`, both
 # runs in `benchmarks/results/carry_cost_h100.json`), the forward's two passes took 0.078
 # ms flat against 0.090 by rows at (16, 16, 1024, 72); at head dims that are powers of two
 # nothing changed (0.103 against 0.105 ms at (32, 12, 1024, 64), 0.137 at
@@ -1095,36 +1097,45 @@ def carried_copies_kernel(tensors, copies, strides, shapes, batch, partials_ptr,
                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
                            ALIGN: tl.constexpr, FLAT: tl.constexpr,
                            COPY_FIRST: tl.constexpr):
-    """Block program_id(0) of copy program_id(1) (`_pass_block`; FLAT and COPY_FIRST only
-    with `no_epilogue`): tensor c times its power of two (with COPY_FIRST, only where that
-    is not 1: the range pass wrote the copy unshifted),
-    written to float16 (contiguous). Every program reduces the partial maxima itself (a few
-    hundred floats, from L2) and asks SHIFTS(maxima, bound) for a vector of 16 or 32
-    values: the copies' shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
+    """Block program_id(0) of copy program_id(1) (`_pass_block`; bit c of FLAT: copy c as
+    a flat array, which EPILOGUE must not read rows of; COPY_FIRST only with
+    `no_epilogue`): tensor c times its power of two (with COPY_FIRST, only where that is
+    not 1: the range pass wrote the copy unshifted), written to float16 (contiguous). Every
+    program with a block to copy reduces the partial maxima itself (a few hundred floats,
+    from L2) and asks SHIFTS(maxima, bound) for a vector of 16 or 32 values: the copies'
+    shifts, then the factors, which the first program stores. EPILOGUE(c, rows of tensor c
     in fp32, their flat row numbers, columns, epilogue_args) then may use the rows in
     registers for more (the backward's row statistics, chapter 5). With COPY_FIRST the
     grid is smaller than the blocks and each program takes every num_programs(0)-th block:
     most such launches rewrite nothing, and each program reads the partial maxima once."""
     first, which = tl.program_id(0), tl.program_id(1)
-    tensor = tl.arange(0, 8)  # at most 8 tensors
-    partial = tl.load(partials_ptr + tensor[:, None] * PROGRAMS + tl.arange(0, PROGRAMS)[None, :],
-                      mask=(tensor < N_TENSORS)[:, None], other=0.0)
-    values = SHIFTS(tl.max(partial, 1), bound)
-    if (first == 0) & (which == 0):
-        entry = tl.arange(0, values.shape[0])
-        tl.store(factors_ptr + entry - N_COPIES, values,
-                 mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
-    for c in tl.static_range(N_COPIES):
-        shift = vector_entry(values, c)
-        if COPY_FIRST:  # only where the shift is not 1, many blocks per program
-            if (which == c) & (shift != 1.0):
-                for block in range(first, _pass_blocks(shapes, c, batch, BLOCK_R, BLOCK_W,
-                                                       FLAT), tl.num_programs(0)):
-                    _copy_block(tensors[c], copies[c], shift, strides, shapes, c, batch,
-                                block, epilogue_args, EPILOGUE, BLOCK_R, BLOCK_W, ALIGN, FLAT)
-        elif which == c:  # one block per program
-            _copy_block(tensors[c], copies[c], shift, strides, shapes, c, batch, first,
-                        epilogue_args, EPILOGUE, BLOCK_R, BLOCK_W, ALIGN, FLAT)
+    live = (first == 0) & (which == 0)  # the program that stores the factors
+    for c in tl.static_range(N_COPIES):  # a flat copy has fewer blocks than one by rows
+        live |= (which == c) & (first < _pass_blocks(shapes, c, batch, BLOCK_R, BLOCK_W,
+                                                     (FLAT >> c) & 1))
+    if live:
+        tensor = tl.arange(0, 8)  # at most 8 tensors
+        partial = tl.load(partials_ptr + tensor[:, None] * PROGRAMS
+                          + tl.arange(0, PROGRAMS)[None, :],
+                          mask=(tensor < N_TENSORS)[:, None], other=0.0)
+        values = SHIFTS(tl.max(partial, 1), bound)
+        if (first == 0) & (which == 0):
+            entry = tl.arange(0, values.shape[0])
+            tl.store(factors_ptr + entry - N_COPIES, values,
+                     mask=(entry >= N_COPIES) & (entry < N_COPIES + N_FACTORS))
+        for c in tl.static_range(N_COPIES):
+            shift = vector_entry(values, c)
+            if COPY_FIRST:  # only where the shift is not 1, many blocks per program
+                if (which == c) & (shift != 1.0):
+                    for block in range(first, _pass_blocks(shapes, c, batch, BLOCK_R, BLOCK_W,
+                                                           (FLAT >> c) & 1),
+                                       tl.num_programs(0)):
+                        _copy_block(tensors[c], copies[c], shift, strides, shapes, c, batch,
+                                    block, epilogue_args, EPILOGUE, BLOCK_R, BLOCK_W, ALIGN,
+                                    (FLAT >> c) & 1)
+            elif which == c:  # one block per program
+                _copy_block(tensors[c], copies[c], shift, strides, shapes, c, batch, first,
+                            epilogue_args, EPILOGUE, BLOCK_R, BLOCK_W, ALIGN, (FLAT >> c) & 1)
 
 
 # The tangent operands' largest entries stay below 2**TANGENT_TOP, four times below
@@ -1219,7 +1230,7 @@ def scratch_tensor(shape, device: torch.device, dtype: torch.dtype) -> torch.Ten
 def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tensor, ...],
                      shifts: triton.JITFunction, bound: float, n_factors: int,
                      epilogue: triton.JITFunction = no_epilogue, epilogue_args: tuple = (0,),
-                     copy_first: bool = False,
+                     copy_first: bool = False, row_copies: tuple[int, ...] | None = None,
                      ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Exact fp16 copies of `copied`, each scaled by a power of two, and the factors that
     undo the shifts, in two launches that never wait for the host.
@@ -1240,6 +1251,8 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
             second launch rewrites only those whose shift is not 1 (`shifts` then keeps a
             tensor's own scale wherever that copy is as exact: `copy_exponent`); only with
             `no_epilogue`.
+        row_copies: The copies whose rows `epilogue` reads (None: every copy, unless there
+            is no epilogue); the others, where contiguous, are copied as flat arrays.
 
     Returns:
         The contiguous fp16 copies, and the factors (fp32, on the inputs' device).
@@ -1258,18 +1271,22 @@ def carried_operands(copied: tuple[torch.Tensor, ...], others: tuple[torch.Tenso
     factors = scratch_tensor(n_factors, device, torch.float32)
     batch = tensors[0].shape[0]
     # Contiguous tensors are read as flat arrays (`_pass_block`: no padded columns, no row
-    # arithmetic); the copies keep rows where an epilogue needs them. (Loops, not
-    # generators: this runs on every call.)
-    flat, flat_copies = True, epilogue is no_epilogue
+    # arithmetic); a copy keeps its rows where the epilogue reads them (bit c of
+    # `flat_copies`: copy c flat). (Loops, not generators: this runs on every call.)
+    if row_copies is None:
+        row_copies = () if epilogue is no_epilogue else tuple(range(len(copied)))
+    flat, flat_copies, blocks = True, 0, 0
     for i, x in enumerate(tensors):
-        if not x.is_contiguous():
-            flat, flat_copies = False, flat_copies and i >= len(copied)
+        flat = flat and x.is_contiguous()
+        if i < len(copied) and x.is_contiguous() and i not in row_copies:
+            flat_copies |= 1 << i
+            blocks = max(blocks, cdiv(x.numel(), meta["BLOCK_R"] * width))
+        elif i < len(copied):
+            blocks = max(blocks, cdiv(x.shape[:3].numel(), meta["BLOCK_R"]))
     cached(range_partials_kernel)[(programs, len(tensors))](
         (*tensors, *copies) if copy_first else tensors, strides, shapes, batch, partials,
         num_warps=RANGE_WARPS, N_COPIES=len(copied), FLAT=flat, COPY_FIRST=copy_first,
         **meta)
-    blocks = (cdiv(max(x.numel() for x in copied), meta["BLOCK_R"] * width) if flat_copies
-              else cdiv(max(x.shape[:3].numel() for x in copied), meta["BLOCK_R"]))
     if copy_first:  # as many programs as the range pass's, each taking many blocks
         blocks = min(blocks, programs)
     cached(carried_copies_kernel)[(blocks, len(copied))](

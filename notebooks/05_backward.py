@@ -374,6 +374,16 @@ def _backward_tile(
 # the carried units with the factor of $\Delta$. Where chapter 12's dK/dV kernel sums dQ
 # in an fp32 buffer, the same epilogue writes that buffer's zeros as it passes over $Q$'s
 # rows (`delta_and_dq_sum_epilogue`), in place of a fill launch before that kernel.
+# Only the copies whose rows an epilogue reads are made row by row (dO, and $Q$ where the
+# dQ sum is zeroed: `DELTA_ROWS`, `DELTA_AND_DQ_SUM_ROWS`); the others, where contiguous,
+# are copied as flat arrays (chapter 2's `carried_operands`, `row_copies`), which at
+# $d = 72$ spares the 56 padded columns of every row and the row arithmetic. Measured on
+# one H200 machine (bf16, a MeanFlow step's attention, `carry_cost.py --backward`, before
+# and after in one session, `benchmarks/results/carry_cost_backward_h200.json`), at
+# (16, 16, 1024, 72) the copy launch went from 0.168 to 0.124 ms and the step's GPU time
+# from 2.063 to 2.023 ms (causal 1.426 to 1.381): accurate mode's step is 1.13x fast's
+# (1.18x causal) where it was 1.15x (1.22x). Rows of a power-of-two length carry no
+# padding, so there the flat copies spare only the row arithmetic.
 #
 # As in the forward, the range pass pays back only on long enough rows, and the launcher
 # carries from chapter 2's `carry_min_keys` (1024 keys per row). Measured on the H200 with
@@ -478,6 +488,9 @@ def backward_shifts(maxima, do_top):
 
 QUERY_COPY = tl.constexpr(0)  # q is the first tensor `backward_operands` copies
 GRAD_OUT_COPY = tl.constexpr(3)  # dO is the fourth
+# The copies whose rows the epilogues below read (the others are copied as flat arrays)
+DELTA_ROWS = (GRAD_OUT_COPY.value,)
+DELTA_AND_DQ_SUM_ROWS = (QUERY_COPY.value, GRAD_OUT_COPY.value)
 
 
 @triton.jit
@@ -553,7 +566,8 @@ def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     copies, factors = carried_operands(
         (q, k, v, grad_out), (), backward_shifts, 5 - ceil_log2_dv, 7, epilogue,
         (out, out if out_residual is None else out_residual, delta, n_rows, value_dim,
-         delta if dq_sum is None else dq_sum, q.shape[-1]))
+         delta if dq_sum is None else dq_sum, q.shape[-1]),
+        row_copies=DELTA_ROWS if dq_sum is None else DELTA_AND_DQ_SUM_ROWS)
     return (*copies, factors)
 
 

@@ -272,22 +272,29 @@ def test_carried_copies_write_delta(layout: str, with_residual: bool) -> None:
     assert ((delta.double() - terms.sum(-1)).abs() <= bound).all()
 
 
+def _copy_kernel_inputs(layout: str, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v, O and dO (fp16) for the backward's copy launch: contiguous, or with GQA and
+    a head dim that is not a power of two ("gqa-d40")."""
+    torch.manual_seed(seed)
+    batch, heads, kv_heads, n, d = (2, 4, 2, 37, 40) if "d40" in layout else (2, 3, 3, 45, 32)
+    q, out, grad_out = (torch.randn(batch, heads, n, d, dtype=torch.float16, device=DEVICE)
+                        for _ in range(3))
+    k, v = (torch.randn(batch, kv_heads, n, d, dtype=torch.float16, device=DEVICE)
+            for _ in range(2))
+    return q, k, v, out, grad_out
+
+
 @pytest.mark.parametrize("with_residual", [False, True], ids=["stored-O", "residual"])
 @pytest.mark.parametrize("layout", ["contiguous", "gqa-d40"])
 def test_carried_copies_zero_the_dq_sum(layout: str, with_residual: bool) -> None:
     """Asked to, the copy kernel also zeros the fp32 sum that chapter 12's dK/dV kernel adds
     dQ into (q's shape: every query row, whatever the key heads), in place of a fill
     launch, and writes the same copies, factors and Delta as without it."""
-    torch.manual_seed(4)
-    batch, heads, kv_heads, n, d = (2, 4, 2, 37, 40) if "d40" in layout else (2, 3, 3, 45, 32)
-    q, out, grad_out = (torch.randn(batch, heads, n, d, dtype=torch.float16, device=DEVICE)
-                        for _ in range(3))
-    k, v = (torch.randn(batch, kv_heads, n, d, dtype=torch.float16, device=DEVICE)
-            for _ in range(2))
+    q, k, v, out, grad_out = _copy_kernel_inputs(layout, seed=4)
     residual = (1e-3 * torch.randn_like(out)) if with_residual else None
     results = []
     for zero in (False, True):
-        delta = torch.full((batch, heads, n), float("nan"), device=DEVICE)
+        delta = torch.full(q.shape[:3], float("nan"), device=DEVICE)
         dq_sum = torch.full(q.shape, float("nan"), device=DEVICE) if zero else None
         copies = jvp_attention.backward.backward_operands(q, k, v, grad_out, out, residual,
                                                           delta, dq_sum)
@@ -295,6 +302,37 @@ def test_carried_copies_zero_the_dq_sum(layout: str, with_residual: bool) -> Non
     assert (dq_sum == 0).all()
     for without, with_zeros in zip(*results, strict=True):
         assert torch.equal(without, with_zeros)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "gqa-d40"])
+def test_carried_copies_flat_where_no_epilogue_reads_rows(layout: str, monkeypatch) -> None:
+    """The copy launch copies Q, K and V as flat arrays (no padded columns, no row
+    arithmetic) and dO by rows, which Delta's epilogue reads: the same copies, factors and
+    Delta, bit for bit, as copying all four by rows."""
+    q, k, v, out, grad_out = _copy_kernel_inputs(layout, seed=5)
+    flat_bits, cached = [], jvp_attention.launch.cached
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if self.kernel is jvp_attention.launch.carried_copies_kernel:
+                    flat_bits.append(kwargs["FLAT"])
+                return cached(self.kernel)[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(jvp_attention.launch, "cached", Spy)
+    results = []
+    for rows in (jvp_attention.backward.DELTA_ROWS, (0, 1, 2, 3)):
+        monkeypatch.setattr(jvp_attention.backward, "DELTA_ROWS", rows)
+        delta = torch.full(q.shape[:3], float("nan"), device=DEVICE)
+        copies = jvp_attention.backward.backward_operands(q, k, v, grad_out, out, None, delta)
+        results.append((*copies, delta))
+    assert flat_bits == [0b0111, 0]
+    for flat, by_rows in zip(*results, strict=True):
+        assert torch.equal(flat, by_rows)
 
 
 # --- the gradient of an additive mask (learnable biases: dL/dB = dS; notebook 05) ----------
