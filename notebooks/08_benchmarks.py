@@ -2215,21 +2215,25 @@ for pair in CARRY_STEPS:
 # the carry's passes of both directions in accurate mode, and what the attention kernels
 # of accurate mode take beyond fast's. The run "before" has all three shapes; the one
 # after chapter 2 went back to one tile per copy program for the backward's copies has
-# the first shape.
+# the first shape. A second pair, on an H200 (`carry_cost_backward_h200.json`), times the
+# first shape before and after the backward copied $Q$, $K$ and $V$ as flat arrays
+# (chapter 5): the copy launch went from 0.168 to 0.124 ms.
 
 # %% tags=["hide_input"]
-STEP_COST = RESULTS / "carry_cost_backward_h100.json"
-print(f"{'run':36} {'shape':20} {'causal':6} {'accurate ms':>11} {'fast ms':>8} "
+STEP_COSTS = [RESULTS / f"carry_cost_backward_{gpu}.json" for gpu in ("h100", "h200")]
+print(f"{'run':43} {'shape':20} {'causal':6} {'accurate ms':>11} {'fast ms':>8} "
       f"{'ratio':>6} {'carry ms':>9} {'kernels beyond fast':>20}")
-for run in json.loads(STEP_COST.read_text())["runs"]:
-    steps = {(tuple(row["shape"]), row["causal"], row["mode"]): row for row in run["rows"]}
-    for (shape, causal, mode), row in steps.items():
-        if mode != "accurate":
-            continue
-        fast_ms = steps[shape, causal, "fast"]["gpu_ms"]
-        print(f"{run['code']:36} {str(shape):20} {str(causal):6} {row['gpu_ms']:11.3f} "
-              f"{fast_ms:8.3f} {row['gpu_ms'] / fast_ms:5.2f}x {row['carry_ms']:9.3f} "
-              f"{row['gpu_ms'] - row['carry_ms'] - fast_ms:+20.3f}")
+for step_cost in STEP_COSTS:
+    gpu = step_cost.stem.rsplit("_", 1)[1].upper()
+    for run in json.loads(step_cost.read_text())["runs"]:
+        steps = {(tuple(row["shape"]), row["causal"], row["mode"]): row for row in run["rows"]}
+        for (shape, causal, mode), row in steps.items():
+            if mode != "accurate":
+                continue
+            fast_ms = steps[shape, causal, "fast"]["gpu_ms"]
+            print(f"{gpu + ': ' + run['code']:43} {str(shape):20} {str(causal):6} "
+                  f"{row['gpu_ms']:11.3f} {fast_ms:8.3f} {row['gpu_ms'] / fast_ms:5.2f}x "
+                  f"{row['carry_ms']:9.3f} {row['gpu_ms'] - row['carry_ms'] - fast_ms:+20.3f}")
 
 # %% [markdown]
 # Accurate mode's step costs 1.15 to 1.18x fast's without a causal mask and 1.23 to 1.27x
@@ -2244,6 +2248,10 @@ for run in json.loads(STEP_COST.read_text())["runs"]:
 # under 0.17 ms, the backward's near 0.12 ms: about what reading each of its four tensors
 # once and writing its copy takes at the memory's pace (0.30 GB at 2.7 TB/s), so only a
 # backward that copied fewer tensors (reusing the forward's copy of $V$, say) could.
+# Copying $Q$, $K$ and $V$ as flat arrays (no padded columns at $d = 72$) took 0.044 ms
+# off the H200's step there: accurate mode now costs 1.13x fast's (1.18x causal), its
+# carry 0.200 ms of which the backward's copy launch is 0.124; 1.1x needs the carry under
+# 0.15 ms.
 
 #
 # With a learnable bias, as a relative-position bias or a learned mask is in a model,

@@ -99,6 +99,31 @@ def test_saved_backward_runs_time_the_backward_copies_before_and_after() -> None
 
 
 
+def test_saved_h200_backward_runs_time_the_flat_copies() -> None:
+    """The saved H200 MeanFlow-step runs before and after the backward's copies of q, k, v
+    became flat arrays: every row's kernels add up to its GPU time, the carry runs only in
+    accurate mode, and there the copy launch and the step are faster after than before."""
+    data = json.loads((REPO / "benchmarks/results/carry_cost_backward_h200.json").read_text())
+    assert data["command"].startswith("python benchmarks/carry_cost.py --backward")
+    assert data["gpu"] == "NVIDIA H200"
+    runs = {run["code"]: run for run in data["runs"]}
+    assert set(runs) == {"before", "after"}
+    rows = {}
+    for code, run in runs.items():
+        for row in run["rows"]:
+            assert row["backward"] and not row["bias"]
+            assert abs(sum(row["kernels"].values()) - row["gpu_ms"]) < 2e-3, row
+            assert (row["carry_ms"] > 0) == (row["mode"] == "accurate"), (code, row)
+            rows[code, tuple(row["shape"]), row["causal"], row["mode"]] = row
+    accurate = [key[1:] for key in rows if key[0] == "before" and key[3] == "accurate"]
+    assert accurate
+    for key in accurate:
+        before, after = rows[("before", *key)], rows[("after", *key)]
+        assert (after["kernels"]["carried_copies_kernel"]
+                < before["kernels"]["carried_copies_kernel"]), key
+        assert after["gpu_ms"] < before["gpu_ms"], key
+
+
 def test_saved_bias_backward_runs_carry_and_drop_the_cast() -> None:
     """The saved H100 MeanFlow-step runs with a learnable bias as a parameter: every row's
     kernels add up to its GPU time; before, "accurate" split its backward (the carry only
