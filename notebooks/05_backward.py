@@ -384,6 +384,13 @@ def _backward_tile(
 # from 2.063 to 2.023 ms (causal 1.426 to 1.381): accurate mode's step is 1.13x fast's
 # (1.18x causal) where it was 1.15x (1.22x). Rows of a power-of-two length carry no
 # padding, so there the flat copies spare only the row arithmetic.
+# Having the range pass also write $Q$'s and $K$'s copies as it reads them, unshifted
+# wherever their own scale is exact (as chapter 2's `value_operands` does for $V$ and
+# $t_V$), spares the copy launch one read of each, but slows the range pass by about as
+# much: on one H100 machine (same measurement, two runs of each version in one session) at
+# (16, 16, 1024, 72) the copy launch fell from 0.140 to 0.107 ms and the range pass rose
+# from 0.104 to 0.130 ms, 0.007 ms less in all (carry 0.245 against 0.237 ms), too little
+# for the extra code, so the backward's copies are all made by the copy launch.
 #
 # As in the forward, the range pass pays back only on long enough rows, and the launcher
 # carries from chapter 2's `carry_min_keys` (1024 keys per row). Measured on the H200 with

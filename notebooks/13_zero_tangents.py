@@ -1016,7 +1016,8 @@ for lean, label in ((False, "PyTorch's zero tangents"), (True, "lean_zero_tangen
 # setting without caches. With the key in place the DiT-B/2 lean rows compiled afresh (139
 # and 96 s) and the default mode's step at 1024 tokens took 53.7 ms against 61.2 with this
 # library's attention, 80.4 against 84.7 with the math path (same file, same H100 kind,
-# another run). Dynamo's own compiled code is another matter: a function already
+# another run), and with CUDA graphs 50.9 against 57.7 and 72.4 against 78.8 (a later
+# session: compiled afresh in 73 and 61 s). Dynamo's own compiled code is another matter: a function already
 # compiled in this process keeps its graph until `torch._dynamo.reset()`. Measured so
 # far, the products of zeros they take out of compiled code are those of the linear layer's
 # JVP above, compiled for the GPU (it ran no backward, and the cache keeps a step's graph
