@@ -491,9 +491,9 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   the first lean runs had been served PyTorch's graphs by torch 2.11's compile cache and
 #   were measured again; the file's `note` says so). With CUDA graphs (`reduce-overhead`,
 #   measured again later on the same H100 kind under the cache keys), 50.9 against 57.7 ms
-#   with ours and 72.4 against 78.8 with the math path: 1.42x the lean math step, 1.55x
-#   PyTorch's, and 12% off ours with PyTorch's zero tangents, while the attention's kernels
-#   took 10.8 against 10.4 ms (the lean kernels act outside it).
+#   with ours and 72.4 against 78.8 with the math path (1.42x and 1.37x the math path, each
+#   with the same zero tangents): the lean kernels take 12% off our step, while the
+#   attention's kernels took 10.8 against 10.4 ms (the lean kernels act outside them).
 # - **Against jvp-flash-attention, compiled.** Under `torch.compile` with CUDA graphs its
 #   step takes 161.5 ms at 256 tokens, 211.4 at 1024 and 188.6 at 4096: slower than its
 #   own eager steps (132.5, 148.7, 143.8 ms). `torch.compile` records three graph breaks in
