@@ -1,5 +1,5 @@
 """benchmarks/compiled_products.py: a smoke run as a user runs it (a tiny DiT's MeanFlow step
-compiled twice on the CPU, about 40 s): the lean zero tangents take the products of zeros
+compiled twice on the CPU, about 70 s): the lean zero tangents take the products of zeros
 out of the compiled step; and the saved DiT-B/2 steps with each setting."""
 
 from __future__ import annotations
