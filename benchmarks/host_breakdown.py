@@ -46,6 +46,12 @@ of steps: microseconds per call. Timers cost about a microsecond per wrapped cal
 itself is timed by the same clock over the same steps; the `floor` implementation (`v.clone()`)
 gives PyTorch's own cost of the step. The GPU is kept ahead of nothing here: choose shapes
 where the host is the bound (the default, DiT-B/2 at 256 px), else calls wait for the GPU.
+
+`--backward-thread calling` runs every step under
+`torch.autograd.set_multithreading_enabled(False)`: on CUDA the autograd engine then runs the
+backward on the thread that called `.backward()` instead of handing it to its device thread
+(chapter 8, "The autograd engine's thread"). On CPU the engine uses the calling thread either
+way.
 """
 
 from __future__ import annotations
@@ -189,6 +195,13 @@ def breakdown(case: ts.Case, args: argparse.Namespace, timers: LayerTimers,
     """Warm the case's step up, then time `args.steps` steps: per call, the step and each
     layer."""
     step = ts.make_step(case, "cuda" if ts.HAS_CUDA else "cpu", args)
+    with torch.autograd.set_multithreading_enabled(args.backward_thread == "device"):
+        return timed_steps(step, case, args, timers, helpers)
+
+
+def timed_steps(step, case: ts.Case, args: argparse.Namespace, timers: LayerTimers,
+                helpers: frozenset[str]) -> dict:
+    """`breakdown`'s measurement of a step made for `case`."""
     if step.eager is not None:  # compiled: Triton compiles and tunes the kernels eagerly first
         step.eager()
     for _ in range(args.warmup_steps):  # compilation, CUDA-graph recording
@@ -248,6 +261,10 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                         help="also time the helpers the launchers call between their launches "
                              "(allocations, the carry, descriptor checks, device switches): "
                              "each row's `helpers`, apart from its nested `layers`")
+    parser.add_argument("--backward-thread", choices=("device", "calling"), default="device",
+                        help="where PyTorch's autograd engine runs the backward on CUDA: its "
+                             "device thread (the default) or the thread that calls .backward() "
+                             "(torch.autograd.set_multithreading_enabled(False))")
     parser.add_argument("--out", type=Path, help="the JSON file to write")
     args = parser.parse_args(None if argv is None else list(argv))
     if args.dtype is None:
@@ -293,7 +310,7 @@ def main(argv: Iterable[str] | None = None) -> dict:
               "settings": {"dtype": args.dtype, "layout": args.layout, "steps": args.steps,
                            "warmup_steps": args.warmup_steps,
                            "precision": bench.precision_mode(), "floor_op": ts.FLOOR_OP,
-                           "helpers": args.helpers},
+                           "helpers": args.helpers, "backward_thread": args.backward_thread},
               "rows": rows, "skipped": skipped}
     if args.out is not None:
         bench.write_json(args.out, result)

@@ -1528,31 +1528,61 @@ else:
 # custom attention has.
 
 # %% tags=["hide_input"]
-AUTOGRAD_THREADS = RESULTS / "autograd_threads_h200.json"
-if not AUTOGRAD_THREADS.is_file():
-    print("not measured yet: run `python benchmarks/autograd_threads.py --out "
-          "benchmarks/results/autograd_threads_h200.json` on a GPU")
-else:
-    AT = json.loads(AUTOGRAD_THREADS.read_text())
-    print(f"{AT['gpu']}, {AT['settings']['dtype']}, MeanFlow call, host ms per call: best "
-          f"(median) of {AT['settings']['groups']} groups of {AT['settings']['steps_per_group']}")
+AUTOGRAD_THREADS = {"before the replays": RESULTS / "autograd_threads_h200.json",
+                    "with the replays": RESULTS / "autograd_threads_h100.json"}
+for when, path in AUTOGRAD_THREADS.items():
+    if not path.is_file():
+        print(f"not measured yet: run `python benchmarks/autograd_threads.py --out "
+              f"{path.relative_to(REPO)}` on a GPU")
+        continue
+    AT = json.loads(path.read_text())
+    print(f"{AT['gpu']} ({when}), {AT['settings']['dtype']}, MeanFlow call, host ms per call: "
+          f"best (median) of {AT['settings']['groups']} groups of "
+          f"{AT['settings']['steps_per_group']}")
     print(f"{'shape':12} {'':14} {'device thread':>16} {'calling thread':>16} {'saved':>7}")
     for row in AT["rows"]:
         on, off = row["device_thread"], row["calling_thread"]
         print(f"{row['shape']:12} {row['impl']:14} {on['min_ms']:6.3f} ({on['median_ms']:6.3f})"
               f"  {off['min_ms']:6.3f} ({off['median_ms']:6.3f}) "
               f"{on['min_ms'] - off['min_ms']:7.3f}")
+    print()
 
 # %% [markdown]
-# In the saved run the calling thread took 0.21 ms off our MeanFlow call at DiT-B/2 256 px
-# (1.60 to 1.39 ms, best groups) and 0.28 ms at 512 px (2.09 to 1.81 ms), and 0.08 to
-# 0.46 ms off the floors': the hand-off is PyTorch's, paid by any backward, C++ or Python
-# (an earlier run of the same comparison, not saved, gave 0.42 and 0.47 ms for ours and
-# 0.12 and 0.08 ms for `v * 1`). A single-GPU training loop that runs eagerly can take it back by wrapping its
-# backward in `with torch.autograd.set_multithreading_enabled(False):`; with several GPUs
-# driven from one process the engine's threads are what lets their backwards overlap, so
-# leave it on there. CUDA graphs (above) remove this cost along with the rest of the host
-# time.
+# In the H200's run, made before the replays of chapters 2 and 5, the calling thread took
+# 0.21 ms off our MeanFlow call at DiT-B/2 256 px (1.60 to 1.39 ms, best groups) and 0.28 ms
+# at 512 px (2.09 to 1.81 ms), and 0.08 to 0.46 ms off the floors'. The H100 machine's run,
+# with the replays (commit 2fe2305, four DiT shapes), separates three costs:
+#
+# - **Any Python `autograd.Function`.** The same `v.clone()` as a Function whose tangent and
+#   backward are Python (`python_floor`) takes 0.56 to 0.61 ms per MeanFlow call on the
+#   device thread (best groups; medians 0.62 to 0.65), against 0.26 to 0.28 for the clone
+#   whose rules are PyTorch's C++ (`floor`): about 0.3 ms is what functorch's lift, the
+#   autograd node and the engine's call into Python cost a custom attention that does
+#   nothing at all.
+# - **Ours on top of that.** On the calling thread ours takes 0.57 to 0.59 ms at the two 256
+#   px shapes, 0.05 to 0.08 ms over `python_floor`'s 0.50 to 0.52 (our `attention` skips the
+#   lift, see `_apply`, which pays for the launchers' Python); at 512 px, where the call
+#   carries (two more launches each way and their scratch tensors), 0.73 to 0.75 ms, 0.22 to
+#   0.24 over.
+# - **The engine's device thread.** It costs ours 0.17 to 0.38 ms a call (0.76 against 0.59
+#   ms at DiT-B/2 256 px, 1.13 against 0.75 at 512 px), three times what it costs
+#   `python_floor` (0.06 to 0.10): the time is not the hand-over alone. The likely cause:
+#   with the backward on another core, the Python objects that the forward and the backward
+#   share (the launchers' tables, the replays, the tensors' wrappers) move between two
+#   cores' caches every step (their reference counts are written by both), and the more
+#   Python a backward runs, the more it pays. Timed layer by layer on the same machine
+#   (`benchmarks/host_breakdown.py --backward-thread calling`, two runs each way, not
+#   saved), the forward's own layers were faster too with the backward on the calling
+#   thread: `attention` 205 to 211 µs against 236 to 269 at DiT-B/2 256 px.
+#
+# So the 0.8 ms per MeanFlow call aimed at below is met on the calling thread (0.57 to 0.75
+# ms at the four DiT shapes on the H100, best groups; medians 0.58 to 0.83) and missed on
+# the device thread (0.76 to 1.13 ms), where a Function that does nothing already takes 0.56
+# to 0.61. A single-GPU training loop that runs eagerly can take the device thread's cost
+# back by wrapping its backward in `with torch.autograd.set_multithreading_enabled(False):`;
+# with several GPUs driven from one process the engine's threads are what lets their
+# backwards overlap, so leave it on there. CUDA graphs (above) remove this cost along with
+# the rest of the host time.
 
 # %% [markdown]
 # ### Speed-ups and kernels per call
@@ -2828,26 +2858,27 @@ HTML(html_table(["target", "case", "measured", "target", "met", "what bounds it"
 #   the range pass, the copies, chapter 12's kernel, which sums dQ in fp32, and the scaled
 #   copy of that sum into dQ; the copy kernel writes the sum's zeros as it passes over
 #   Q's rows (chapter 5), where a fill launched before it until 2026-12-05.
-# - **Host time per call: missed, by our own host work.** The saved runs timed PyTorch's
-#   floor as the same `torch.func.jvp` and backward around `v * 1`: 0.49 to 0.55 ms per
-#   forward with its JVP at the DiT shapes and 0.79 to 1.26 ms per MeanFlow call, over the
-#   0.35 and 0.8 ms targets, and read that as PyTorch alone missing them. It does not: the
-#   number 1 has no tangent, and the zero tangent PyTorch stands in for it is shaped by
-#   Python meta kernels (chapter 13). On this repository's CPU machine (torch 2.13) the
-#   floor around `v * 1` costs 0.46 ms per forward with its JVP and 0.58 ms per MeanFlow
-#   call, around `v.clone()` 0.10 and 0.17 ms; our call meets no zero tangent. So the true
-#   floor is well under both targets, the saved floors overstate it by roughly 0.3 ms, and
-#   the 0.56 to 1.45 ms (forward with its JVP) and 1.5 to 3.1 ms (MeanFlow call) measured
-#   for ours are our own host work beyond it: the launchers' Python, two launches more each
-#   way where the call carries (1024 tokens and up), and the backward's tensor descriptors.
-#   `training_shapes.py` now times `v.clone()` (`settings.floor_op`); the floors above are
-#   to be measured again on the GPU. Host times vary by 30% or more between runs of this
-#   host. CUDA graphs take the host time out (`ours_cudagraphs` above). Those rows predate
-#   the replays of chapters 2 and 5; at DiT-B/2 256 px the table reads the runs with them
-#   ("Replayed calls"): 0.32 ms per forward with its JVP, **met**, and 0.87 ms per MeanFlow
-#   call, missed by 0.07 ms (the backward on the calling thread saved 0.2 to 0.3 ms a call
-#   in an earlier run: "The autograd engine's thread"). The other shapes' host times are
-#   still to be measured with the replays.
+# - **Host time per call: met for the forward with its JVP; for the MeanFlow call, met with
+#   the backward on the calling thread and missed on the autograd engine's device thread.**
+#   The table's host times predate the replays of chapters 2 and 5, and its floors were
+#   timed around `v * 1`, whose zero tangent PyTorch shapes with Python meta kernels
+#   (chapter 13): they overstate PyTorch's own cost by roughly 0.3 ms (on this repository's
+#   CPU machine the floor around `v * 1` costs 0.46 and 0.58 ms per call, around `v.clone()`
+#   0.10 and 0.17). The replayed runs are the ones to read. The forward with its JVP took
+#   0.32 ms at DiT-B/2 256 px on the H200 (median of five runs, "Replayed calls") and 0.27
+#   to 0.35 ms at the four DiT shapes on an H100 machine
+#   (`benchmarks/results/host_breakdown_dit_shapes_h100.json`): **met** (0.35 ms). The
+#   MeanFlow call took 0.87 ms on the H200 (median, device thread), 0.07 ms over the 0.8
+#   aimed at; on an H100 machine (the H200's run of this comparison predates the replays),
+#   in runs that alternate the two threads ("The autograd engine's thread"), 0.57 to 0.75 ms
+#   on the calling thread (best groups; medians 0.58 to 0.83), **met** at all four DiT
+#   shapes, and 0.76 to 1.13 ms on the device thread, where a Python `autograd.Function`
+#   that does nothing already takes 0.56 to 0.61. What bounds it is PyTorch's: about 0.3 ms
+#   per call for any attention written as a Python Function (functorch's lift, the autograd
+#   node, the engine's call into Python) and 0.17 to 0.38 ms for the device thread; ours
+#   adds 0.05 to 0.08 ms to that Function's cost at 256 tokens and 0.22 to 0.24 ms at 1024,
+#   where the call carries (two more launches each way). CUDA graphs take the host time out
+#   (`ours_cudagraphs` above).
 # - **Accurate against fast: missed but at two calls.** Where the products split (256
 #   tokens), accurate takes 1.19x to 1.29x the GPU time of fast (1.07x for the forward with
 #   its JVP at d = 72); where the call carries (1024 tokens), 1.16x to 1.21x (1.10x for

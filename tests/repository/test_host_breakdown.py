@@ -94,3 +94,24 @@ def test_helpers_are_timed_apart_from_the_layers(tmp_path: Path):
     assert row["helpers"]["argument checks (check_arguments)"]["calls"] == 1
     assert row["helpers"]["torch.empty (every caller)"]["us"] > 0
     assert "forward launcher" in row["layers"]
+
+
+@pytest.mark.parametrize("thread", ["device", "calling"])
+def test_backward_thread_is_set_around_every_step(monkeypatch, thread: str):
+    """--backward-thread calling runs the warm-up and the timed steps with the autograd
+    engine's device threads off (the backward on the thread that calls it), and puts
+    PyTorch's setting back afterwards."""
+    seen = []
+
+    def make_step(case, device, args):
+        def step():
+            seen.append(hb.torch._C._is_multithreading_enabled())
+        step.leaves, step.eager = [], None
+        return step
+
+    monkeypatch.setattr(hb.ts, "make_step", make_step)
+    args = hb.parse_args(["--steps", "3", "--warmup-steps", "2", "--backward-thread", thread])
+    case = hb.ts.Case("dit-b2-256", "floor", "meanflow", 1, 1, 8, 8, "fp16")
+    row = hb.breakdown(case, args, hb.LayerTimers())
+    assert seen == [thread == "device"] * 5 and row["steps"] == 3
+    assert hb.torch._C._is_multithreading_enabled()
