@@ -387,6 +387,25 @@ def test_bench_json_records_the_command(tmp_path: Path):
     assert report["model"]["width"] == 768 and report["preset"] == "dit-b2"
 
 
+@pytest.mark.parametrize("thread", ["device", "calling"])
+def test_backward_thread_is_set_for_the_run_and_recorded(tmp_path: Path, thread: str):
+    """--backward-thread calling runs the benchmark (and training) with the autograd
+    engine's device threads off, says so in the file, and restores PyTorch's setting."""
+    out = tmp_path / "bench.json"
+    seen = []
+
+    def bench(*args, **kwargs):
+        seen.append(torch._C._is_multithreading_enabled())
+        return [{"attention": "math", "compile": "eager", "tokens": 16, "batch": 2,
+                 "image_size": 8, "dtype": "float32", "step_ms": 1.0}]
+
+    with mock.patch.object(mf, "benchmark", side_effect=bench):
+        assert mf.main(["--bench", "--backward-thread", thread, "--out", str(out)]) == 0
+    assert seen == [thread == "device"]
+    assert json.loads(out.read_text())["environment"]["backward_thread"] == thread
+    assert torch._C._is_multithreading_enabled()
+
+
 @pytest.mark.gpu
 def test_attention_share_on_gpu():
     """On CUDA the share is of kernel time; the backward runs on autograd's device thread and
