@@ -494,6 +494,10 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   with ours and 72.4 against 78.8 with the math path (1.42x and 1.37x the math path, each
 #   with the same zero tangents): the lean kernels take 12% off our step, while the
 #   attention's kernels took 10.8 against 10.4 ms (the lean kernels act outside them).
+#   An eager loop on one GPU can also run its backward on the calling thread
+#   (`--backward-thread calling`, recorded in the file's environment), which took 0.17 to
+#   0.38 ms off each MeanFlow call of a lone attention on an H100 (chapter 8, "The autograd
+#   engine's thread"); it has not been timed on this model yet.
 # - **Against jvp-flash-attention, compiled.** Under `torch.compile` with CUDA graphs its
 #   step takes 161.5 ms at 256 tokens, 211.4 at 1024 and 188.6 at 4096: slower than its
 #   own eager steps (132.5, 148.7, 143.8 ms). `torch.compile` records three graph breaks in
