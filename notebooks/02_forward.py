@@ -2515,8 +2515,14 @@ def row_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
 # in the call's pool: its inputs and outputs, then the scratch tensors the call worked in
 # (the carry's copies and factors, allocated through `scratch_tensor`, which notes them
 # while a call is recorded). A later call at the same key allocates its outputs and new
-# scratch tensors like the recorded ones and calls each C launcher with its own tensors in
-# their places; nothing else. A mask is one more input (the launcher hands the kernel the
+# scratch tensors like the recorded ones and calls each C launcher with its own tensors'
+# addresses in their places (`addresses`: handed a tensor, Triton's C launcher would call
+# its `data_ptr` and ask the driver whether each address is the GPU's, which the key has
+# settled); nothing else. Under the Triton release it knows (`native_launch`) it calls the
+# launcher's C function itself, with the workspace in which a kernel builds its tensor
+# descriptors allocated among the call's scratch tensors: Triton's launcher object would
+# look its allocator up, call it and hand the driver that address to check, per launch.
+# A mask is one more input (the launcher hands the kernel the
 # mask itself when it has the scores' shape, as `attention` passes it, a stride-0 view
 # where it broadcasts); a mask with a tangent is not replayed, since PyTorch pairs the two
 # in a new tensor. A tensor the launcher made from an input (the copy of a
@@ -2576,11 +2582,14 @@ class ReplayedLaunch(NamedTuple):
     (see `CallReplay`): the compiled kernel's C launcher (or the interpreter) called with
     the new tensors in front of the other recorded arguments; `descriptors`: with Triton's
     allocator for tensor descriptors set first; `placed`: the other arguments hold tensors
-    too (in tuples: the carry's), as `PoolPlace`s to fill from the call's pool."""
+    too (in tuples: the carry's), as `PoolPlace`s to fill from the call's pool; `native`:
+    (C launch function, cooperative grid, PDL, the place of the descriptors' workspace in
+    the pool or None), to call the launcher's C function itself (`native_launch`)."""
 
     descriptors: bool
     recorded: DirectLaunch | InterpretedLaunch
     placed: bool = False
+    native: tuple | None = None
 
     def usable(self) -> bool:
         """Whether a replay does what the full path would: no launch hook to call, and the
@@ -2598,21 +2607,66 @@ class ReplayedLaunch(NamedTuple):
     def __call__(self, tensors: tuple, pool: tuple = ()) -> None:
         """Launch with `tensors` in place of the recorded ones (and, where `placed`, the
         other arguments' tensors taken from `pool`)."""
-        prepare_descriptors(self.descriptors)
         recorded = self.recorded
         rest = recorded.values[len(tensors):]
-        if self.placed:
-            rest = filled(rest, pool)
         if isinstance(recorded, InterpretedLaunch):
+            if self.placed:
+                rest = filled(rest, pool)
             recorded.kernel.run(*tensors, *rest, grid=recorded.grid, warmup=False,
                                 **recorded.kwargs)
             return
+        if self.placed:
+            rest = filled(rest, addresses(pool))
         if recorded.tuned is not None:
             recorded.tuned[0].best_config = recorded.tuned[2]
         compiled = recorded.compiled
-        compiled.run(*recorded.grid, driver.active.get_current_stream(recorded.device),
-                     compiled.function, compiled.packed_metadata, None, None, None,
-                     *tensors, *rest)
+        stream = driver.active.get_current_stream(recorded.device)
+        if self.native is None:
+            prepare_descriptors(self.descriptors)
+            compiled.run(*recorded.grid, stream, compiled.function, compiled.packed_metadata,
+                         None, None, None, *addresses(tensors), *rest)
+            return
+        c_launch, cooperative, pdl, workspace = self.native
+        c_launch(*recorded.grid, stream, compiled.function, cooperative, pdl,
+                 None if workspace is None else pool[workspace].data_ptr(), None,
+                 compiled.packed_metadata, None, None, None, *addresses(tensors), *rest)
+
+
+def addresses(tensors: tuple) -> list:
+    """The tensors' device addresses, None kept: what Triton's C launcher takes for a
+    pointer argument. Handed a tensor, the launcher calls its `data_ptr` and then asks the
+    driver whether the address is the GPU's (`cuPointerGetAttribute`, per pointer and per
+    launch); handed an int, it takes it as it is. A replay's key holds every tensor's
+    device, so the question is settled before the replay."""
+    return [None if t is None else t.data_ptr() for t in tensors]
+
+
+# The Triton releases whose CUDA launcher `native_launch` knows: the C function's arguments
+# (grid, stream, function, cooperative grid, PDL, global and profile scratch, metadata, hooks,
+# the kernel's) and the scratch's size (blocks x CTAs x bytes per CTA).
+NATIVE_LAUNCH_TRITON = ("3.6.",)
+
+
+def native_launch(direct) -> tuple[Callable, bool, bool, int] | None:
+    """What a replay needs to call a direct launch's C function itself: the function, the
+    cooperative-grid and PDL flags, and the bytes of global memory the kernel builds its
+    tensor descriptors in (0: none), for the replay to allocate with its scratch tensors.
+    Triton's launcher object would, per launch, look its allocator up, call it and ask the
+    driver about that memory's address too. None under a Triton this does not know, or a
+    launcher that also wants profiling scratch (Proton's): the replay calls the launcher
+    object, as Triton does."""
+    launcher = getattr(getattr(direct, "compiled", None), "run", None)
+    if (type(launcher).__name__ != "CudaLauncher"
+            or not triton.__version__.startswith(NATIVE_LAUNCH_TRITON)):
+        return None
+    try:
+        if launcher.profile_scratch_size or launcher.global_scratch_align > 256:
+            return None  # (the caching allocator's blocks are 512-byte aligned)
+        blocks = direct.grid[0] * direct.grid[1] * direct.grid[2]
+        workspace = blocks * launcher.num_ctas * launcher.global_scratch_size
+        return launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl, workspace
+    except AttributeError:  # a launcher of another shape
+        return None
 
 
 class PoolPlace(NamedTuple):
@@ -2738,12 +2792,26 @@ class Recording:
         note_untraced_launch()  # a call recorded inside another: launches the outer one missed
         found = None if kind is not None else launch_slots(launches, (*self.pool, *scratch))
         if found:
-            absent = len(self.pool) + len(scratch)  # the None at the end of a replay's pool
-            self.replay = CallReplay(
-                tuple((ReplayedLaunch(scratch_needed(direct), direct, placed),
-                       tuple([absent if i is None else i for i in slots]))
-                      for direct, slots, placed in found),
-                tuple((x.shape, x.dtype, x.device) for x in scratch))
+            self.replay = call_replay(found, len(self.pool),
+                                      [(x.shape, x.dtype, x.device) for x in scratch])
+
+
+def call_replay(found: list, n_pool: int, scratch: list) -> CallReplay:
+    """The `CallReplay` of `launch_slots`' launches for a pool of `n_pool` tensors and the
+    `scratch` (shape, dtype, device) the call allocated; a workspace for each launch whose
+    C function is called directly and needs one (`native_launch`) joins the scratch."""
+    replays = []
+    for direct, slots, placed in found:
+        native = native_launch(direct)
+        if native is not None:
+            c_launch, cooperative, pdl, workspace = native
+            if workspace:
+                scratch.append(((workspace,), torch.int8, torch.device("cuda", direct.device)))
+            native = (c_launch, cooperative, pdl, n_pool + len(scratch) - 1 if workspace else None)
+        replays.append((ReplayedLaunch(scratch_needed(direct), direct, placed, native), slots))
+    absent = n_pool + len(scratch)  # the None at the end of a replay's pool
+    return CallReplay(tuple((replay, tuple([absent if i is None else i for i in slots]))
+                            for replay, slots in replays), tuple(scratch))
 
 
 # Every launcher's table of replays (key -> ReplayedLaunch), for `forget_replays`.

@@ -179,6 +179,103 @@ def test_a_direct_replay_steps_aside_for_hooks_and_new_tiles(monkeypatch) -> Non
     assert replay._replace(recorded=interpreted).usable()  # the interpreter's: always
 
 
+class _Compiled:
+    """Stands in for a compiled kernel: records what its C launcher is handed."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+def test_a_direct_replay_hands_the_launcher_addresses(monkeypatch) -> None:
+    """A direct replay gives Triton's C launcher each tensor's address (None kept), in the
+    leading arguments and in the pool's places inside tuples (the carry's), so that the
+    launcher takes them as they are instead of asking the driver about every pointer; the
+    other arguments and the grid go as recorded."""
+    monkeypatch.setattr(launch, "driver", mock.Mock(**{"active.get_current_stream.return_value": 7}))
+    compiled = _Compiled()
+    a, b, c = (torch.arange(4.0) + i for i in range(3))
+    pool = (a, b, None, c, None)
+    rest = (3, 0.5, (launch.PoolPlace(3), launch.PoolPlace(0)), True)
+    direct = launch.DirectLaunch(compiled, (2, 1, 1), (None, None) + rest, 0)
+    launch.ReplayedLaunch(False, direct, placed=True)((b, None), pool)
+    [args] = compiled.calls
+    assert args == (2, 1, 1, 7, "function", "metadata", None, None, None, b.data_ptr(), None,
+                    3, 0.5, (c.data_ptr(), a.data_ptr()), True)
+    assert all(type(x) is not torch.Tensor for x in args[9:])
+    # The interpreter's replay still takes the tensors themselves.
+    kernel = mock.Mock()
+    interpreted = launch.InterpretedLaunch(kernel, (2,), (None, None) + rest, {"BLOCK": 16})
+    launch.ReplayedLaunch(False, interpreted, placed=True)((b, None), pool)
+    kernel.run.assert_called_once_with(b, None, 3, 0.5, (c, a), True, grid=(2,), warmup=False,
+                                       BLOCK=16)
+
+
+class CudaLauncher:
+    """Stands in for Triton 3.6's CUDA launcher object (`native_launch` knows it by its
+    class's name): records what its C function is handed."""
+
+    num_ctas, global_scratch_size, global_scratch_align, profile_scratch_size = 1, 128, 128, 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, *args):
+        self.calls.append(args)
+
+
+def _native_replay(launcher, n_pool=2):
+    """`call_replay` of one direct launch (grid (2, 3, 1)) whose compiled kernel has
+    `launcher`: its leading tensors are the pool's 0 and a None."""
+    compiled = _Compiled()
+    compiled.run = launcher
+    direct = launch.DirectLaunch(compiled, (2, 3, 1), (None, None, 5, True), 0)
+    return launch.call_replay([(direct, (0, None), False)], n_pool, [])
+
+
+def test_a_replay_calls_the_c_function_with_a_workspace_of_its_own(monkeypatch) -> None:
+    """Under the Triton it knows, a direct replay calls the launcher's C function itself:
+    the workspace in which the kernel builds its tensor descriptors (blocks x CTAs x bytes)
+    is allocated with the call's scratch tensors and handed over by address, with the
+    launcher's flags, no profiling scratch, and the tensors' addresses."""
+    monkeypatch.setattr(launch, "driver", mock.Mock(**{"active.get_current_stream.return_value": 7}))
+    launcher = CudaLauncher()
+    replay = _native_replay(launcher)
+    assert replay.scratch == (((2 * 3 * 128,), torch.int8, torch.device("cuda", 0)),)
+    [(replayed, slots)] = replay.launches
+    assert slots == (0, 3)  # the pool, the workspace, then the None at the end
+    a, workspace = torch.arange(4.0), torch.empty(768, dtype=torch.int8)
+    replayed((a, None), (a, torch.ones(2), workspace, None))
+    assert launcher.calls == [(2, 3, 1, 7, "function", False, True, workspace.data_ptr(), None,
+                               "metadata", None, None, None, a.data_ptr(), None, 5, True)]
+    launcher.global_scratch_size = 0  # no descriptors: no workspace
+    replay = _native_replay(launcher)
+    assert replay.scratch == () and replay.launches[0][1] == (0, 2)
+    replay.launches[0][0]((a, None), (a, torch.ones(2), None))
+    assert launcher.calls[-1][7] is None
+
+
+@pytest.mark.parametrize("other", ["triton", "profiling", "launcher"])
+def test_a_replay_calls_an_unknown_launcher_as_triton_does(monkeypatch, other) -> None:
+    """Under another Triton, with a launcher that wants profiling scratch too, or with a
+    launcher object of another kind, the replay calls the launcher object (which allocates
+    what it needs) and allocates no workspace itself."""
+    launcher = CudaLauncher()
+    if other == "triton":
+        monkeypatch.setattr(launch.triton, "__version__", "3.7.0")
+    elif other == "profiling":
+        launcher.profile_scratch_size = 64
+    else:
+        launcher = mock.Mock()
+    replay = _native_replay(launcher)
+    assert replay.scratch == () and replay.launches[0][0].native is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
                          ids=str)
