@@ -1473,6 +1473,48 @@ else:
 # backward launcher's own time is the measure of the backward's replay.
 
 # %% [markdown]
+# #### The C launcher, called directly
+#
+# A replayed launch first called Triton's launcher object with the call's tensors. For each
+# tensor, Triton's generated C code calls its `data_ptr` and asks the driver whether the
+# address is the GPU's (`cuPointerGetAttribute`), and for a kernel that builds tensor
+# descriptors the launcher object looks up Triton's allocator and calls it for a workspace:
+# per launch, for facts the replay's key has already settled. A replay now hands the C code
+# addresses and, under Triton 3.6, calls the C function itself with a workspace it allocates
+# among the call's scratch tensors (chapter 2). On an H100 machine
+# (`benchmarks/results/host_breakdown_native_launch_h100.json`, twelve runs alternating the
+# two copies of the library, six each, with the heuristic's tiles: host time does not
+# depend on them), `host_breakdown.py` timed both at DiT-B/2 256 px and DiT-XL/2 512 px:
+
+# %% tags=["hide_input"]
+NATIVE_LAUNCH = RESULTS / "host_breakdown_native_launch_h100.json"
+if not NATIVE_LAUNCH.is_file():
+    print(f"no {NATIVE_LAUNCH.relative_to(REPO)}")
+else:
+    NL = json.loads(NATIVE_LAUNCH.read_text())
+    print(f"{NL['gpu']}'s host, µs per call, median (min to max) of "
+          f"{NL['summary'][next(iter(NL['summary']))]['runs']} runs each")
+    print(f"{'shape':12} {'mode':9} {'what':20} {'before':>22} {'direct C call':>22}")
+    for key in NL["summary"]:
+        if not key.endswith("(before)"):
+            continue
+        _, shape, mode, *what = key.removesuffix(" (before)").split(" ")
+        was, now = NL["summary"][key], NL["summary"][key.replace("(before)", "(native)")]
+        print(f"{shape:12} {mode:9} {' '.join(what):20} "
+              f"{was['median']:7.1f} ({was['min']:5.0f}-{was['max']:5.0f}) "
+              f"{now['median']:7.1f} ({now['min']:5.0f}-{now['max']:5.0f})")
+
+# %% [markdown]
+# The replayed launches' own time fell by a third in every row: at DiT-B/2 256 px from 28
+# to 20 µs for the forward with its JVP (one launch) and from 134 to 83 µs for the MeanFlow
+# call (three launches); at DiT-XL/2 512 px, where the call carries, from 88 to 63 µs and
+# from 260 to 193 µs (three and seven launches). Medians of whole calls moved by 21 to 87
+# µs the same way, within their spread from run to run (up to 1.4x). The runs before the
+# change time the launcher object as a layer of its own, whose timer the replayed launches
+# then include (about a microsecond a launch), so a few microseconds of each difference are
+# the timer's.
+
+# %% [markdown]
 # #### Carried calls
 #
 # From 1024 keys a bf16 "accurate" call carries exact fp16 copies (chapter 2): two more
@@ -2878,7 +2920,9 @@ HTML(html_table(["target", "case", "measured", "target", "met", "what bounds it"
 #   per call for any attention written as a Python Function (functorch's lift, the autograd
 #   node, the engine's call into Python) and 0.17 to 0.38 ms for the device thread; ours
 #   adds 0.05 to 0.08 ms to that Function's cost at 256 tokens and 0.22 to 0.24 ms at 1024,
-#   where the call carries (two more launches each way). CUDA graphs take the host time out
+#   where the call carries (two more launches each way); calling Triton's C function
+#   directly took a third off those launches' host time (51 to 68 µs a MeanFlow call,
+#   "The C launcher, called directly"). CUDA graphs take the host time out
 #   (`ours_cudagraphs` above).
 # - **Accurate against fast: missed but at two calls.** Where the products split (256
 #   tokens), accurate takes 1.19x to 1.29x the GPU time of fast (1.07x for the forward with

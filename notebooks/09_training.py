@@ -497,7 +497,14 @@ for compile_mode in dict.fromkeys(row["compile"] for row in rows):
 #   An eager loop on one GPU can also run its backward on the calling thread
 #   (`--backward-thread calling`, recorded in the file's environment), which took 0.17 to
 #   0.38 ms off each MeanFlow call of a lone attention on an H100 (chapter 8, "The autograd
-#   engine's thread"); it has not been timed on this model yet.
+#   engine's thread"). Timed once each way on an H100 at 256 tokens (five steps each,
+#   `examples/results/bench_dit_b2_256_calling_thread_h100.json` and
+#   `..._device_thread_h100.json`), our step with the lean zero tangents took 95.2 ms with
+#   the backward on the calling thread against 119.0 on the device thread, the math path's
+#   96.7 against 98.6; with PyTorch's zero tangents ours took 105.7 against 156.3 and the
+#   math path 155.8 against 120.2. Those moves, of either sign, are far larger than what
+#   the setting saves (12 attention calls a step at 0.2 to 0.4 ms): the eager step's
+#   spread from run to run again, which hides it.
 # - **Against jvp-flash-attention, compiled.** Under `torch.compile` with CUDA graphs its
 #   step takes 161.5 ms at 256 tokens, 211.4 at 1024 and 188.6 at 4096: slower than its
 #   own eager steps (132.5, 148.7, 143.8 ms). `torch.compile` records three graph breaks in
