@@ -1505,7 +1505,7 @@ else:
               f"{now['median']:7.1f} ({now['min']:5.0f}-{now['max']:5.0f})")
 
 # %% [markdown]
-# The replayed launches' own time fell by a third in every row: at DiT-B/2 256 px from 28
+# The replayed launches' own time fell by 26 to 38% (medians): at DiT-B/2 256 px from 28
 # to 20 µs for the forward with its JVP (one launch) and from 134 to 83 µs for the MeanFlow
 # call (three launches); at DiT-XL/2 512 px, where the call carries, from 88 to 63 µs and
 # from 260 to 193 µs (three and seven launches). Medians of whole calls moved by 21 to 87
@@ -2921,7 +2921,7 @@ HTML(html_table(["target", "case", "measured", "target", "met", "what bounds it"
 #   node, the engine's call into Python) and 0.17 to 0.38 ms for the device thread; ours
 #   adds 0.05 to 0.08 ms to that Function's cost at 256 tokens and 0.22 to 0.24 ms at 1024,
 #   where the call carries (two more launches each way); calling Triton's C function
-#   directly took a third off those launches' host time (51 to 68 µs a MeanFlow call,
+#   directly took 26 to 38% off those launches' host time (51 to 68 µs a MeanFlow call,
 #   "The C launcher, called directly"). CUDA graphs take the host time out
 #   (`ours_cudagraphs` above).
 # - **Accurate against fast: missed but at two calls.** Where the products split (256
