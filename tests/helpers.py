@@ -1017,3 +1017,15 @@ def run_with_one_retry(command: list[str], **kwargs) -> subprocess.CompletedProc
                                       for word in MACHINE_FAILURES):
         result = subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)
     return result
+
+
+class CompiledStandIn:
+    """A compiled kernel's stand-in for the launch tests: records its C launcher's calls."""
+
+    function, packed_metadata = "function-handle", "packed-metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)

@@ -15,23 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-from helpers import DEVICE
+from helpers import DEVICE, CompiledStandIn
 
 import jvp_attention.launch as launch
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class _Compiled:
-    """A compiled kernel's stand-in: records its C launcher's calls."""
-
-    function, packed_metadata = "function-handle", "packed-metadata"
-
-    def __init__(self):
-        self.launches = []
-
-    def run(self, *args):
-        self.launches.append(args)
 
 
 class _Kernel:
@@ -45,7 +33,7 @@ class _Kernel:
     def __init__(self):
         self.pre_run_hooks = []
         self.triton_launches = 0
-        self.compiled = _Compiled()
+        self.compiled = CompiledStandIn()
 
     def run(self, *args, grid, warmup, **kwargs):
         self.triton_launches += 1

@@ -15,7 +15,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import DEVICE, HAS_CUDA
+from helpers import DEVICE, HAS_CUDA, CompiledStandIn
 
 import jvp_attention.forward as forward
 import jvp_attention.launch as launch
@@ -179,32 +179,20 @@ def test_a_direct_replay_steps_aside_for_hooks_and_new_tiles(monkeypatch) -> Non
     assert replay._replace(recorded=interpreted).usable()  # the interpreter's: always
 
 
-class _Compiled:
-    """Stands in for a compiled kernel: records what its C launcher is handed."""
-
-    function, packed_metadata = "function", "metadata"
-
-    def __init__(self):
-        self.calls = []
-
-    def run(self, *args):
-        self.calls.append(args)
-
-
 def test_a_direct_replay_hands_the_launcher_addresses(monkeypatch) -> None:
     """A direct replay gives Triton's C launcher each tensor's address (None kept), in the
     leading arguments and in the pool's places inside tuples (the carry's), so that the
     launcher takes them as they are instead of asking the driver about every pointer; the
     other arguments and the grid go as recorded."""
     monkeypatch.setattr(launch, "driver", mock.Mock(**{"active.get_current_stream.return_value": 7}))
-    compiled = _Compiled()
+    compiled = CompiledStandIn()
     a, b, c = (torch.arange(4.0) + i for i in range(3))
     pool = (a, b, None, c, None)
     rest = (3, 0.5, (launch.PoolPlace(3), launch.PoolPlace(0)), True)
     direct = launch.DirectLaunch(compiled, (2, 1, 1), (None, None) + rest, 0)
     launch.ReplayedLaunch(False, direct, placed=True)((b, None), pool)
-    [args] = compiled.calls
-    assert args == (2, 1, 1, 7, "function", "metadata", None, None, None, b.data_ptr(), None,
+    [args] = compiled.launches
+    assert args == (2, 1, 1, 7, "function-handle", "packed-metadata", None, None, None, b.data_ptr(), None,
                     3, 0.5, (c.data_ptr(), a.data_ptr()), True)
     assert all(type(x) is not torch.Tensor for x in args[9:])
     # The interpreter's replay still takes the tensors themselves.
@@ -232,7 +220,7 @@ class CudaLauncher:
 def _native_replay(launcher, n_pool=2):
     """`call_replay` of one direct launch (grid (2, 3, 1)) whose compiled kernel has
     `launcher`: its leading tensors are the pool's 0 and a None."""
-    compiled = _Compiled()
+    compiled = CompiledStandIn()
     compiled.run = launcher
     direct = launch.DirectLaunch(compiled, (2, 3, 1), (None, None, 5, True), 0)
     return launch.call_replay([(direct, (0, None), False)], n_pool, [])
@@ -251,8 +239,8 @@ def test_a_replay_calls_the_c_function_with_a_workspace_of_its_own(monkeypatch) 
     assert slots == (0, 3)  # the pool, the workspace, then the None at the end
     a, workspace = torch.arange(4.0), torch.empty(768, dtype=torch.int8)
     replayed((a, None), (a, torch.ones(2), workspace, None))
-    assert launcher.calls == [(2, 3, 1, 7, "function", False, True, workspace.data_ptr(), None,
-                               "metadata", None, None, None, a.data_ptr(), None, 5, True)]
+    assert launcher.calls == [(2, 3, 1, 7, "function-handle", False, True, workspace.data_ptr(),
+                               None, "packed-metadata", None, None, None, a.data_ptr(), None, 5, True)]
     launcher.global_scratch_size = 0  # no descriptors: no workspace
     replay = _native_replay(launcher)
     assert replay.scratch == () and replay.launches[0][1] == (0, 2)
