@@ -30,6 +30,7 @@ from jvp_attention.launch import (
     kernel_meta,
     launch_column_tiles,
     launchable,
+    length_bucket,
     mask_operand,
     next_power_of_2,
     note_untraced_launch,
@@ -1112,7 +1113,7 @@ def _launch_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, t
                *mask_strides,
                *row_strides(grad_operand, dto))
     sizes = (n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads, scale * LOG2E.value, scale,
-             next_power_of_2(n_q), next_power_of_2(n_k))
+             length_bucket(n_q), length_bucket(n_k))
     # Descriptors (chapter 4) for the first-order kernels only: compiled for sm_90, the
     # second-order kernels spill hundreds of bytes per thread with them (tools/kernel_resources.py).
     use_tma = long_rows and tma_eligible(q, k, v, grad_operand)

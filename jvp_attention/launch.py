@@ -41,6 +41,14 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def length_bucket(n: int) -> int:
+    """The autotuners' key for a sequence length: its power-of-two bucket. A length that a
+    compiled graph traces as symbolic (a `torch.SymInt`) gets 1 instead: a traced launch's
+    autotuner keys on nothing (`TracedLaunch`), and `SymInt.bit_length` would fix the
+    length, so that the graph served that length only and every new one compiled another."""
+    return next_power_of_2(n) if type(n) is int else 1
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for integers."""
     return -(-a // b)

@@ -604,8 +604,8 @@ from jvp_attention.launch import (
     kernel_meta,
     launch_column_tiles,
     launchable,
+    length_bucket,
     mask_operand,
-    next_power_of_2,
     on_device,
     pair_tails,
     prepare_descriptors,
@@ -1202,6 +1202,14 @@ def next_power_of_2(n: int) -> int:
     are constexpr functions: called from the host, each passes through a wrapper that costs
     a few microseconds, and a call of the library makes about a dozen such calls."""
     return 1 << (n - 1).bit_length()
+
+
+def length_bucket(n: int) -> int:
+    """The autotuners' key for a sequence length: its power-of-two bucket. A length that a
+    compiled graph traces as symbolic (a `torch.SymInt`) gets 1 instead: a traced launch's
+    autotuner keys on nothing (`TracedLaunch`), and `SymInt.bit_length` would fix the
+    length, so that the graph served that length only and every new one compiled another."""
+    return next_power_of_2(n) if type(n) is int else 1
 
 
 def cdiv(a: int, b: int) -> int:
@@ -3005,7 +3013,7 @@ def flash_attention_forward(
                              q if mask is None else mask, factors, buffers),
             *row_strides(q, k, v, tq, tk, tv), *mask_strides,
             n_heads, n_q, n_k, head_dim, value_dim, n_heads // n_kv_heads,
-            scale * LOG2E.value, scale, next_power_of_2(n_q), next_power_of_2(n_k),
+            scale * LOG2E.value, scale, length_bucket(n_q), length_bucket(n_k),
             IS_CAUSAL=is_causal, MASK_KIND=mask_kind, HAS_TANGENT=has_tangent,
             STORE_RESIDUAL=residuals, USE_TMA=use_tma, CARRY=carry,
             HEAD_GROUP=head_group(is_causal, k, v, *((tk, tv) if has_tangent else ()),

@@ -112,7 +112,7 @@ def call(case: dict, t: dict):
 def trace(case: dict) -> dict:
     """The forward graph AOTAutograd traces for one case: the kernels it launches, the
     arguments each launch was found to write, the opaque operators it calls for whole
-    calls, and those it calls for the carry's copies."""
+    calls, those it calls for the carry's copies, and the symbolic sizes it fixed."""
     mode = FakeTensorMode(shape_env=ShapeEnv() if case.get("dynamic") else None)
     graphs = []
 
@@ -142,7 +142,16 @@ def trace(case: dict) -> dict:
                         re.findall(r"tensors_to_clone = \[([^\]]*)\]", code)],
             "opaque": [name for name in operators if name not in CARRY_OPERATORS],
             "carried": [name for name in operators if name in CARRY_OPERATORS],
-            "traced": bool(graphs)}
+            "fixed": fixed_sizes(mode.shape_env), "traced": bool(graphs)}
+
+
+def fixed_sizes(shape_env: ShapeEnv | None) -> list[str]:
+    """The symbolic sizes that tracing fixed to a number (a guard that the size equals it:
+    the graph would serve that size only, and every other would compile one of its own)."""
+    if shape_env is None:
+        return []
+    return sorted(f"{symbol} = {value}" for symbol, value in shape_env.replacements.items()
+                  if value.is_number)
 
 
 if __name__ == "__main__":

@@ -65,10 +65,12 @@ CASES = [
      [FORWARD_JVP]),
     ({"op": "forward_jvp", "residual": True, "dtype": "bf16"}, [FORWARD_JVP + RESIDUALS]),
     ({"op": "forward_jvp", "dtype": "fp32"}, [FORWARD_JVP]),
-    # dynamic shapes: a symbolic batch stays symbolic in the launch; a symbolic token count
-    # is specialised by the launcher's guards (a new count recompiles), and either traces
+    # dynamic shapes: a symbolic batch or token count stays symbolic in the launches
+    # (`test_symbolic_sizes_stay_symbolic`)
     ({"op": "forward_jvp", "dynamic": "batch", "device": "cpu"}, [FORWARD_JVP]),
     ({"op": "forward_jvp", "dynamic": "tokens", "device": "cpu"}, [FORWARD_JVP]),
+    ({"op": "backward", "dynamic": "tokens", "device": "cpu"}, [["delta_ptr", "dq_ptr"], KEY_GRADS]),
+    ({"op": "backward_tangent", "dynamic": "tokens", "device": "cpu"}, SECOND_ORDER),
     # bf16 "accurate" from carry_min_keys keys carries: its copy kernel takes jit functions,
     # so the copies come from an operator of their own, and the attention kernel is traced,
     # whether CUDA graphs replay the graph or not
@@ -177,6 +179,20 @@ def test_twin_launches_what_the_kernels_write(traced: list[dict], number: int) -
     carried = isinstance(expected, Carried)
     assert graph["carried"] == ([expected.operator] if carried else []), graph
     assert graph["written"] == (expected.written if carried else expected)
+
+
+def test_symbolic_sizes_stay_symbolic(traced: list[dict]) -> None:
+    """A graph traced with the batch or the token count symbolic (PyTorch's automatic
+    dynamic shapes, from the second size a compiled step meets) keeps it symbolic: its
+    launches fix no size to a number, so that one graph serves the sizes after it (the
+    launchers' guards only hold the thresholds where their launches change). The
+    autotuners' length bucket (`length_bucket`) once fixed the token count: every new
+    resolution compiled a graph of its own."""
+    dynamic = [graph for graph, (case, _) in zip(traced, CASES, strict=True)
+               if case.get("dynamic")]
+    assert {graph["case"]["dynamic"] for graph in dynamic} == {"batch", "tokens"}
+    for graph in dynamic:
+        assert graph["traced"] and graph["fixed"] == [], graph
 
 
 # --- on the GPU: compiled steps through the twins give eager's numbers ----------------------
