@@ -956,12 +956,26 @@ def write_json(path: Path, payload: dict) -> Path:
 # Data parallel: 2 ranks give the loss trajectory of 1 rank with the same global batch
 # ---------------------------------------------------------------------------------------------
 
+# PyTorch 2.11's FSDP2 frees a block's gathered weights after the block's forward and, with
+# the forward inside `torch.func.jvp`, does not gather them again before the block's backward
+# ("setStorage: ... out of bounds for storage of size 0", pytorch/pytorch#182641, seen on
+# 2.11; 2.13 gathers them). Before 2.13 the blocks keep them gathered from the forward to the
+# backward: ZeRO-2's memory rather than ZeRO-3's, the same gradients.
+FSDP_REGATHERS_UNDER_JVP = (2, 13)
+
+
 def shard_fsdp2(model: MeanFlow) -> nn.Module:
-    """FSDP2: each DiT block, then the rest of the model, as one `fully_shard` unit."""
+    """FSDP2: each DiT block, then the rest of the model, as one `fully_shard` unit; blocks
+    reshard after their forward where this PyTorch gathers them again for a backward taken
+    through `torch.func.jvp` (FSDP_REGATHERS_UNDER_JVP)."""
     from torch.distributed.fsdp import fully_shard
 
+    reshard = torch.__version__ >= FSDP_REGATHERS_UNDER_JVP
+    if not reshard and int(os.environ.get("RANK", 0)) == 0:
+        print(f"torch {torch.__version__}: FSDP2 blocks stay gathered from forward to backward "
+              "(reshard_after_forward=False; pytorch/pytorch#182641)", flush=True)
     for block in model.net.blocks:
-        fully_shard(block)
+        fully_shard(block, reshard_after_forward=reshard)
     return fully_shard(model)
 
 

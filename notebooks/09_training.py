@@ -660,5 +660,9 @@ print(f"wrote {OUT}")
 # DDP averages the gradients, which equals the gradient of the whole batch's mean loss. Rank
 # 0 then trains the same model in one process on the whole batch and compares the two loss
 # trajectories step by step. `--fsdp` does the same with FSDP2 (`fully_shard` on each DiT
-# block): the JVP runs through the gathered parameters unchanged.
+# block): the JVP runs through the gathered parameters unchanged. PyTorch 2.11's FSDP2 does
+# not gather a block's weights again for a backward taken through `torch.func.jvp`
+# (pytorch/pytorch#182641: "setStorage: ... storage of size 0"), so before 2.13 the example
+# keeps them gathered from the forward to the backward (`reshard_after_forward=False`:
+# ZeRO-2's memory, the same gradients).
 # `tests/library/test_training.py` runs both checks with two CPU processes over gloo.

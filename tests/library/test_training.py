@@ -117,6 +117,23 @@ def test_two_ranks_match_one(tmp_path: Path, wrapper: str):
     assert report["loss_ddp"][-1] != report["loss_ddp"][0]  # the model trained
 
 
+@pytest.mark.parametrize("version, reshards", [("2.11.0+cu130", False), ("2.13.0", True)])
+def test_fsdp_blocks_stay_gathered_where_pytorch_does_not_regather_under_jvp(
+        monkeypatch, capsys, version: str, reshards: bool):
+    """Before PyTorch 2.13 FSDP2 frees a block's weights after its forward and, under
+    `torch.func.jvp`, does not gather them again for the backward (seen on 2.11): the
+    example's blocks then keep them gathered, and say so."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    calls = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **options: calls.append(options)
+                        or module)
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion(version))
+    mf.shard_fsdp2(tiny_model())
+    assert calls[:-1] == [{"reshard_after_forward": reshards}] * 2  # the two blocks
+    assert calls[-1] == {}  # the root: FSDP2's default
+    assert ("pytorch/pytorch#182641" in capsys.readouterr().out) is not reshards
+
+
 BENCH_TINY = mf.DiTConfig(width=32, depth=1, heads=2)
 
 
