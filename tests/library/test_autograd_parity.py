@@ -396,6 +396,24 @@ def test_double_backward_is_right(through_jvp: bool, path: str) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
+def test_vector_hessian_product_is_right(path: str) -> None:
+    """`torch.autograd.functional.vhp` (a double backward: for a scalar function the same
+    product as `hvp`, whose Hessian is symmetric) matches the reference."""
+    p = make_problem(Spec(nq=9, nk=12, d=16, mask="additive"), torch.float32)
+    direction = torch.randn_like(p.q)
+
+    def product(attend, q, k, v, direction):
+        return torch.autograd.functional.vhp(lambda a: attend(a, k, v).square().sum(), q,
+                                             direction, strict=True)[1]
+
+    mask = p.attn_mask
+    got = product(lambda a, b, c: attention(a, b, c, attn_mask=mask), p.q, p.k, p.v, direction)
+    want = product(lambda a, b, c: api.reference_attention(a, b, c, mask.double()).out,
+                   p.q.double(), p.k.double(), p.v.double(), direction.double())
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
 def test_torch_func_grad_keeps_the_kernels() -> None:
     """torch.func.grad differentiates with create_graph on: the first derivative must still
     come from the kernels (the reference only runs if it is differentiated again)."""
