@@ -265,6 +265,10 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
                         help="where PyTorch's autograd engine runs the backward on CUDA: its "
                              "device thread (the default) or the thread that calls .backward() "
                              "(torch.autograd.set_multithreading_enabled(False))")
+    parser.add_argument("--parameter-bias", action="store_true",
+                        help="every call takes a learnable (1, H, N, N) additive bias, closed "
+                             "over as a parameter (no tangent; its gradient in the backward): "
+                             "a relative-position bias's call path (the floor ignores it)")
     parser.add_argument("--out", type=Path, help="the JSON file to write")
     args = parser.parse_args(None if argv is None else list(argv))
     if args.dtype is None:
@@ -310,7 +314,8 @@ def main(argv: Iterable[str] | None = None) -> dict:
               "settings": {"dtype": args.dtype, "layout": args.layout, "steps": args.steps,
                            "warmup_steps": args.warmup_steps,
                            "precision": bench.precision_mode(), "floor_op": ts.FLOOR_OP,
-                           "helpers": args.helpers, "backward_thread": args.backward_thread},
+                           "helpers": args.helpers, "backward_thread": args.backward_thread,
+                           "parameter_bias": args.parameter_bias},
               "rows": rows, "skipped": skipped}
     if args.out is not None:
         bench.write_json(args.out, result)

@@ -396,6 +396,30 @@ def attention_operands(inputs, layout: str) -> tuple:
     return tuple(t for pack in inputs for t in pack.permute(2, 0, 3, 1, 4).unbind(0))
 
 
+def with_parameter_bias(attention: Callable, case: Case, device: str, dtype: torch.dtype,
+                        trained: bool) -> tuple[Callable, torch.Tensor]:
+    """`attention` with a learnable (1, H, N, N) additive bias closed over (a parameter, as
+    a relative-position bias is: no tangent under `torch.func.jvp`, a gradient in the
+    backward where the step trains), and the bias. The floor ignores it."""
+    if case.impl not in (*FLOOR_IMPLS, "ours", "ours_fast", "ours_compiled", "ours_cudagraphs",
+                         "math"):
+        raise Skip(f"{case.impl}: no attn_mask (--parameter-bias)")
+    bias = (0.1 * torch.randn(1, case.H, case.N, case.N, device=device, dtype=dtype)
+            ).requires_grad_(trained)
+    if case.impl in FLOOR_IMPLS:
+        return attention, bias
+
+    def biased(q, k, v):
+        if case.impl == "math":
+            with sdpa_kernel(SDPBackend.MATH):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        with (jvp_attention.precision("fast") if case.impl == "ours_fast"
+              else contextlib.nullcontext()):
+            return jvp_attention.attention(q, k, v, attn_mask=bias)
+
+    return biased, bias
+
+
 def make_step(case: Case, device: str, args: argparse.Namespace) -> Callable[[], None]:
     """Allocate the case's inputs and return one training step's attention call."""
     check_supported(case, args)
@@ -404,6 +428,9 @@ def make_step(case: Case, device: str, args: argparse.Namespace) -> Callable[[],
     grads_of = {"fwd_jvp": 0, "meanflow": 3, "second_order": 6}[case.mode]
     inputs, grad, t_grad = layout_tensors(case, args.layout, device, dtype, grads_of)
     leaves = [x for x in inputs if x.requires_grad]
+    if getattr(args, "parameter_bias", False):
+        attention, bias = with_parameter_bias(attention, case, device, dtype, grads_of > 0)
+        leaves += [bias] if bias.requires_grad else []
 
     def forward(*inputs):
         q, k, v, tq, tk, tv = attention_operands(inputs, args.layout)

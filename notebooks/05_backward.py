@@ -1155,9 +1155,13 @@ def _attention_backward_dq_kernel(
 # allocates new buffers and scratch tensors and calls each compiled kernel with the tensors
 # at those places. A call none of whose launches went through Triton's own path, and whose
 # tensors all come from there, is replayable: carried ones too, not chapter 12's kernels
-# (their descriptors hold addresses), masked ones too, unless the mask has a tangent or
-# takes a gradient (PyTorch's operations pair the two and zero the gradient). Under the interpreter the recorded
-# launches are the interpreter's, which a replay calls with the new tensors the same way.
+# (their descriptors hold addresses), and masked ones, unless the mask has a tangent
+# (PyTorch's operations pair the two in a new tensor). A mask that takes a gradient (a
+# learnable bias) is replayed too: the buffers of its gradients come from one function as
+# well (`mask_grad_buffers`, allocated before the launches, never filled: the dQ programs
+# write every entry), and the key holds whether the call asks for them. Under the
+# interpreter the recorded launches are the interpreter's, which a replay calls with the
+# new tensors the same way.
 # On the H200's host, in a MeanFlow call at DiT-B/2's (64, 12, 256, 64) in bf16 (the
 # forward with its tangent, then the primal backward: two replayed launches), the backward
 # launcher took 136 µs (median of five runs; 109 to 179) against 344 (219 to 399) in runs
@@ -1349,14 +1353,15 @@ def flash_attention_backward(
     inputs = (q, k, v, out, lse, grad_out, *(tangents or (None, None, None)), tangent_out, mu,
               grad_tangent_out, out_residual, tangent_out_residual, attn_mask)
     key = None
-    if mask_tangent is None and not mask_grad:  # replayable (the mask's gradients are zeroed
-        # and its tangent paired with it by PyTorch's operations, which a replay would skip)
-        key = backward_key(inputs, is_causal, scale, exact)
+    if mask_tangent is None:  # replayable (PyTorch's operations pair a mask's tangent with
+        # the mask, which a replay would skip)
+        key = backward_key(inputs, is_causal, scale, exact, mask_grad)
         replay = BACKWARD_REPLAYS.get(key) if key is not None else None
         if replay is not None and replay.usable():
-            buffers = backward_buffers(q, k, v, lse, has_tangent)
+            buffers = (*backward_buffers(q, k, v, lse, has_tangent),
+                       *mask_grad_buffers(attn_mask, None, q, k, has_tangent, mask_grad))
             replay((*inputs, *buffers))
-            return buffers[:6] if has_tangent else buffers[:3]
+            return backward_results(buffers, has_tangent)
     check_kernel_shapes(q, k, v)
     batch, n_heads, n_q, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else scale
@@ -1376,15 +1381,16 @@ def flash_attention_backward(
     if has_tangent and out_residual is not None and tangent_out_residual is None:
         raise ValueError("pass tangent_out_residual along with out_residual")
     t_residual = tangent_out_residual if has_tangent and out_residual is not None else residual
-    buffers = backward_buffers(q, k, v, lse, has_tangent)
+    buffers = (*backward_buffers(q, k, v, lse, has_tangent),
+               *mask_grad_buffers(attn_mask, mask_tangent, q, k, has_tangent, mask_grad))
     with Recording((*inputs, *buffers), key is not None) as recording:  # for a replay
-        grads = _launch_backward(
+        _launch_backward(
             q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, tq, tk, tv, t_out, mu,
             dto, out_residual, residual, t_residual, mask_tangent, mask_grad, exact,
             has_tangent, buffers)
     if recording.replay is not None:
         remember(BACKWARD_REPLAYS, key, recording.replay)
-    return grads
+    return backward_results(buffers, has_tangent)
 
 
 def mask_grad_buffer(mask: torch.Tensor, scores_shape: tuple[int, ...]) -> torch.Tensor:
@@ -1394,6 +1400,31 @@ def mask_grad_buffer(mask: torch.Tensor, scores_shape: tuple[int, ...]) -> torch
     return torch.empty(scores_shape, device=mask.device, dtype=mask.dtype)
 
 
+def mask_grad_buffers(attn_mask: torch.Tensor | None, mask_tangent: torch.Tensor | None,
+                      q: torch.Tensor, k: torch.Tensor, has_tangent: bool,
+                      mask_grad: bool) -> tuple[torch.Tensor, ...]:
+    """With `mask_grad`, the buffers of the mask's gradients (`mask_grad_buffer`): dmask
+    and, through the tangent, dmask_tangent in the dtype of the mask's tangent (the mask's
+    where it has none); else none. Allocated before the launches, so that they are among a
+    recorded call's tensors and a replay writes buffers of its own."""
+    if not mask_grad:
+        return ()
+    scores_shape = (*q.shape[:3], k.shape[2])
+    dmask = mask_grad_buffer(attn_mask, scores_shape)
+    if not has_tangent:
+        return (dmask,)
+    tangent_like = attn_mask if mask_tangent is None else mask_tangent
+    return dmask, mask_grad_buffer(tangent_like, scores_shape)
+
+
+def backward_results(buffers: tuple[torch.Tensor, ...],
+                     has_tangent: bool) -> tuple[torch.Tensor, ...]:
+    """What `flash_attention_backward` returns, from its buffers (`backward_buffers`, then
+    `mask_grad_buffers`): dQ, dK, dV, their tangent twins where the call has the tangent,
+    then the mask's gradients where it asked for them."""
+    return (*buffers[:6 if has_tangent else 3], *buffers[8:])
+
+
 def _launch_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, tq, tk, tv,
                      t_out, mu, dto, out_residual, residual, t_residual, mask_tangent,
                      mask_grad, exact, has_tangent, buffers):
@@ -1401,15 +1432,14 @@ def _launch_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, t
     batch, n_heads, n_q, head_dim = q.shape
     n_kv_heads, n_k, value_dim = k.shape[1], k.shape[2], v.shape[3]
     scores_shape = (batch, n_heads, n_q, n_k)
-    dq, dk, dv, dtq, dtk, dtv, delta, c = buffers
+    dq, dk, dv, dtq, dtk, dtv, delta, c, *mask_grads = buffers
     grad_tangent = dto  # the row statistics read the cotangents themselves
     mask, mask_strides, mask_kind = mask_operand(attn_mask, scores_shape,
                                                  mask_tangent if has_tangent else None)
     # The mask's gradients in the masks' own dtypes (not written without MASK_GRAD): the dQ
     # programs write every entry, zeros above the causal band included, so no fill first.
-    dmask = mask_grad_buffer(attn_mask, scores_shape) if mask_grad else lse
-    dmask_tangent = (mask_grad_buffer(attn_mask if mask_tangent is None else mask_tangent,
-                                      scores_shape) if mask_grad and has_tangent else dmask)
+    dmask = mask_grads[0] if mask_grad else lse
+    dmask_tangent = mask_grads[-1] if mask_grad and has_tangent else dmask
     # bf16 gradients in "accurate" mode: exact fp16 copies instead of the split. The dQ
     # kernel brings carried first-order dS back to natural units for the mask's gradient;
     # through the tangent (dS and dtS in units of their own) that gradient takes the split
@@ -1518,26 +1548,23 @@ def _launch_backward(q, k, v, out, lse, grad_out, attn_mask, is_causal, scale, t
                     q, k, v, tq, tk, tv, mask_arg, grad_operand, dto, lse, delta, mu, c,
                     factors, dk, dv, dtk, dtv, *strides, n_kv_heads, *sizes, **switches,
                     **meta, KEYS=keys, VALUES=values, **layout)
-    grads = (dq, dk, dv, dtq, dtk, dtv) if has_tangent else (dq, dk, dv)
-    if mask_grad:
-        return (*grads, dmask, dmask_tangent) if has_tangent else (*grads, dmask)
-    return grads
 
 
 # Replays of earlier calls (chapter 2's "Replaying a call"), by what their decisions read.
 BACKWARD_REPLAYS: dict[tuple, CallReplay] = replay_table()
 
 
-def backward_key(inputs: tuple, is_causal: bool, scale: float | None, exact: bool) -> tuple | None:
-    """What the backward's decisions read of a call (without a mask's tangent or gradient):
-    its tensors (`call_facts`), which of the optional ones (the mask among them) are given,
-    its options and the settings that choose kernels (deterministic algorithms, the
-    key-side split, the layout bound)."""
+def backward_key(inputs: tuple, is_causal: bool, scale: float | None, exact: bool,
+                 mask_grad: bool = False) -> tuple | None:
+    """What the backward's decisions read of a call (without a mask's tangent): its tensors
+    (`call_facts`), which of the optional ones (the mask among them) are given, its options
+    (the mask's gradient among them) and the settings that choose kernels (deterministic
+    algorithms, the key-side split, the layout bound)."""
     facts = call_facts(*[x for x in inputs if x is not None])
     if facts is None:
         return None
     absent = tuple([x is None for x in inputs])  # (a list: one step, where a generator is many)
-    return (is_causal, scale, exact, torch.are_deterministic_algorithms_enabled(),
+    return (is_causal, scale, exact, mask_grad, torch.are_deterministic_algorithms_enabled(),
             SPLIT_KEY_SIDE, TRANSPOSED_MAX_KEYS, absent, *facts)
 
 

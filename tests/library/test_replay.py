@@ -296,25 +296,28 @@ def test_a_patched_decision_is_not_met_by_a_replay(monkeypatch) -> None:
     assert not FORWARD_REPLAYS
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32] if not HAS_CUDA
-                         else [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("precision", ["accurate", "fast"])
-@pytest.mark.parametrize("order", ["first", "second"])
-def test_backward_replay(dtype, precision, order) -> None:
-    """The backward's launches (the row statistics where they run, dQ, dK/dV or the
-    second order's passes) replayed from its inputs and new buffers give the whole path's
-    bits (on the GPU through the C launcher, here through the interpreter)."""
-    from jvp_attention.backward import BACKWARD_REPLAYS, flash_attention_backward
+def _backward_call(seed, second, dtype=torch.float16, precision=None, bias=False,
+                   mask_grad=False):
+    """A backward call (first order, or `second`: through the tangent) on a forward's
+    outputs from `seed`'s inputs (with `bias`, an additive mask of the scores' shape, whose
+    gradient the call returns with `mask_grad`), to make again and again."""
+    from jvp_attention.backward import flash_attention_backward
 
-    def call(seed):
-        (q, k, v), tan = _inputs(dtype, seed=seed)
-        fwd = flash_attention_forward(q, k, v, tangents=tan, precision=precision)
-        grad_out, grad_tangent_out = (torch.randn_like(fwd.out) for _ in range(2))
-        second = order == "second"
-        return lambda: flash_attention_backward(
-            q, k, v, fwd.out, fwd.lse, grad_out, tangents=tan if second else None,
-            tangent_out=fwd.tangent_out if second else None, mu=fwd.mu if second else None,
-            grad_tangent_out=grad_tangent_out if second else None, precision=precision)
+    (q, k, v), tan = _inputs(dtype, seed=seed)
+    mask = _masks(seed, q, k.shape[2])["bias"] if bias else None
+    fwd = flash_attention_forward(q, k, v, mask, tangents=tan, precision=precision)
+    grad_out, grad_tangent_out = (torch.randn_like(fwd.out) for _ in range(2))
+    return lambda: flash_attention_backward(
+        q, k, v, fwd.out, fwd.lse, grad_out, mask, tangents=tan if second else None,
+        tangent_out=fwd.tangent_out if second else None, mu=fwd.mu if second else None,
+        grad_tangent_out=grad_tangent_out if second else None, mask_grad=mask_grad,
+        precision=precision)
+
+
+def _backward_replayed_and_whole(call) -> tuple[tuple, tuple]:
+    """The backward `call(1)` replayed, after three calls of `call(0)` that record one
+    replay, and on the whole path."""
+    from jvp_attention.backward import BACKWARD_REPLAYS
 
     settle = call(0)
     for _ in range(3):
@@ -323,7 +326,21 @@ def test_backward_replay(dtype, precision, order) -> None:
     later = call(1)
     replayed = later()
     launch.forget_replays()
-    whole = later()
+    return replayed, later()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32] if not HAS_CUDA
+                         else [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("precision", ["accurate", "fast"])
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_backward_replay(dtype, precision, order) -> None:
+    """The backward's launches (the row statistics where they run, dQ, dK/dV or the
+    second order's passes) replayed from its inputs and new buffers give the whole path's
+    bits (on the GPU through the C launcher, here through the interpreter)."""
+    def call(seed):
+        return _backward_call(seed, order == "second", dtype=dtype, precision=precision)
+
+    replayed, whole = _backward_replayed_and_whole(call)
     assert len(replayed) == (6 if order == "second" else 3)
     for a, b in zip(replayed, whole, strict=True):
         assert torch.equal(a, b)
@@ -347,12 +364,17 @@ def test_a_replay_keeps_no_tensor_alive() -> None:
     assert all(ref() is None for ref in refs)
 
 
-def _training_step(seed: int, order: str, heads_kv=None, **options) -> list[torch.Tensor]:
+def _training_step(seed: int, order: str, heads_kv=None, mask=None,
+                   **options) -> list[torch.Tensor]:
     """`torch.func.jvp(attention)`, then a backward through the primal output (MeanFlow,
-    "first") or through both outputs ("second"): the outputs and the gradients."""
+    "first") or through both outputs ("second"): the outputs and the gradients. `mask`:
+    (seed, q, n_k) -> the call's attn_mask, closed over (no tangent); its gradient too
+    where it requires one."""
     import jvp_attention
 
     (q, k, v), tangents = _inputs(seed=seed, heads_kv=heads_kv)
+    if mask is not None:
+        options["attn_mask"] = mask(seed, q, k.shape[2])
     for x in (q, k, v):
         x.requires_grad_(True)
     out, t_out = torch.func.jvp(lambda a, b, c: jvp_attention.attention(a, b, c, **options),
@@ -361,7 +383,9 @@ def _training_step(seed: int, order: str, heads_kv=None, **options) -> list[torc
     if order == "second":
         loss = loss + (t_out * torch.randn_like(t_out)).sum()
     loss.backward()
-    return [out.detach(), t_out.detach(), q.grad, k.grad, v.grad]
+    trained = mask is not None and options["attn_mask"].requires_grad
+    return [out.detach(), t_out.detach(), q.grad, k.grad, v.grad,
+            *([options["attn_mask"].grad] if trained else [])]
 
 
 def _replayed_and_whole(step, recorded=lambda: None) -> tuple[list, list, list]:
@@ -522,24 +546,56 @@ def test_a_masked_call_is_replayed_with_its_own_mask(kind, tangents) -> None:
 def test_a_masked_training_call_is_replayed(order) -> None:
     """`attention` with a key-padding mask under `torch.func.jvp`, then the backward: the
     forward and the backward replay with each call's own mask, bit for bit."""
-    import jvp_attention
+    def padding(seed, q, n_k):
+        return _masks(seed, q, n_k)["padding"][:, :1, :1]  # (B, 1, 1, Nk)
 
-    def step(seed):
-        (q, k, v), tangents = _inputs(seed=seed)
-        mask = _masks(seed, q, k.shape[2])["padding"][:, :1, :1]  # (B, 1, 1, Nk)
-        for x in (q, k, v):
-            x.requires_grad_(True)
-        out, t_out = torch.func.jvp(
-            lambda a, b, c: jvp_attention.attention(a, b, c, attn_mask=mask), (q, k, v),
-            tangents)
-        loss = (out * torch.randn_like(out)).sum()
-        if order == "second":
-            loss = loss + (t_out * torch.randn_like(t_out)).sum()
-        loss.backward()
-        return [out.detach(), t_out.detach(), q.grad, k.grad, v.grad]
-
-    replayed, whole, launches = _replayed_and_whole(step)
+    replayed, whole, launches = _replayed_and_whole(
+        lambda seed: _training_step(seed, order, mask=padding))
     assert len(launches) >= 3
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_a_learnable_bias_call_is_replayed_with_gradient_buffers_of_its_own(order) -> None:
+    """A backward that returns an additive mask's gradient (a learnable bias, without a
+    tangent) replays with new gradient buffers and gives the whole path's bits, the mask's
+    gradients among them; asking for them or not is part of the key."""
+    from jvp_attention.backward import BACKWARD_REPLAYS
+
+    second = order == "second"
+
+    def call(seed, mask_grad=True):
+        return _backward_call(seed, second, bias=True, mask_grad=mask_grad)
+
+    replayed, whole = _backward_replayed_and_whole(call)
+    assert len(replayed) == len(whole) == (8 if second else 4)  # ..., dmask (, dmask_tangent)
+    assert replayed[-1].shape == whole[-1].shape == (*SHAPE[:3], SHAPE[2])
+    for a, b in zip(replayed, whole, strict=True):
+        assert torch.equal(a, b)
+    without = call(2, mask_grad=False)
+    for _ in range(3):
+        without()
+    assert len(BACKWARD_REPLAYS) == 2
+
+
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_a_training_call_with_a_learnable_bias_is_replayed(order) -> None:
+    """`attention` with a (1, H, N, N) bias that requires grad, closed over by the function
+    `torch.func.jvp` differentiates (a parameter: no tangent), then the backward: the
+    forward and the backward replay, and the outputs and every gradient, the bias's among
+    them, are the whole path's bits."""
+    from jvp_attention.backward import BACKWARD_REPLAYS
+
+    def learnable(seed, q, n_k):  # (1, H, Nq, Nk)
+        return _masks(seed, q, n_k)["bias"][:1].clone().requires_grad_(True)
+
+    replayed, whole, launches = _replayed_and_whole(
+        lambda seed: _training_step(seed, order, mask=learnable))
+    assert len(replayed) == 6  # the bias's gradient last
+    assert len(BACKWARD_REPLAYS) == 1
+    assert len(launches) >= 3  # the forward's launch, the backward's dQ and key side
+    assert replayed[-1].abs().max() > 0
     for a, b in zip(replayed, whole, strict=True):
         assert torch.equal(a, b)
 

@@ -115,3 +115,21 @@ def test_backward_thread_is_set_around_every_step(monkeypatch, thread: str):
     row = hb.breakdown(case, args, hb.LayerTimers())
     assert seen == [thread == "device"] * 5 and row["steps"] == 3
     assert hb.torch._C._is_multithreading_enabled()
+
+
+@pytest.mark.parametrize("impl", ["ours", "math", "floor"])
+def test_parameter_bias_is_a_trained_leaf_of_the_step(impl: str):
+    """--parameter-bias: every call of the step takes a (1, H, N, N) bias that requires grad
+    (a parameter closed over, no tangent); the MeanFlow step gives it a gradient, except in
+    the floor, which ignores it."""
+    args = hb.parse_args(["--smoke", "--parameter-bias", "--dtype", "fp32"])
+    b, h, n, d = next(iter(hb.ts.SMOKE_SHAPES.values()))
+    case = hb.ts.Case("smoke", impl, "meanflow", b, h, n, d, "fp32")
+    step = hb.ts.make_step(case, "cpu", args)
+    bias = step.leaves[-1]  # after q, k and v
+    assert len(step.leaves) == 4 and bias.shape == (1, h, n, n)
+    step()
+    if impl == "floor":
+        assert bias.grad is None
+    else:
+        assert bias.grad is not None and bias.grad.abs().max() > 0
