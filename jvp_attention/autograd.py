@@ -226,10 +226,30 @@ def _grads_by_reference(is_causal, scale, primals, tangents, mask, mask_tangent,
     return [next(grads) if w else None for w in wanted]
 
 
+def _vjp_by_reference(grads_of, inputs, cotangents, create_graph: bool) -> list:
+    """The vector-Jacobian product of `grads_of`'s outputs at `inputs` with `cotangents`
+    (one per output, None for none), aligned with `inputs`: None where an input does not
+    require grad, zeros where no output reaches it."""
+    wanted = [isinstance(x, Tensor) and x.requires_grad for x in inputs]
+    pairs = [(g, c) for g, c in zip(grads_of(inputs), cotangents, strict=True)
+             if g is not None and c is not None and g.requires_grad]
+    found = iter(torch.autograd.grad(
+        [g for g, _ in pairs], [x for x, w in zip(inputs, wanted, strict=True) if w],
+        [c for _, c in pairs], create_graph=create_graph, allow_unused=True)
+        if pairs and any(wanted) else [None] * sum(wanted))
+    products = [next(found) if w else None for w in wanted]
+    return [torch.zeros_like(x) if w and g is None else g
+            for x, g, w in zip(inputs, products, wanted, strict=True)]
+
+
 class _ReferenceSecondOrder(torch.autograd.Function):
-    """Passes the kernels' gradients through unchanged; differentiating them again (a double
-    backward) differentiates chapter 1's reference gradients instead, which PyTorch can.
-    Under vmap (per-sample gradients, `jacrev`) functorch runs both steps batched."""
+    """Passes gradients computed elsewhere (the kernels') through unchanged; differentiating
+    them (a double backward) differentiates `grads_of`, the same gradients in chapter 1's
+    reference operations, instead. The derivative it returns is tied the same way, as a
+    function of everything it read (the inputs and the cotangents), so a derivative of any
+    order, and of the double backward with respect to its cotangents (the "double backward
+    trick" of `torch.autograd.functional.hvp`), is right. Under vmap (per-sample gradients,
+    `jacrev`) functorch runs each step batched."""
 
     generate_vmap_rule = True
 
@@ -245,50 +265,26 @@ class _ReferenceSecondOrder(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_grads):
-        saved = ctx.saved_tensors
-        wanted = [isinstance(x, Tensor) and x.requires_grad for x in saved]
+        saved, grads_of = ctx.saved_tensors, ctx.grads_of
+        n_saved = len(saved)
         # Fresh leaves: the partial derivatives through the reference only; the engine
         # carries them on through the graph that produced the inputs.
-        inputs = [x.detach().requires_grad_() if w else x for x, w in zip(saved, wanted,
-                                                                          strict=True)]
+        leaves = [x.detach().requires_grad_() if isinstance(x, Tensor) and x.requires_grad
+                  else x for x in saved]
         with torch.enable_grad():
-            pairs = [(g, gg) for g, gg in zip(ctx.grads_of(inputs), grad_grads, strict=True)
-                     if g is not None and gg is not None and g.requires_grad]
-            second = iter(torch.autograd.grad(
-                [g for g, _ in pairs], [x for x, w in zip(inputs, wanted, strict=True) if w],
-                [gg for _, gg in pairs], allow_unused=True)
-                if pairs and any(wanted) else [None] * sum(wanted))
-        second = [next(second) if w else None for w in wanted]
-        if torch.is_grad_enabled():  # the second derivative may be differentiated again
-            second = _refuse_third_derivatives(second, saved)
+            second = _vjp_by_reference(grads_of, leaves, grad_grads, create_graph=False)
+        if torch.is_grad_enabled():  # the derivative may be differentiated again
+
+            def derivative_of(xs):  # this derivative, as a function of what it read
+                with torch.enable_grad():
+                    return [g for g in _vjp_by_reference(grads_of, xs[:n_saved], xs[n_saved:],
+                                                         create_graph=True) if g is not None]
+
+            present = [g for g in second if g is not None]
+            read = (*saved, *grad_grads)
+            tied = iter(_ReferenceSecondOrder.apply(derivative_of, len(read), *read, *present))
+            second = [None if g is None else next(tied) for g in second]
         return (None, None, *second, *(None for _ in grad_grads))
-
-
-class _RefuseThirdDerivative(torch.autograd.Function):
-    """Passes second derivatives through; differentiating them again raises."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(n_anchors, *tensors):
-        return tuple(g.detach() for g in tensors[n_anchors:])
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise NotImplementedError(
-            "jvp_attention differentiates its gradients once more (double backward, through "
-            "chapter 1's reference) but not a third time.")
-
-
-def _refuse_third_derivatives(grads, anchors):
-    anchors = [a for a in anchors if isinstance(a, Tensor) and a.requires_grad]
-    present = [g for g in grads if g is not None]
-    tied = iter(_RefuseThirdDerivative.apply(len(anchors), *anchors, *present))
-    return [None if g is None else next(tied) for g in grads]
 
 
 def _second_order_by_reference(ctx, grads, primals, tangents, mask, mask_tangent,

@@ -414,6 +414,53 @@ def test_vector_hessian_product_is_right(path: str) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
+@pytest.mark.parametrize("through_jvp", [False, True], ids=["plain", "through-jvp"])
+def test_hessian_vector_product_by_the_double_backward_trick_is_right(
+        through_jvp: bool, path: str) -> None:
+    """`torch.autograd.functional.hvp` differentiates the double backward with respect to
+    its cotangents (the "double backward trick"): the product must be the reference's, not
+    the zeros a double backward that is constant in its cotangents gives (it did)."""
+    p = make_problem(Spec(nq=9, nk=12, d=16, mask="additive"), torch.float32)
+    direction = torch.randn_like(p.q)
+
+    def product(attend, q, k, v, tangents, direction):
+        def loss(q):
+            if not through_jvp:
+                return attend(q, k, v).square().sum()
+            out, tangent_out = torch.func.jvp(lambda a: attend(a, k, v), (q,), (tangents[0],))
+            return out.square().sum() + tangent_out.square().sum()
+
+        return torch.autograd.functional.hvp(loss, q, direction, strict=True)[1]
+
+    mask = p.attn_mask
+    got = product(lambda a, b, c: attention(a, b, c, attn_mask=mask), p.q, p.k, p.v,
+                  p.tangents, direction)
+    want = product(lambda a, b, c: api.reference_attention(a, b, c, mask.double()).out,
+                   p.q.double(), p.k.double(), p.v.double(),
+                   tuple(t.double() for t in p.tangents), direction.double())
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
+def test_third_derivative_is_right(path: str) -> None:
+    """A derivative of the double backward's result with respect to the inputs again (a
+    third derivative) differentiates the reference once more."""
+    p = make_problem(Spec(nq=9, nk=12, d=16, causal=True), torch.float32)
+    u, w = torch.randn_like(p.q), torch.randn_like(p.k)
+
+    def third(attend, q, k, v, u, w):
+        q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+        (dq,) = torch.autograd.grad(attend(q, k, v).square().sum(), q, create_graph=True)
+        (dk,) = torch.autograd.grad((dq * u).sum(), k, create_graph=True)
+        return torch.autograd.grad((dk * w).sum(), q)[0]
+
+    got = third(lambda a, b, c: attention(a, b, c, is_causal=True), p.q, p.k, p.v, u, w)
+    want = third(lambda a, b, c: api.reference_attention(a, b, c, None, True).out,
+                 p.q.double(), p.k.double(), p.v.double(), u.double(), w.double())
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
 def test_torch_func_grad_keeps_the_kernels() -> None:
     """torch.func.grad differentiates with create_graph on: the first derivative must still
     come from the kernels (the reference only runs if it is differentiated again)."""
