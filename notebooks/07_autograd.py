@@ -1346,8 +1346,10 @@ for bad in [
 # ## What real models pass: learnable biases, empty batches, float64, gradient penalties
 #
 # A relative-position bias shared by the batch, its tangent under `torch.func.jvp` and its
-# gradient summed over the batch; a batch with no queries; float64 through `gradcheck`; and
-# a gradient penalty (double backward) through the jvp, each against float64 PyTorch.
+# gradient summed over the batch; a batch with no queries; float64 through `gradcheck`; a
+# gradient penalty (double backward) through the jvp; and a Hessian-vector product as
+# `torch.autograd.functional.hvp` takes it, by differentiating the double backward with
+# respect to its cotangent; each against float64 PyTorch.
 
 # %%
 bias = torch.randn(1, 4, N, N, device=DEVICE, requires_grad=True)
@@ -1388,6 +1390,17 @@ report("gradient penalty through jvp (double backward)",
        penalty(attention, q, k, v, (tq, tk, tv)),
        penalty(lambda a, b, c: sdpa64(a, b, c), q.double(), k.double(), v.double(),
                (tq.double(), tk.double(), tv.double())))
+
+
+def hessian_vector_product(attend, q, k, v, direction):
+    return torch.autograd.functional.hvp(lambda a: attend(a, k, v).square().sum(), q,
+                                         direction, strict=True)[1]
+
+
+direction = torch.randn_like(q)
+report("Hessian-vector product (torch.autograd.functional.hvp)",
+       hessian_vector_product(attention, q, k, v, direction),
+       hessian_vector_product(sdpa64, q.double(), k.double(), v.double(), direction.double()))
 
 # %% [markdown]
 # ## The drop-in on a stock PyTorch block
