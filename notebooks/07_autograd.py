@@ -127,8 +127,11 @@ def _launch(name: str, *args):
     the dispatcher's per-call work. Otherwise the operator: under torch.compile and
     AOTAutograd's tracing (fake and functional tensors: the operator is opaque and has a fake
     implementation), for functorch's wrapped tensors (a backward inside torch.func.grad: the
-    operator unwraps them), and under a dispatch mode (make_fx, FlopCounterMode), which
-    should see the operator. For a compiled graph, the operator's traced twin (`_TRACED`)."""
+    operator unwraps them) and other tensors without storage (the batched cotangents of
+    `torch.autograd.grad(..., is_grads_batched=True)`, which `torch.autograd.functional`'s
+    `jacobian` and `hessian` take with `vectorize=True`: the dispatcher batches the
+    operator), and under a dispatch mode (make_fx, FlopCounterMode), which should see the
+    operator. For a compiled graph, the operator's traced twin (`_TRACED`)."""
     if _plain_eager(args):
         return _LAUNCHERS[name](*args)
     if _in_compiled_graph(args):
@@ -147,12 +150,14 @@ def _plain_eager(args) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     for x in args:  # a loop, not all(...): a generator's steps cost a call each
-        if isinstance(x, Tensor) and (type(x) is not Tensor or _is_functorch_wrapped(x)):
+        if isinstance(x, Tensor) and (type(x) is not Tensor or _is_functorch_wrapped(x)
+                                      or not _has_storage(x)):
             return False
     return True
 
 
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_has_storage = torch._C._has_storage
 
 
 @_operator("forward")

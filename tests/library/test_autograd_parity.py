@@ -442,6 +442,28 @@ def test_hessian_vector_product_by_the_double_backward_trick_is_right(
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
+@pytest.mark.parametrize("what", ["jacobian", "hessian"])
+def test_vectorized_jacobian_and_hessian_are_right(what: str, path: str) -> None:
+    """`torch.autograd.functional.jacobian`/`hessian` with `vectorize=True` run the backward
+    on batched cotangents, tensors without storage (`is_grads_batched`): the call must take
+    the operator, which the dispatcher batches, and match the reference."""
+    p = make_problem(Spec(nq=5, nk=7, d=8, mask="additive"), torch.float32)
+    mask = p.attn_mask
+
+    def run(attend, q, k, v):
+        if what == "jacobian":
+            return torch.autograd.functional.jacobian(lambda a: attend(a, k, v).sum(-1), q,
+                                                      vectorize=True)
+        return torch.autograd.functional.hessian(lambda a: attend(a, k, v).square().sum(), q,
+                                                 vectorize=True)
+
+    got = run(lambda a, b, c: attention(a, b, c, attn_mask=mask), p.q, p.k, p.v)
+    want = run(lambda a, b, c: api.reference_attention(a, b, c, mask.double()).out,
+               p.q.double(), p.k.double(), p.v.double())
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
 def test_third_derivative_is_right(path: str) -> None:
     """A derivative of the double backward's result with respect to the inputs again (a
     third derivative) differentiates the reference once more."""
