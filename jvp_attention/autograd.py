@@ -527,6 +527,11 @@ def check_arguments(
         TypeError, ValueError: For calls that SDPA would reject.
         Unsupported: For calls that SDPA takes but the library cannot.
     """
+    if any(isinstance(x, Tensor) and x.is_nested for x in (query, key, value, attn_mask)):
+        raise Unsupported(
+            "nested tensors",
+            "nested (jagged) tensors are not supported: pad the sequences to one length and "
+            "pass a key-padding attn_mask, or use torch's SDPA for this call")
     check_sdpa_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
                          mask_tangent)
     if dropout_p != 0.0:

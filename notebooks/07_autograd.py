@@ -705,10 +705,10 @@ if not interpreting():
 # and of every entry point here. `check_arguments` adds this library's own limits to it and
 # is what `attention`, `attention_jvp`, the drop-in and context parallelism call: invalid
 # calls raise `TypeError`/`ValueError` as SDPA would, with messages that name the argument and
-# show the shapes, and calls that SDPA takes but we cannot (dropout, head dims above 256,
-# dtypes other than fp16, bf16, fp32 and float64, bfloat16 in Triton's interpreter, whose
-# bfloat16 products are wrong) raise `Unsupported`, a `NotImplementedError` with a short
-# `reason` that the drop-in counts. Masks may be bool, float32 or the query's dtype, as for
+# show the shapes, and calls that SDPA takes but we cannot (nested tensors, dropout, head
+# dims above 256, dtypes other than fp16, bf16, fp32 and float64, bfloat16 in Triton's
+# interpreter, whose bfloat16 products are wrong) raise `Unsupported`, a
+# `NotImplementedError` with a short `reason` that the drop-in counts. Masks may be bool, float32 or the query's dtype, as for
 # SDPA (autocast hands fp32 masks to 16-bit queries; the kernels add the bias in fp32).
 
 # %% tags=["export"]
@@ -744,6 +744,11 @@ def check_arguments(
         TypeError, ValueError: For calls that SDPA would reject.
         Unsupported: For calls that SDPA takes but the library cannot.
     """
+    if any(isinstance(x, Tensor) and x.is_nested for x in (query, key, value, attn_mask)):
+        raise Unsupported(
+            "nested tensors",
+            "nested (jagged) tensors are not supported: pad the sequences to one length and "
+            "pass a key-padding attn_mask, or use torch's SDPA for this call")
     check_sdpa_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
                          mask_tangent)
     if dropout_p != 0.0:

@@ -468,6 +468,22 @@ def test_sdpa_falls_through_for_what_it_cannot_take() -> None:
     assert wide.shape == (1, 2, 5, 264)
 
 
+def test_nested_tensors_fall_through_or_raise() -> None:
+    """Nested (jagged) tensors, which PyTorch's SDPA takes: the drop-in passes them on, strict
+    mode and `attention` raise `Unsupported` naming them."""
+    nested = torch.nested.nested_tensor([torch.randn(3, 2, 8), torch.randn(5, 2, 8)],
+                                        layout=torch.jagged, device=DEVICE).transpose(1, 2)
+    with pytest.warns(UserWarning, match="nested"), sdpa() as routing:
+        out = F.scaled_dot_product_attention(nested, nested, nested)
+    assert routing.fell_through["nested tensors"] == 1 and routing.routed == 0
+    want = api._TORCH_SDPA(nested, nested, nested)
+    assert torch.equal(out.values(), want.values())
+    with sdpa(strict=True), pytest.raises(api.Unsupported, match="nested"):
+        F.scaled_dot_product_attention(nested, nested, nested)
+    with pytest.raises(api.Unsupported, match="pad the sequences"):
+        attention(nested, nested, nested)
+
+
 def test_sdpa_strict_raises() -> None:
     q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
     with sdpa(strict=True):
