@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import register_flop_formula
 
 from jvp_attention.backward import flash_attention_backward, mask_grad_buffer, traceable_backward
 from jvp_attention.forward import flash_attention_forward, traceable_forward
@@ -493,6 +494,25 @@ if not interpreting():
     for _function, _name in ((_Attention, "forward"), (_FusedTangent, "forward_jvp")):
         torch.library.register_autograd(f"jvp_attention::{_name}_traced", _function.backward,
                                         setup_context=_function.setup_context)
+
+
+_ATTENTION_PRODUCTS = {"forward": 1, "forward_jvp": 3, "backward": 2, "backward_tangent": 6}
+
+
+def _attention_flops(products: int):
+    """A `register_flop_formula` formula: `products` times the forward's F, from the shapes
+    of q, k and v (every operator's first three arguments)."""
+    def count(q_shape, k_shape, v_shape, *_, **__) -> int:
+        batch, heads, n_q, head_dim = q_shape
+        return products * 2 * batch * heads * n_q * k_shape[-2] * (head_dim + v_shape[-1])
+    return count
+
+
+for _name, _products in _ATTENTION_PRODUCTS.items():
+    for _op in (_name, _TRACED.get(_name)):
+        if _op is not None:
+            register_flop_formula(getattr(torch.ops.jvp_attention, _op))(
+                _attention_flops(_products))
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -100,6 +100,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import register_flop_formula
 
 from jvp_attention.backward import flash_attention_backward, mask_grad_buffer, traceable_backward
 from jvp_attention.forward import flash_attention_forward, traceable_forward
@@ -603,6 +604,39 @@ if not interpreting():
     for _function, _name in ((_Attention, "forward"), (_FusedTangent, "forward_jvp")):
         torch.library.register_autograd(f"jvp_attention::{_name}_traced", _function.backward,
                                         setup_context=_function.setup_context)
+
+
+# %% [markdown]
+# ### Counting FLOPs
+#
+# `torch.utils.flop_counter.FlopCounterMode`, the usual way to count a model's FLOPs (for
+# its model FLOPs utilisation), is a dispatch mode: it sees the operators, and counts an
+# operator without a formula as zero, so a model whose attention runs here would seem to
+# spend nothing there. Each operator gets the count PyTorch's math path gives the same call,
+# its matrix products: $F = 2 B H N_q N_k (D_{qk} + D_v)$ for the forward (PyTorch's own
+# formula for SDPA, causal or not), $3F$ with the tangent (the forward's two products and
+# four more: $t_S = t_Q K^\top + Q t_K^\top$, $t_O = t_P V + P t_V$), $2F$ for the
+# backward and $6F$ for the backward through both outputs (each of those six products
+# differentiated with respect to both its factors).
+
+# %% tags=["export"]
+_ATTENTION_PRODUCTS = {"forward": 1, "forward_jvp": 3, "backward": 2, "backward_tangent": 6}
+
+
+def _attention_flops(products: int):
+    """A `register_flop_formula` formula: `products` times the forward's F, from the shapes
+    of q, k and v (every operator's first three arguments)."""
+    def count(q_shape, k_shape, v_shape, *_, **__) -> int:
+        batch, heads, n_q, head_dim = q_shape
+        return products * 2 * batch * heads * n_q * k_shape[-2] * (head_dim + v_shape[-1])
+    return count
+
+
+for _name, _products in _ATTENTION_PRODUCTS.items():
+    for _op in (_name, _TRACED.get(_name)):
+        if _op is not None:
+            register_flop_formula(getattr(torch.ops.jvp_attention, _op))(
+                _attention_flops(_products))
 
 
 # %% [markdown]

@@ -468,6 +468,40 @@ def test_sdpa_falls_through_for_what_it_cannot_take() -> None:
     assert wide.shape == (1, 2, 5, 264)
 
 
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_flop_counter_counts_what_the_math_path_counts(gqa: bool) -> None:
+    """FlopCounterMode (a dispatch mode: it sees the operators) counts each call as PyTorch's
+    math path's matrix products: the forward, the forward with its tangent, the primal
+    backward and the backward through both outputs (tangents that require grad)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def math(q, k, v):  # the math path's products, without SDPA's own formula
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+        return torch.softmax(q @ k.mT * q.shape[-1] ** -0.5, -1) @ v
+
+    def counts(attend):
+        shapes = [(2, 4, 5, 8), (2, 2 if gqa else 4, 7, 8), (2, 2 if gqa else 4, 7, 16)]
+        primals = [torch.randn(s, device=DEVICE, requires_grad=True) for s in shapes]
+        tangents = [torch.randn_like(x, requires_grad=True) for x in primals]
+        found = []
+        for step in ("forward", "jvp", "primal backward", "both backward"):
+            with FlopCounterMode(display=False) as counter:
+                if step == "forward":
+                    attend(*primals)
+                elif step == "jvp":
+                    out, tangent_out = torch.func.jvp(attend, tuple(primals), tuple(tangents))
+                elif step == "primal backward":
+                    out.backward(torch.ones_like(out), retain_graph=True)
+                else:
+                    torch.autograd.backward((out, tangent_out),
+                                            (torch.ones_like(out), torch.ones_like(out)))
+            found.append(counter.get_total_flops())
+        return found
+
+    ours = counts(lambda q, k, v: attention(q, k, v, enable_gqa=gqa))
+    assert ours == counts(math) and min(ours) > 0
+
+
 def test_nested_tensors_fall_through_or_raise() -> None:
     """Nested (jagged) tensors, which PyTorch's SDPA takes: the drop-in passes them on, strict
     mode and `attention` raise `Unsupported` naming them."""
