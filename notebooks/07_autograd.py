@@ -810,8 +810,10 @@ def uses_kernels(query: Tensor, key: Tensor, value: Tensor) -> bool:
     """Whether a call runs the Triton kernels: for CUDA tensors, and for CPU tensors under
     the interpreter, of the kernels' dtypes and with something to compute. Everything else
     runs chapter 1's tiled PyTorch implementation, which PyTorch differentiates to any
-    order: float64 (gradcheck), empty inputs, and CPU tensors without the interpreter."""
-    if not (query.is_cuda or interpreting()) or query.dtype not in KERNEL_DTYPES:
+    order: float64 (gradcheck), empty inputs, CPU tensors without the interpreter, and
+    tensors on other devices (meta tensors, which shape a model without memory)."""
+    on_kernels = query.is_cuda or (interpreting() and query.device.type == "cpu")
+    if not on_kernels or query.dtype not in KERNEL_DTYPES:
         return False
     return query.numel() > 0 and key.shape[-2] > 0 and value.shape[-1] > 0
 
@@ -1009,9 +1011,13 @@ def _empty_attention(query, key, value):
 
 
 def _autocast_dtype(query: Tensor) -> torch.dtype | None:
-    """The dtype autocast casts SDPA's inputs to, or None outside autocast."""
-    if isinstance(query, Tensor) and torch.is_autocast_enabled(query.device.type):
-        return torch.get_autocast_dtype(query.device.type)
+    """The dtype autocast casts SDPA's inputs to, or None outside autocast (and on devices
+    that have none: meta tensors, which shape a model without memory)."""
+    if not isinstance(query, Tensor):
+        return None
+    device = query.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
     return None
 
 

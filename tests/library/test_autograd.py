@@ -502,6 +502,19 @@ def test_flop_counter_counts_what_the_math_path_counts(gqa: bool) -> None:
     assert ours == counts(math) and min(ours) > 0
 
 
+def test_meta_tensors_give_shapes() -> None:
+    """Meta tensors (a model shaped without memory) run chapter 1's PyTorch operations, which
+    give the outputs' shapes: the forward, the jvp, the backward, and under autocast too."""
+    q, k, v = (torch.randn(2, 4, 6, 8, device="meta") for _ in range(3))
+    out, tangent_out = torch.func.jvp(attention, (q, k, v), (q, k, v))
+    assert out.shape == tangent_out.shape == (2, 4, 6, 8) and out.is_meta and tangent_out.is_meta
+    leaf = q.clone().requires_grad_()
+    attention(leaf, k, v, is_causal=True).sum().backward()
+    assert leaf.grad.shape == q.shape and leaf.grad.is_meta
+    with torch.autocast("cpu", dtype=torch.bfloat16), sdpa(strict=True):
+        assert F.scaled_dot_product_attention(q, k, v).shape == (2, 4, 6, 8)
+
+
 def test_nested_tensors_fall_through_or_raise() -> None:
     """Nested (jagged) tensors, which PyTorch's SDPA takes: the drop-in passes them on, strict
     mode and `attention` raise `Unsupported` naming them."""
