@@ -552,6 +552,11 @@ def check_arguments(
             "nested tensors",
             "nested (jagged) tensors are not supported: pad the sequences to one length and "
             "pass a key-padding attn_mask, or use torch's SDPA for this call")
+    if torch.jit.is_tracing() and kernels_take(query):  # (sizes are tensors while tracing)
+        raise Unsupported(
+            "torch.jit.trace",
+            "torch.jit.trace cannot record the Triton kernels' launches: capture the model "
+            "with torch.export or torch.compile, which see jvp_attention's operators")
     check_sdpa_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
                          mask_tangent)
     if dropout_p != 0.0:
@@ -581,10 +586,16 @@ def uses_kernels(query: Tensor, key: Tensor, value: Tensor) -> bool:
     runs chapter 1's tiled PyTorch implementation, which PyTorch differentiates to any
     order: float64 (gradcheck), empty inputs, CPU tensors without the interpreter, and
     tensors on other devices (meta tensors, which shape a model without memory)."""
-    on_kernels = query.is_cuda or (interpreting() and query.device.type == "cpu")
-    if not on_kernels or query.dtype not in KERNEL_DTYPES:
+    if not kernels_take(query):
         return False
     return query.numel() > 0 and key.shape[-2] > 0 and value.shape[-1] > 0
+
+
+def kernels_take(query: Tensor) -> bool:
+    """Whether the kernels take `query`'s device and dtype: CUDA tensors, and CPU tensors
+    under the interpreter, in float16, bfloat16 or float32."""
+    on_kernels = query.is_cuda or (interpreting() and query.device.type == "cpu")
+    return on_kernels and query.dtype in KERNEL_DTYPES
 
 
 def attention(

@@ -739,8 +739,8 @@ for _name, _products in _ATTENTION_PRODUCTS.items():
 # and of every entry point here. `check_arguments` adds this library's own limits to it and
 # is what `attention`, `attention_jvp`, the drop-in and context parallelism call: invalid
 # calls raise `TypeError`/`ValueError` as SDPA would, with messages that name the argument and
-# show the shapes, and calls that SDPA takes but we cannot (nested tensors, dropout, head
-# dims above 256, dtypes other than fp16, bf16, fp32 and float64, bfloat16 in Triton's
+# show the shapes, and calls that SDPA takes but we cannot (nested tensors, calls traced
+# by `torch.jit.trace`, dropout, head dims above 256, dtypes other than fp16, bf16, fp32 and float64, bfloat16 in Triton's
 # interpreter, whose bfloat16 products are wrong) raise `Unsupported`, a
 # `NotImplementedError` with a short `reason` that the drop-in counts. Masks may be bool, float32 or the query's dtype, as for
 # SDPA (autocast hands fp32 masks to 16-bit queries; the kernels add the bias in fp32).
@@ -783,6 +783,11 @@ def check_arguments(
             "nested tensors",
             "nested (jagged) tensors are not supported: pad the sequences to one length and "
             "pass a key-padding attn_mask, or use torch's SDPA for this call")
+    if torch.jit.is_tracing() and kernels_take(query):  # (sizes are tensors while tracing)
+        raise Unsupported(
+            "torch.jit.trace",
+            "torch.jit.trace cannot record the Triton kernels' launches: capture the model "
+            "with torch.export or torch.compile, which see jvp_attention's operators")
     check_sdpa_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
                          mask_tangent)
     if dropout_p != 0.0:
@@ -812,10 +817,16 @@ def uses_kernels(query: Tensor, key: Tensor, value: Tensor) -> bool:
     runs chapter 1's tiled PyTorch implementation, which PyTorch differentiates to any
     order: float64 (gradcheck), empty inputs, CPU tensors without the interpreter, and
     tensors on other devices (meta tensors, which shape a model without memory)."""
-    on_kernels = query.is_cuda or (interpreting() and query.device.type == "cpu")
-    if not on_kernels or query.dtype not in KERNEL_DTYPES:
+    if not kernels_take(query):
         return False
     return query.numel() > 0 and key.shape[-2] > 0 and value.shape[-1] > 0
+
+
+def kernels_take(query: Tensor) -> bool:
+    """Whether the kernels take `query`'s device and dtype: CUDA tensors, and CPU tensors
+    under the interpreter, in float16, bfloat16 or float32."""
+    on_kernels = query.is_cuda or (interpreting() and query.device.type == "cpu")
+    return on_kernels and query.dtype in KERNEL_DTYPES
 
 
 # %% [markdown]

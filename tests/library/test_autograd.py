@@ -6,6 +6,7 @@ Each transform's results are held to the same rule as the kernels (tests/helpers
 twice PyTorch's math-path error of the float64 truth.
 """
 
+import warnings
 from unittest import mock
 
 import pytest
@@ -513,6 +514,26 @@ def test_meta_tensors_give_shapes() -> None:
     assert leaf.grad.shape == q.shape and leaf.grad.is_meta
     with torch.autocast("cpu", dtype=torch.bfloat16), sdpa(strict=True):
         assert F.scaled_dot_product_attention(q, k, v).shape == (2, 4, 6, 8)
+
+
+def test_jit_trace_raises_on_the_kernels_path_and_the_drop_in_passes_it_on() -> None:
+    """torch.jit.trace cannot record Triton launches (a trace would replay without them):
+    `attention` raises `Unsupported` naming what works instead; under the drop-in the call
+    falls through to PyTorch's SDPA, whose trace is right for new inputs."""
+    q, k, v = (torch.randn(1, 2, 6, 8, device=DEVICE) for _ in range(3))
+    assert api.uses_kernels(q, k, v)
+    with pytest.raises(api.Unsupported, match="torch.export"):
+        torch.jit.trace(lambda a, b, c: attention(a, b, c), (q, k, v), check_trace=False)
+
+    def routed(a, b, c):
+        with sdpa():
+            return F.scaled_dot_product_attention(a, b, c)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fall-through's, and the tracer's
+        traced = torch.jit.trace(routed, (q, k, v), check_trace=False)
+    later = [torch.randn_like(q) for _ in range(3)]
+    torch.testing.assert_close(traced(*later), api._TORCH_SDPA(*later))
 
 
 def test_nested_tensors_fall_through_or_raise() -> None:
