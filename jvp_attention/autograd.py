@@ -547,12 +547,14 @@ def check_arguments(
         TypeError, ValueError: For calls that SDPA would reject.
         Unsupported: For calls that SDPA takes but the library cannot.
     """
-    if any(isinstance(x, Tensor) and x.is_nested for x in (query, key, value, attn_mask)):
+    # (no generator, no Python-level helper: this runs on every call)
+    if query.is_nested or key.is_nested or value.is_nested or (
+            isinstance(attn_mask, Tensor) and attn_mask.is_nested):
         raise Unsupported(
             "nested tensors",
             "nested (jagged) tensors are not supported: pad the sequences to one length and "
             "pass a key-padding attn_mask, or use torch's SDPA for this call")
-    if torch.jit.is_tracing() and kernels_take(query):  # (sizes are tensors while tracing)
+    if torch._C._is_tracing() and kernels_take(query):  # (sizes are tensors while tracing)
         raise Unsupported(
             "torch.jit.trace",
             "torch.jit.trace cannot record the Triton kernels' launches: capture the model "
@@ -766,7 +768,7 @@ def _autocast_dtype(query: Tensor) -> torch.dtype | None:
     if not isinstance(query, Tensor):
         return None
     device = query.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    if torch._C._is_autocast_available(device) and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return None
 
