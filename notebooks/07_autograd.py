@@ -779,19 +779,20 @@ def check_arguments(
         Unsupported: For calls that SDPA takes but the library cannot.
     """
     # (no generator, no Python-level helper: this runs on every call)
-    if query.is_nested or key.is_nested or value.is_nested or (
-            isinstance(attn_mask, Tensor) and attn_mask.is_nested):
-        raise Unsupported(
-            "nested tensors",
-            "nested (jagged) tensors are not supported: pad the sequences to one length and "
-            "pass a key-padding attn_mask, or use torch's SDPA for this call")
-    if torch._C._is_tracing() and kernels_take(query):  # (sizes are tensors while tracing)
+    if (isinstance(query, Tensor) and query.dim() and isinstance(query.shape[-1], Tensor)
+            and kernels_take(query)):  # torch.jit.trace's sizes are tensors
         raise Unsupported(
             "torch.jit.trace",
             "torch.jit.trace cannot record the Triton kernels' launches: capture the model "
             "with torch.export or torch.compile, which see jvp_attention's operators")
     check_sdpa_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
                          mask_tangent)
+    if query.is_nested or key.is_nested or value.is_nested or (
+            isinstance(attn_mask, Tensor) and attn_mask.is_nested):
+        raise Unsupported(
+            "nested tensors",
+            "nested (jagged) tensors are not supported: pad the sequences to one length and "
+            "pass a key-padding attn_mask, or use torch's SDPA for this call")
     if dropout_p != 0.0:
         raise Unsupported(
             "dropout_p > 0",
