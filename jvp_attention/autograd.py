@@ -554,6 +554,13 @@ def check_arguments(
             "torch.jit.trace",
             "torch.jit.trace cannot record the Triton kernels' launches: capture the model "
             "with torch.export or torch.compile, which see jvp_attention's operators")
+    if (isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)
+            and min(query.dim(), key.dim(), value.dim()) == 2):  # SDPA's math path takes it
+        raise Unsupported(
+            "inputs of rank 2",
+            f"query, key and value of shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+            f"{tuple(value.shape)}: jvp_attention takes (..., heads, length, dim); add a heads "
+            "dim (x.unsqueeze(0)), or use torch's SDPA for this call")
     check_sdpa_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
                          mask_tangent)
     if query.is_nested or key.is_nested or value.is_nested or (

@@ -740,7 +740,8 @@ for _name, _products in _ATTENTION_PRODUCTS.items():
 # is what `attention`, `attention_jvp`, the drop-in and context parallelism call: invalid
 # calls raise `TypeError`/`ValueError` as SDPA would, with messages that name the argument and
 # show the shapes, and calls that SDPA takes but we cannot (nested tensors, calls traced
-# by `torch.jit.trace`, dropout, head dims above 256, dtypes other than fp16, bf16, fp32 and float64, bfloat16 in Triton's
+# by `torch.jit.trace`, inputs of rank 2 (one sequence without a heads dim, which SDPA's
+# math path takes), dropout, head dims above 256, dtypes other than fp16, bf16, fp32 and float64, bfloat16 in Triton's
 # interpreter, whose bfloat16 products are wrong) raise `Unsupported`, a
 # `NotImplementedError` with a short `reason` that the drop-in counts. Masks may be bool, float32 or the query's dtype, as for
 # SDPA (autocast hands fp32 masks to 16-bit queries; the kernels add the bias in fp32).
@@ -785,6 +786,13 @@ def check_arguments(
             "torch.jit.trace",
             "torch.jit.trace cannot record the Triton kernels' launches: capture the model "
             "with torch.export or torch.compile, which see jvp_attention's operators")
+    if (isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)
+            and min(query.dim(), key.dim(), value.dim()) == 2):  # SDPA's math path takes it
+        raise Unsupported(
+            "inputs of rank 2",
+            f"query, key and value of shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+            f"{tuple(value.shape)}: jvp_attention takes (..., heads, length, dim); add a heads "
+            "dim (x.unsqueeze(0)), or use torch's SDPA for this call")
     check_sdpa_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
                          mask_tangent)
     if query.is_nested or key.is_nested or value.is_nested or (

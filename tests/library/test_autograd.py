@@ -552,6 +552,19 @@ def test_nested_tensors_fall_through_or_raise() -> None:
         attention(nested, nested, nested)
 
 
+def test_rank_2_inputs_fall_through_or_raise() -> None:
+    """One sequence without a heads dim, (L, E), which PyTorch's SDPA takes (its math path):
+    the drop-in passes it on, `attention` raises `Unsupported` saying to add a heads dim."""
+    q, k, v = (torch.randn(6, 8, device=DEVICE) for _ in range(3))
+    with pytest.warns(UserWarning, match="rank 2"), sdpa() as routing:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert routing.fell_through["inputs of rank 2"] == 1 and routing.routed == 0
+    assert torch.equal(out, api._TORCH_SDPA(q, k, v, is_causal=True))
+    with pytest.raises(api.Unsupported, match=r"unsqueeze\(0\)"):
+        attention(q, k, v)
+    torch.testing.assert_close(attention(q[None], k[None], v[None], is_causal=True)[0], out)
+
+
 def test_sdpa_strict_raises() -> None:
     q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
     with sdpa(strict=True):
@@ -573,7 +586,9 @@ def mask(*shape, dtype=torch.bool):
 
 BAD_INPUTS = {
     "query-not-a-tensor": (lambda: attention(Q.tolist(), K, V), TypeError, "query"),
-    "rank-2": (lambda: attention(Q[0, 0], K[0, 0], V[0, 0]), ValueError, "rank"),
+    "rank-2": (lambda: attention(Q[0, 0], K[0, 0], V[0, 0]), NotImplementedError,
+               "heads dim"),
+    "rank-1": (lambda: attention(Q[0, 0, 0], K[0, 0, 0], V[0, 0, 0]), ValueError, "rank"),
     "rank-mismatch": (lambda: attention(Q, K[0], V[0]), ValueError, "query, key and value"),
     "batch-mismatch": (lambda: attention(Q, K[:1], V[:1]), ValueError, "leading"),
     "head-dim-mismatch": (lambda: attention(Q, K[..., :8], V), ValueError, "head dim"),
