@@ -1168,7 +1168,11 @@ def _make_dual(primal: Tensor, tangent: Tensor, traced: bool) -> Tensor:
 #   `multi_head_attention_forward`: a mode is switched off while it handles a call.)
 #
 # The router answers the calls that `attention` supports and passes the `Unsupported` ones
-# on: dropout during training, head dims above 256. It warns once per reason and counts
+# on: dropout during training, head dims above 256. Arguments outside `attention`'s contract
+# go to PyTorch as well, which either raises as it would without the drop-in or takes them
+# on its math path: SDPA's math path broadcasts the leading dims of $Q$, $K$ and $V$ as
+# `matmul` does (a key and value of batch 1 for a batch of queries, a single key/value head
+# for many query heads), which `attention` does not. It warns once per reason and counts
 # every call in the `SDPARouting` that `sdpa()` yields; with tangents present it passes them
 # to PyTorch's math backend, the only one that takes forward-mode AD. The patch is
 # process-wide while the block runs; enter it around the model call, not around threads
@@ -1209,7 +1213,9 @@ def _has_tangents(*tensors: Tensor | None) -> bool:
 
 def _route(call: dict, strict: bool, routing: SDPARouting):
     """Run an SDPA call on `attention` if it takes it, else on PyTorch's SDPA (its math
-    backend when forward-mode tangents are present: the fused backends raise on them)."""
+    backend when forward-mode tangents are present: the fused backends raise on them).
+    Arguments outside `attention`'s contract go to PyTorch too, which raises as it would
+    without the drop-in, or takes them on its math path (leading dims that broadcast, say)."""
     autocast_dtype = _autocast_dtype(call["query"])
     checked = dict(call)
     if autocast_dtype is not None:
@@ -1221,24 +1227,32 @@ def _route(call: dict, strict: bool, routing: SDPARouting):
         if strict:
             raise
         reason = error.reason
+    except (TypeError, ValueError):
+        if strict:
+            raise
+        reason = OUTSIDE_CONTRACT
     else:
         routing.routed += 1
         return attention(**call)
     if routing.passing_on:  # our own call below, seen again by the mode: PyTorch's
         return _TORCH_SDPA(**call)
-    routing.fell_through[reason] += 1
+    math_only = _has_tangents(call["query"], call["key"], call["value"], call["attn_mask"])
+    routing.passing_on = True
+    try:
+        with sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
+            out = _TORCH_SDPA(**call)
+    finally:
+        routing.passing_on = False
+    routing.fell_through[reason] += 1  # (counted once PyTorch has taken the call)
     if reason not in _warned_reasons:
         _warned_reasons.add(reason)
         warnings.warn(f"jvp_attention.sdpa(): a call fell through to torch's SDPA ({reason}); "
                       "sdpa(strict=True) raises instead, and the object that sdpa() yields "
                       "counts the calls by reason", stacklevel=4)
-    math_only = _has_tangents(call["query"], call["key"], call["value"], call["attn_mask"])
-    routing.passing_on = True
-    try:
-        with sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
-            return _TORCH_SDPA(**call)
-    finally:
-        routing.passing_on = False
+    return out
+
+
+OUTSIDE_CONTRACT = "arguments outside attention's contract that PyTorch's SDPA takes"
 
 
 class _RouteSDPA(TorchFunctionMode):

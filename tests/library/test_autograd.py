@@ -565,6 +565,29 @@ def test_rank_2_inputs_fall_through_or_raise() -> None:
     torch.testing.assert_close(attention(q[None], k[None], v[None], is_causal=True)[0], out)
 
 
+def test_sdpa_passes_on_what_only_pytorch_takes() -> None:
+    """SDPA's math path broadcasts leading dims (a key/value of batch 1, one key/value head
+    for many query heads), which `attention`'s contract does not: the drop-in passes such
+    calls on to PyTorch, tangents included; an invalid call gets PyTorch's own error and
+    counts nothing; strict mode raises the library's error."""
+    q = torch.randn(2, 4, 9, 16, device=DEVICE)
+    k, v = (torch.randn(1, 1, 9, 16, device=DEVICE) for _ in range(2))
+    tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+    with sdpa() as routing:
+        out, tangent_out = torch.func.jvp(F.scaled_dot_product_attention, (q, k, v), tangents)
+    assert routing.fell_through[api.OUTSIDE_CONTRACT] == 1 and routing.routed == 0
+    with sdpa_kernel(SDPBackend.MATH):
+        want = torch.func.jvp(F.scaled_dot_product_attention, tuple(x.double() for x in (q, k, v)),
+                              tuple(t.double() for t in tangents))
+    torch.testing.assert_close(out, want[0].float())
+    torch.testing.assert_close(tangent_out, want[1].float())
+    with sdpa() as routing, pytest.raises(RuntimeError, match="size of tensor"):
+        F.scaled_dot_product_attention(q, k[..., :5, :].expand(2, 3, 5, 16), v)
+    assert routing.routed == 0 and not routing.fell_through
+    with sdpa(strict=True), pytest.raises(ValueError, match="heads"):
+        F.scaled_dot_product_attention(q, k.expand(2, 1, 9, 16), v.expand(2, 1, 9, 16))
+
+
 def test_sdpa_strict_raises() -> None:
     q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
     with sdpa(strict=True):
