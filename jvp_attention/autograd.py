@@ -926,8 +926,9 @@ def _has_tangents(*tensors: Tensor | None) -> bool:
 def _route(call: dict, strict: bool, routing: SDPARouting):
     """Run an SDPA call on `attention` if it takes it, else on PyTorch's SDPA (its math
     backend when forward-mode tangents are present: the fused backends raise on them).
-    Arguments outside `attention`'s contract go to PyTorch too, which raises as it would
-    without the drop-in, or takes them on its math path (leading dims that broadcast, say)."""
+    Leading dims that broadcast are expanded and routed again; other arguments outside
+    `attention`'s contract go to PyTorch too, which raises as it would without the drop-in,
+    or takes them (a tensor `scale`)."""
     autocast_dtype = _autocast_dtype(call["query"])
     checked = dict(call)
     if autocast_dtype is not None:
@@ -940,6 +941,9 @@ def _route(call: dict, strict: bool, routing: SDPARouting):
             raise
         reason = error.reason
     except (TypeError, ValueError):
+        broadcast = _broadcast_leading_dims(call)
+        if broadcast is not None:  # SDPA's math path broadcasts them; expanded, they may fit
+            return _route(broadcast, strict, routing)
         if strict:
             raise
         reason = OUTSIDE_CONTRACT
@@ -965,6 +969,23 @@ def _route(call: dict, strict: bool, routing: SDPARouting):
 
 
 OUTSIDE_CONTRACT = "arguments outside attention's contract that PyTorch's SDPA takes"
+
+
+def _broadcast_leading_dims(call: dict) -> dict | None:
+    """The call with query, key and value expanded (views, no copies) to the broadcast of
+    their leading dims, as SDPA's math path broadcasts them in its matrix products; None if
+    they are already equal or do not broadcast."""
+    q, k, v = call["query"], call["key"], call["value"]
+    if not all(isinstance(x, Tensor) and x.dim() >= 3 for x in (q, k, v)):
+        return None
+    try:
+        leading = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except RuntimeError:
+        return None
+    if q.shape[:-2] == k.shape[:-2] == v.shape[:-2] == leading:
+        return None
+    return {**call, **{name: x.expand(*leading, *x.shape[-2:])
+                       for name, x in (("query", q), ("key", k), ("value", v))}}
 
 
 class _RouteSDPA(TorchFunctionMode):

@@ -1168,11 +1168,13 @@ def _make_dual(primal: Tensor, tangent: Tensor, traced: bool) -> Tensor:
 #   `multi_head_attention_forward`: a mode is switched off while it handles a call.)
 #
 # The router answers the calls that `attention` supports and passes the `Unsupported` ones
-# on: dropout during training, head dims above 256. Arguments outside `attention`'s contract
-# go to PyTorch as well, which either raises as it would without the drop-in or takes them
-# on its math path: SDPA's math path broadcasts the leading dims of $Q$, $K$ and $V$ as
-# `matmul` does (a key and value of batch 1 for a batch of queries, a single key/value head
-# for many query heads), which `attention` does not. It warns once per reason and counts
+# on: dropout during training, head dims above 256. SDPA's math path broadcasts the
+# leading dims of $Q$, $K$ and $V$ as `matmul` does (a key and value of batch 1 for a batch
+# of queries, a single key/value head for many query heads), which `attention` does not
+# take: the router expands them to their common leading dims, views without copies whose
+# gradients autograd sums back, and routes the call again. Other arguments outside
+# `attention`'s contract go to PyTorch, which either raises as it would without the
+# drop-in or takes them (a tensor `scale`). It warns once per reason and counts
 # every call in the `SDPARouting` that `sdpa()` yields; with tangents present it passes them
 # to PyTorch's math backend, the only one that takes forward-mode AD. The patch is
 # process-wide while the block runs; enter it around the model call, not around threads
@@ -1214,8 +1216,9 @@ def _has_tangents(*tensors: Tensor | None) -> bool:
 def _route(call: dict, strict: bool, routing: SDPARouting):
     """Run an SDPA call on `attention` if it takes it, else on PyTorch's SDPA (its math
     backend when forward-mode tangents are present: the fused backends raise on them).
-    Arguments outside `attention`'s contract go to PyTorch too, which raises as it would
-    without the drop-in, or takes them on its math path (leading dims that broadcast, say)."""
+    Leading dims that broadcast are expanded and routed again; other arguments outside
+    `attention`'s contract go to PyTorch too, which raises as it would without the drop-in,
+    or takes them (a tensor `scale`)."""
     autocast_dtype = _autocast_dtype(call["query"])
     checked = dict(call)
     if autocast_dtype is not None:
@@ -1228,6 +1231,9 @@ def _route(call: dict, strict: bool, routing: SDPARouting):
             raise
         reason = error.reason
     except (TypeError, ValueError):
+        broadcast = _broadcast_leading_dims(call)
+        if broadcast is not None:  # SDPA's math path broadcasts them; expanded, they may fit
+            return _route(broadcast, strict, routing)
         if strict:
             raise
         reason = OUTSIDE_CONTRACT
@@ -1253,6 +1259,23 @@ def _route(call: dict, strict: bool, routing: SDPARouting):
 
 
 OUTSIDE_CONTRACT = "arguments outside attention's contract that PyTorch's SDPA takes"
+
+
+def _broadcast_leading_dims(call: dict) -> dict | None:
+    """The call with query, key and value expanded (views, no copies) to the broadcast of
+    their leading dims, as SDPA's math path broadcasts them in its matrix products; None if
+    they are already equal or do not broadcast."""
+    q, k, v = call["query"], call["key"], call["value"]
+    if not all(isinstance(x, Tensor) and x.dim() >= 3 for x in (q, k, v)):
+        return None
+    try:
+        leading = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except RuntimeError:
+        return None
+    if q.shape[:-2] == k.shape[:-2] == v.shape[:-2] == leading:
+        return None
+    return {**call, **{name: x.expand(*leading, *x.shape[-2:])
+                       for name, x in (("query", q), ("key", k), ("value", v))}}
 
 
 class _RouteSDPA(TorchFunctionMode):

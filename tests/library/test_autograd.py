@@ -565,27 +565,47 @@ def test_rank_2_inputs_fall_through_or_raise() -> None:
     torch.testing.assert_close(attention(q[None], k[None], v[None], is_causal=True)[0], out)
 
 
-def test_sdpa_passes_on_what_only_pytorch_takes() -> None:
-    """SDPA's math path broadcasts leading dims (a key/value of batch 1, one key/value head
-    for many query heads), which `attention`'s contract does not: the drop-in passes such
-    calls on to PyTorch, tangents included; an invalid call gets PyTorch's own error and
-    counts nothing; strict mode raises the library's error."""
+def test_sdpa_broadcasts_leading_dims_as_pytorch_does() -> None:
+    """SDPA's math path broadcasts leading dims (a key/value of batch 1 and one head for a
+    batch of queries with many heads), which `attention` does not take: the drop-in expands
+    them and routes the call; output, tangent and the broadcast key's gradient (summed back
+    by autograd) against float64."""
     q = torch.randn(2, 4, 9, 16, device=DEVICE)
     k, v = (torch.randn(1, 1, 9, 16, device=DEVICE) for _ in range(2))
     tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+
+    def loss(sdpa_call, *inputs):
+        out, tangent_out = torch.func.jvp(sdpa_call, inputs, tuple(
+            t.to(inputs[0].dtype) for t in tangents))
+        return out, tangent_out, torch.autograd.grad((out * tangent_out).sum(), inputs[1])[0]
+
+    def run(dtype):
+        return dict(zip(("out", "tangent_out", "dk"), loss(
+            F.scaled_dot_product_attention,
+            *(x.detach().to(dtype).requires_grad_() for x in (q, k, v))), strict=True))
+
     with sdpa() as routing:
-        out, tangent_out = torch.func.jvp(F.scaled_dot_product_attention, (q, k, v), tangents)
-    assert routing.fell_through[api.OUTSIDE_CONTRACT] == 1 and routing.routed == 0
+        ours = run(torch.float32)
+    assert routing.routed == 1 and not routing.fell_through
     with sdpa_kernel(SDPBackend.MATH):
-        want = torch.func.jvp(F.scaled_dot_product_attention, tuple(x.double() for x in (q, k, v)),
-                              tuple(t.double() for t in tangents))
-    torch.testing.assert_close(out, want[0].float())
-    torch.testing.assert_close(tangent_out, want[1].float())
+        truth, floor = run(torch.float64), run(torch.float32)
+    assert_accurate(ours, truth, floor, torch.float32, "broadcast leading dims")
+
+
+def test_sdpa_passes_on_what_only_pytorch_takes() -> None:
+    """Other calls outside `attention`'s contract go to PyTorch's SDPA: a tensor `scale` it
+    takes; an invalid call gets PyTorch's own error and counts nothing; strict mode raises
+    the library's error."""
+    q, k, v = (torch.randn(2, 4, 9, 16, device=DEVICE) for _ in range(3))
+    with sdpa() as routing:
+        out = F.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.5))
+    assert routing.fell_through[api.OUTSIDE_CONTRACT] == 1 and routing.routed == 0
+    torch.testing.assert_close(out, api._TORCH_SDPA(q, k, v, scale=0.5))
     with sdpa() as routing, pytest.raises(RuntimeError, match="size of tensor"):
-        F.scaled_dot_product_attention(q, k[..., :5, :].expand(2, 3, 5, 16), v)
+        F.scaled_dot_product_attention(q, k[:, :3], v[:, :3])
     assert routing.routed == 0 and not routing.fell_through
-    with sdpa(strict=True), pytest.raises(ValueError, match="heads"):
-        F.scaled_dot_product_attention(q, k.expand(2, 1, 9, 16), v.expand(2, 1, 9, 16))
+    with sdpa(strict=True), pytest.raises(TypeError, match="scale"):
+        F.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.5))
 
 
 def test_sdpa_strict_raises() -> None:
