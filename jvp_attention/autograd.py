@@ -1007,8 +1007,9 @@ def sdpa(strict: bool = False):
     Calls that `attention` cannot take (dropout, head dims above 256, bfloat16 under Triton's
     interpreter) fall through to PyTorch's SDPA, to its math backend when they carry
     forward-mode tangents (its fused backends raise on those); each reason is warned about
-    once per process and counted in the yielded `SDPARouting`. Invalid calls (bad shapes)
-    reach PyTorch, which raises as it would without this block.
+    once per process and counted in the yielded `SDPARouting`. Leading dims that broadcast
+    (which PyTorch's math path takes) are expanded, as views, and routed. Invalid calls (bad
+    shapes) reach PyTorch, which raises as it would without this block.
 
     Args:
         strict: Raise on calls the library cannot take instead of falling through.
