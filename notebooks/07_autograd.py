@@ -1037,8 +1037,8 @@ def _autocast_dtype(query: Tensor) -> torch.dtype | None:
     that have none: meta tensors, which shape a model without memory)."""
     if not isinstance(query, Tensor):
         return None
-    device = query.device.type
-    if torch._C._is_autocast_available(device) and torch.is_autocast_enabled(device):
+    device = query.device.type  # (an attribute, not a C query: Dynamo traces it)
+    if not query.is_meta and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return None
 
