@@ -1487,22 +1487,26 @@ else:
 # depend on them), `host_breakdown.py` timed both at DiT-B/2 256 px and DiT-XL/2 512 px:
 
 # %% tags=["hide_input"]
-NATIVE_LAUNCH = RESULTS / "host_breakdown_native_launch_h100.json"
-if not NATIVE_LAUNCH.is_file():
-    print(f"no {NATIVE_LAUNCH.relative_to(REPO)}")
-else:
-    NL = json.loads(NATIVE_LAUNCH.read_text())
-    print(f"{NL['gpu']}'s host, µs per call, median (min to max) of "
-          f"{NL['summary'][next(iter(NL['summary']))]['runs']} runs each")
-    print(f"{'shape':12} {'mode':9} {'what':20} {'before':>22} {'direct C call':>22}")
-    for key in NL["summary"]:
+def print_host_ab(path, code: str, label: str) -> None:
+    """The medians (min to max) of an alternating host A/B run: 'before' against `code`."""
+    if not path.is_file():
+        print(f"no {path.relative_to(REPO)}")
+        return
+    summary = json.loads(path.read_text())
+    runs = summary["summary"][next(iter(summary["summary"]))]["runs"]
+    print(f"{summary['gpu']}'s host, µs per call, median (min to max) of {runs} runs each")
+    print(f"{'shape':12} {'mode':9} {'what':20} {'before':>22} {label:>22}")
+    for key, was in summary["summary"].items():
         if not key.endswith("(before)"):
             continue
         _, shape, mode, *what = key.removesuffix(" (before)").split(" ")
-        was, now = NL["summary"][key], NL["summary"][key.replace("(before)", "(native)")]
+        now = summary["summary"][key.replace("(before)", f"({code})")]
         print(f"{shape:12} {mode:9} {' '.join(what):20} "
               f"{was['median']:7.1f} ({was['min']:5.0f}-{was['max']:5.0f}) "
               f"{now['median']:7.1f} ({now['min']:5.0f}-{now['max']:5.0f})")
+
+
+print_host_ab(RESULTS / "host_breakdown_native_launch_h100.json", "native", "direct C call")
 
 # %% [markdown]
 # The replayed launches' own time fell by 26 to 38% (medians): at DiT-B/2 256 px from 28
@@ -1558,6 +1562,26 @@ else:
 # runs above), so these are its numbers, not the H200 targets' below. At the video shape
 # (1, 12, 32760, 128) the host's 0.68, 2.68 and 3.27 ms hide under 33, 67 and 181 ms of
 # GPU time.
+
+# %% [markdown]
+# #### A learnable bias
+#
+# A relative-position bias kept as a parameter, closed over by the model (no tangent; its
+# gradient in the backward, summed over the batch), made every backward take the whole
+# launch path: the buffers of the mask's gradient were allocated outside the recorded call.
+# They are now allocated with the call's other outputs and whether the call asks for them
+# is part of the replay's key (chapter 5). Eight runs of `host_breakdown.py --mode meanflow
+# --parameter-bias` on an H100 machine, alternating the two copies of the library
+# (`benchmarks/results/host_breakdown_parameter_bias_h100.json`):
+
+# %% tags=["hide_input"]
+print_host_ab(RESULTS / "host_breakdown_parameter_bias_h100.json", "after", "bias replayed")
+
+# %% [markdown]
+# At DiT-B/2 256 px, where the host bounds the call, the backward launcher's host time fell
+# from 204 to 121 µs (medians) and the MeanFlow call's from 1011 to 922 µs. At DiT-XL/2
+# 512 px the call waits for the GPU (1768 µs in both), so the layers' times there include
+# that wait and the change does not show.
 
 # %% [markdown]
 # ### The autograd engine's thread
