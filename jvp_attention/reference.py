@@ -16,6 +16,7 @@ the library's CPU fallback. A query row that sees no key gives `out = 0`, `tange
 """
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -159,7 +160,7 @@ def check_sdpa_arguments(
         ValueError: For shapes that do not fit (the message shows them) or tensors on
             different devices.
     """
-    _check_types(query, key, value, is_causal, scale)
+    _check_types(query, key, value, is_causal, scale, enable_gqa)
     _check_shapes(query, key, value, enable_gqa)
     _check_dtypes_and_devices(query, key, value, attn_mask, tangents)
     if attn_mask is not None:
@@ -170,14 +171,29 @@ def check_sdpa_arguments(
         _check_mask_tangent(mask_tangent, attn_mask, tangents)
 
 
-def _check_types(query, key, value, is_causal, scale) -> None:
+def _check_types(query, key, value, is_causal, scale, enable_gqa) -> None:
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, (bool, torch.SymBool)):  # (SymBool: a traced shape test)
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if scale is not None and not isinstance(scale, (float, int)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        _check_scale(scale)
+
+
+def _check_scale(scale) -> None:
+    """SDPA takes any real number as `scale`: a NumPy scalar, or a 0-d tensor that does not
+    require grad (read as a number: its gradient would be lost, so SDPA refuses that)."""
+    if isinstance(scale, torch.Tensor):
+        if scale.requires_grad:
+            raise TypeError("scale must be a number, got a tensor that requires grad (SDPA's "
+                            "scale takes no gradient: multiply the query by it instead)")
+        if scale.dim() == 0 and not scale.is_complex():
+            return
+    elif isinstance(scale, numbers.Real):
+        return
+    raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
 
 
 def _check_shapes(query, key, value, enable_gqa: bool) -> None:
@@ -281,7 +297,7 @@ def _prepare(
     if tangents is not None:
         tangents = tuple(upcast(t, i > 0) for i, t in enumerate(tangents))
     bias = attention_bias(attn_mask, is_causal, query.shape[-2], key.shape[-2], acc, query.device)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     bias_tangent = None
     if mask_tangent is not None:
         bias_tangent = attention_bias(mask_tangent, False, query.shape[-2], key.shape[-2], acc,

@@ -9,6 +9,7 @@ twice PyTorch's math-path error of the float64 truth.
 import warnings
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -592,20 +593,35 @@ def test_sdpa_broadcasts_leading_dims_as_pytorch_does() -> None:
     assert_accurate(ours, truth, floor, torch.float32, "broadcast leading dims")
 
 
-def test_sdpa_passes_on_what_only_pytorch_takes() -> None:
-    """Other calls outside `attention`'s contract go to PyTorch's SDPA: a tensor `scale` it
-    takes; an invalid call gets PyTorch's own error and counts nothing; strict mode raises
-    the library's error."""
+def test_sdpa_passes_on_what_only_pytorch_takes(monkeypatch) -> None:
+    """A scale that is a real number but not a float (NumPy, a 0-d tensor), which PyTorch's
+    SDPA takes, is routed; a call outside `attention`'s contract (here one its check
+    refuses) goes to PyTorch's SDPA; an invalid call gets PyTorch's own error and counts
+    nothing; strict mode raises the library's error."""
     q, k, v = (torch.randn(2, 4, 9, 16, device=DEVICE) for _ in range(3))
+    want = api._TORCH_SDPA(q, k, v, scale=0.5)
+    for scale in (np.float32(0.5), torch.tensor(0.5)):
+        with sdpa(strict=True) as routing:
+            out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        assert routing.routed == 1
+        torch.testing.assert_close(out, attention(q, k, v, scale=0.5), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="requires grad"):
+        attention(q, k, v, scale=torch.tensor(0.5, requires_grad=True))
+
+    def refuse(**call):
+        raise ValueError("outside the contract")
+
+    monkeypatch.setattr(api, "check_arguments", refuse)
     with sdpa() as routing:
-        out = F.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.5))
+        out = F.scaled_dot_product_attention(q, k, v, scale=0.5)
     assert routing.fell_through[api.OUTSIDE_CONTRACT] == 1 and routing.routed == 0
-    torch.testing.assert_close(out, api._TORCH_SDPA(q, k, v, scale=0.5))
+    torch.testing.assert_close(out, want)
+    with sdpa(strict=True), pytest.raises(ValueError, match="outside the contract"):
+        F.scaled_dot_product_attention(q, k, v)
+    monkeypatch.undo()
     with sdpa() as routing, pytest.raises(RuntimeError, match="size of tensor"):
         F.scaled_dot_product_attention(q, k[:, :3], v[:, :3])
     assert routing.routed == 0 and not routing.fell_through
-    with sdpa(strict=True), pytest.raises(TypeError, match="scale"):
-        F.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.5))
 
 
 def test_sdpa_strict_raises() -> None:
@@ -658,6 +674,9 @@ BAD_INPUTS = {
     "is_causal-tensor": (lambda: attention(Q, K, V, is_causal=torch.tensor(True)), TypeError,
                          "is_causal"),
     "scale-not-a-number": (lambda: attention(Q, K, V, scale="0.1"), TypeError, "scale"),
+    "scale-a-vector": (lambda: attention(Q, K, V, scale=torch.ones(2)), TypeError, "scale"),
+    "enable_gqa-not-a-bool": (lambda: attention(Q, K, V, enable_gqa=1), TypeError,
+                              "enable_gqa must be a bool"),
     "jvp-tangent-shape": (lambda: attention_jvp(Q, K, V, (Q, K[:, :, :5], V)), ValueError,
                           "tangent of key"),
     "jvp-tangent-dtype": (lambda: attention_jvp(Q, K, V, (Q, K, V.half())), ValueError,
