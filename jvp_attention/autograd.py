@@ -692,6 +692,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: boo
         if transform == TransformType.Vmap and forward_ad._current_level >= 0:
             return _apply(_Attention, q, k, v, mask, is_causal, scale,
                           _wants_residual(q, k, v), precision)
+    if traced:
+        _refuse_export_of_a_jvp()
     primals, tangents = _primals_and_tangents(q, k, v, mask, traced)
     if tangents is None:
         return _apply(_Attention, q, k, v, mask, is_causal, scale, _wants_residual(q, k, v),
@@ -752,6 +754,7 @@ def _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gq
                        tangents=None, mask_tangent=None):
     """Chapter 1's tiled implementation in PyTorch operations, differentiated by PyTorch:
     the output, or with `tangents` (out, tangent_out)."""
+    _refuse_export_of_a_jvp()
     if query.numel() == 0 or key.shape[-2] == 0 or value.shape[-1] == 0:
         out = _empty_attention(query, key, value)
         if tangents is None:
@@ -760,6 +763,20 @@ def _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gq
     result = tiled_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                              tangents, mask_tangent=mask_tangent)
     return result.out if tangents is None else (result.out, result.tangent_out)
+
+
+def _refuse_export_of_a_jvp() -> None:
+    """torch.export of a function that calls torch.func.jvp around `attention` cannot be
+    right today: on the kernels' path PyTorch's export asserts inside its tracer, and on the
+    PyTorch operations' path torch 2.13 lifts every tensor made inside the jvp by a factory
+    (`torch.full`, `torch.zeros_like`) as a constant holding a FakeTensor, so the exported
+    program returns FakeTensors. Raise instead of either."""
+    if jvp_nesting() and torch.compiler.is_exporting():
+        raise Unsupported(
+            "torch.export of torch.func.jvp",
+            "torch.export cannot capture torch.func.jvp around attention: export the "
+            "function without the jvp (the forward is captured as jvp_attention's operator), "
+            "or compile the jvp with torch.compile, which captures it")
 
 
 def _empty_attention(query, key, value):

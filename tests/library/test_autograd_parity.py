@@ -501,6 +501,30 @@ def test_bfloat16_in_the_interpreter_raises() -> None:
         attention(q, q, q)
 
 
+def test_export_of_a_jvp_raises_and_export_of_the_forward_is_right(path: str) -> None:
+    """torch.export of a function that calls torch.func.jvp around `attention` raises
+    `Unsupported` on every path (the kernels' path asserted inside PyTorch's tracer; on
+    PyTorch operations torch 2.13's export returned FakeTensors); exporting the forward alone
+    works, and the exported program matches eager attention."""
+    q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
+
+    class Forward(torch.nn.Module):
+        def forward(self, q, k, v):
+            return attention(q, k, v, is_causal=True)
+
+    class Tangent(torch.nn.Module):
+        def forward(self, q, k, v, t):
+            return torch.func.jvp(lambda q_: attention(q_, k, v), (q,), (t,))
+
+    exported = torch.export.export(Forward(), (q, k, v))
+    later = [torch.randn_like(q) for _ in range(3)]
+    got = exported.module()(*later)
+    assert type(got) is torch.Tensor
+    torch.testing.assert_close(got, attention(*later, is_causal=True), rtol=0, atol=0)
+    with pytest.raises(api.Unsupported, match="torch.export cannot capture torch.func.jvp"):
+        torch.export.export(Tangent(), (q, k, v, torch.randn_like(q)))
+
+
 # --- 6. the drop-in's fall-through ----------------------------------------------------------
 
 
