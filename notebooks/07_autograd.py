@@ -1235,7 +1235,7 @@ def _route(call: dict, strict: bool, routing: SDPARouting):
     backend when forward-mode tangents are present: the fused backends raise on them).
     Leading dims that broadcast are expanded and routed again; other arguments outside
     `attention`'s contract go to PyTorch too, which raises as it would without the drop-in,
-    or takes them (a tensor `scale`)."""
+    or takes them."""
     autocast_dtype = _autocast_dtype(call["query"])
     checked = dict(call)
     if autocast_dtype is not None:
