@@ -771,12 +771,19 @@ def _refuse_export_of_a_jvp() -> None:
     PyTorch operations' path torch 2.13 lifts every tensor made inside the jvp by a factory
     (`torch.full`, `torch.zeros_like`) as a constant holding a FakeTensor, so the exported
     program returns FakeTensors. Raise instead of either."""
-    if jvp_nesting() and torch.compiler.is_exporting():
+    if jvp_nesting() and _exporting():
         raise Unsupported(
             "torch.export of torch.func.jvp",
             "torch.export cannot capture torch.func.jvp around attention: export the "
             "function without the jvp (the forward is captured as jvp_attention's operator), "
             "or compile the jvp with torch.compile, which captures it")
+
+
+def _exporting() -> bool:
+    """torch.export is tracing. Read the flag export sets: Dynamo in torch 2.11 answers True
+    to `torch.compiler.is_exporting()` under every torch.compile, not only export's."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else flag
 
 
 def _empty_attention(query, key, value):

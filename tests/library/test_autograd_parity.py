@@ -525,6 +525,22 @@ def test_export_of_a_jvp_raises_and_export_of_the_forward_is_right(path: str) ->
         torch.export.export(Tangent(), (q, k, v, torch.randn_like(q)))
 
 
+def test_compiled_jvp_is_not_refused_as_an_export(path: str, monkeypatch) -> None:
+    """Dynamo in torch 2.11 answers True to `torch.compiler.is_exporting()` under every
+    torch.compile; the export refusal reads export's own flag, so a compiled jvp still runs
+    (simulated here on any torch: is_exporting answers as is_compiling does)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: torch.compiler.is_compiling())
+    q, k, v, t = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(4))
+
+    def tangent(q):
+        return torch.func.jvp(lambda q_: attention(q_, k, v, is_causal=True), (q,), (t,))[1]
+
+    compiled = torch.compile(tangent, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q), tangent(q), rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
+
+
 # --- 6. the drop-in's fall-through ----------------------------------------------------------
 
 
