@@ -766,6 +766,22 @@ def _forward_key_block(
 # float16, with an error $2^{-11}$, eight times below bf16's and well below the output's own
 # rounding. The scores keep their bf16 products ($Q$, $K$, $t_Q$, $t_K$ are never rounded).
 #
+# **Why not TF32.** Hopper's tensor cores also multiply fp32 operands as TF32: ten stored
+# mantissa bits and fp32's exponent range. $\tilde P$ rounded to TF32 keeps float16's 11
+# significant bits with no range to choose, and a bf16 or fp16 tile widens to fp32 exactly:
+# the carry's accuracy without copies, for fp16 inputs too. We tried it in place of the
+# split (one TF32 product for each probability product, $\tilde P$ rounded to nearest on its
+# bits, the 16-bit tile widened). Its errors were the split's to three digits, and it was
+# slower than the split: on an H200 at DiT-B/2's $(64, 12, 256)$, bf16, the forward with
+# its JVP took 0.237 ms at $d = 64$ against the split's 0.173 ("fast": 0.154) and 0.340
+# against 0.228 at $d = 72$ ("fast": 0.182); a MeanFlow call (the forward with its JVP, then
+# the primal backward) 0.519 against 0.417 ms and 0.767 against 0.594 ("fast": 0.342 and
+# 0.447) (`benchmarks/results/tf32_products_h200.json`, `tools/tile_sweep.py --auto-only
+# --check`). A TF32 product runs at half the 16-bit rate (NVIDIA's H100 datasheet: 495
+# against 989 dense TFLOP/s), as many tensor-core cycles as the split's two products, and
+# the widened tile is a second, fp32 copy of each block in shared memory, where the tensor
+# cores read that operand from, which the split does not need.
+#
 # The powers of two come back out exactly in fp32, once per row at the end. What has to be
 # chosen is the range, so that nothing overflows and nothing that matters underflows:
 #

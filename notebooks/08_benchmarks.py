@@ -2834,7 +2834,8 @@ def precision_bound(shape, mode, path, fast_ms):
     below 1024 keys the split products inside the kernels, from there the carry's passes
     beside the attention kernels (which then run as fast's)."""
     if path == "split":
-        return "split hi + lo products (below 1024 keys) inside the kernels"
+        return ("split hi + lo products (below 1024 keys) inside the kernels; one TF32 "
+                "product in their place was slower (chapter 2)")
     attention_ms, carry_ms = kernel_split(ts_case(shape, mode, "ours", fast_by_key) or {})
     if not carry_ms:
         return "the carry's range pass and copies"
