@@ -778,9 +778,10 @@ def _forward_key_block(
 # the primal backward) 0.519 against 0.417 ms and 0.767 against 0.594 ("fast": 0.342 and
 # 0.447) (`benchmarks/results/tf32_products_h200.json`, `tools/tile_sweep.py --auto-only
 # --check`). A TF32 product runs at half the 16-bit rate (NVIDIA's H100 datasheet: 495
-# against 989 dense TFLOP/s), as many tensor-core cycles as the split's two products, and
-# the widened tile is a second, fp32 copy of each block in shared memory, where the tensor
-# cores read that operand from, which the split does not need.
+# against 989 dense TFLOP/s), as many tensor-core cycles as the split's two products; and
+# the tensor cores read that operand from shared memory, so each block's widened tile is
+# written there again, twice the bytes of the 16-bit one, which the split does not need
+# (our reading of the difference; the kernels were timed, not profiled).
 #
 # The powers of two come back out exactly in fp32, once per row at the end. What has to be
 # chosen is the range, so that nothing overflows and nothing that matters underflows:
