@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import register_flop_formula
 
 from jvp_attention.backward import flash_attention_backward, mask_grad_buffer, traceable_backward
-from jvp_attention.forward import flash_attention_forward, traceable_forward
+from jvp_attention.forward import flash_attention_forward, lse_dtype, traceable_forward
 from jvp_attention.launch import accurate, get_precision, interpreting
 from jvp_attention.reference import check_sdpa_arguments, reference_attention, tiled_attention
 
@@ -98,7 +98,8 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_ca
 
 @_forward_op.register_fake
 def _forward_fake(q, k, v, attn_mask, is_causal, scale, residual, precision):
-    return _empty_out(q, v), _empty_rows(q), _empty_out(q, v) if residual else _NO_TENSOR(q)
+    return (_empty_out(q, v), _empty_rows(q, lse_dtype(attn_mask)),
+            _empty_out(q, v) if residual else _NO_TENSOR(q))
 
 
 @_operator("forward_jvp")
@@ -122,8 +123,8 @@ def _forward_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor, tk: Tensor, tv:
 def _forward_jvp_fake(q, k, v, tq, tk, tv, attn_mask, mask_tangent, is_causal, scale, residual,
                       precision):
     out_like = _empty_out(q, v) if residual else _NO_TENSOR(q)
-    return (_empty_out(q, v), _empty_out(q, v), _empty_rows(q), _empty_rows(q), out_like,
-            out_like.new_empty(out_like.shape))
+    return (_empty_out(q, v), _empty_out(q, v), _empty_rows(q, lse_dtype(attn_mask)),
+            _empty_rows(q), out_like, out_like.new_empty(out_like.shape))
 
 
 @_operator("backward")
@@ -191,8 +192,8 @@ def _empty_out(q: Tensor, v: Tensor) -> Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-def _empty_rows(q: Tensor) -> Tensor:
-    return q.new_empty(q.shape[:-1], dtype=torch.float32)
+def _empty_rows(q: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    return q.new_empty(q.shape[:-1], dtype=dtype)
 
 
 def _empty_mask_grad(q: Tensor, k: Tensor, mask: Tensor | None, mask_grad: bool) -> Tensor:

@@ -14,6 +14,12 @@ import triton.language as tl
 # constexpr, so that jit functions may read them (host code reads `.value`)
 LOG2E = tl.constexpr(math.log2(math.e))  # natural units to log2 units: exp2 for exp
 LN2 = tl.constexpr(math.log(2.0))  # log2 units back to natural ones (the LSE)
+# The lowest log2-unit score a bias gives (`log2_bias`): -2**31, where fp32 scores are 256
+# apart, so that a finite bias below it (the dtype's lowest number, as Hugging Face builds
+# its masks) stays finite instead of overflowing to -inf, and fp64 holds log2 of a row's
+# sum beside it (the LSE of an additive-mask call is fp64).
+LOWEST_SCORE = tl.constexpr(-2.0**31)
+BIAS_FLOOR = tl.constexpr(-(2.0**31) / math.log2(math.e))  # the natural-unit bias giving it
 # MASK_KIND: what the mask operand holds. ADDITIVE_WITH_TANGENT: each query row's biases
 # followed by their tangents, Nk elements further on (`launch.mask_operand`).
 NO_MASK = tl.constexpr(0)
@@ -197,13 +203,21 @@ def masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_
         s = tl.where(keep != 0, s, float("-inf"))
     if MASK_KIND >= ADDITIVE_MASK:  # or ADDITIVE_WITH_TANGENT: the bias is read the same
         bias = load_tile(mask_ptr, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
-        s = s + bias.to(tl.float32) * LOG2E
+        s = s + log2_bias(bias.to(tl.float32))
     if CHECK_BOUNDS:
         visible = cols[None, :] < n_k
         if IS_CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
         s = tl.where(visible, s, float("-inf"))
     return s
+
+
+@triton.jit
+def log2_bias(bias):
+    """A natural-unit bias in log2 units, no lower than LOWEST_SCORE unless it is -inf (a
+    masked key) or NaN (which propagates, as in SDPA)."""
+    lowest = tl.where(bias == float("-inf"), bias, LOWEST_SCORE)
+    return tl.where(bias < BIAS_FLOOR, lowest, bias * LOG2E)
 
 
 @triton.jit

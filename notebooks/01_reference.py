@@ -165,6 +165,8 @@ import torch
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+# The lowest log2-unit score an fp32 bias gives, as chapter 2's kernels fold it (`log2_bias`).
+LOWEST_SCORE = -(2.0**31)
 
 
 class AttentionOutputs(NamedTuple):
@@ -528,8 +530,13 @@ def _safe_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _probs_from_lse(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """P = exp(S - LSE), and 0 on rows with LSE = -inf (their scores are all -inf)."""
-    return torch.exp(scores - torch.where(lse == -math.inf, 0.0, lse)[..., None])
+    """P = exp(S - LSE), and 0 on rows with LSE = -inf (their scores are all -inf). A row
+    whose LSE is too large for the scores' dtype to hold log of the row's sum beside it (a
+    bias near the lowest score, `_log2_bias`) takes its own softmax instead."""
+    lse = lse.to(scores.dtype)
+    probs = torch.exp(scores - torch.where(lse == -math.inf, 0.0, lse)[..., None])
+    far = lse.abs() * torch.finfo(lse.dtype).eps > 2.0**-10
+    return torch.where(far[..., None], _safe_softmax(scores)[0], probs)
 
 
 def _sum_kv_groups(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -997,6 +1004,18 @@ def _online_epilogue(
     return AttentionOutputs(out.to(dtype), lse, tangent_out.to(dtype), mu)
 
 
+def _log2_bias(bias: torch.Tensor) -> torch.Tensor:
+    """An fp32 bias in log2 units no lower than LOWEST_SCORE (but -inf), as the kernels fold
+    it: the dtype's lowest number times log2(e) would overflow to -inf and hide a key that
+    SDPA counts. Its derivative is log2(e) everywhere, as the kernels' backward takes it."""
+    if bias.dtype != torch.float32:
+        return bias * LOG2_E
+    lowest = torch.where(bias == -math.inf, bias, LOWEST_SCORE)
+    folded = torch.where(bias < LOWEST_SCORE / LOG2_E, lowest, bias * LOG2_E)
+    moved = torch.where(bias == -math.inf, 0.0, bias - bias.detach())  # zero, with a gradient
+    return folded.detach() + moved * LOG2_E
+
+
 def tiled_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -1051,7 +1070,7 @@ def tiled_attention(
         k_j, v_j = x.k[..., cols, :], x.v[..., cols, :]
         scores = q_log2 @ k_j.mT
         if bias is not None:
-            scores = scores + bias[..., cols] * LOG2_E
+            scores = scores + _log2_bias(bias[..., cols])
         if is_causal:
             hidden = torch.arange(start, cols.stop, device=rows.device) > rows  # key j > query i
             scores = scores.masked_fill(hidden, -math.inf)

@@ -185,6 +185,12 @@ import triton.language as tl
 # constexpr, so that jit functions may read them (host code reads `.value`)
 LOG2E = tl.constexpr(math.log2(math.e))  # natural units to log2 units: exp2 for exp
 LN2 = tl.constexpr(math.log(2.0))  # log2 units back to natural ones (the LSE)
+# The lowest log2-unit score a bias gives (`log2_bias`): -2**31, where fp32 scores are 256
+# apart, so that a finite bias below it (the dtype's lowest number, as Hugging Face builds
+# its masks) stays finite instead of overflowing to -inf, and fp64 holds log2 of a row's
+# sum beside it (the LSE of an additive-mask call is fp64).
+LOWEST_SCORE = tl.constexpr(-2.0**31)
+BIAS_FLOOR = tl.constexpr(-(2.0**31) / math.log2(math.e))  # the natural-unit bias giving it
 # MASK_KIND: what the mask operand holds. ADDITIVE_WITH_TANGENT: each query row's biases
 # followed by their tangents, Nk elements further on (`launch.mask_operand`).
 NO_MASK = tl.constexpr(0)
@@ -386,13 +392,21 @@ def masked_scores(s, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q, n_
         s = tl.where(keep != 0, s, float("-inf"))
     if MASK_KIND >= ADDITIVE_MASK:  # or ADDITIVE_WITH_TANGENT: the bias is read the same
         bias = load_tile(mask_ptr, rows, cols, stride_mask_m, stride_mask_n, n_q, n_k)
-        s = s + bias.to(tl.float32) * LOG2E
+        s = s + log2_bias(bias.to(tl.float32))
     if CHECK_BOUNDS:
         visible = cols[None, :] < n_k
         if IS_CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
         s = tl.where(visible, s, float("-inf"))
     return s
+
+
+@triton.jit
+def log2_bias(bias):
+    """A natural-unit bias in log2 units, no lower than LOWEST_SCORE unless it is -inf (a
+    masked key) or NaN (which propagates, as in SDPA)."""
+    lowest = tl.where(bias == float("-inf"), bias, LOWEST_SCORE)
+    return tl.where(bias < BIAS_FLOOR, lowest, bias * LOG2E)
 
 
 @triton.jit
@@ -619,6 +633,7 @@ from jvp_attention.launch import (
 )
 from jvp_attention.reference import AttentionOutputs
 from jvp_attention.tiles import (
+    ADDITIVE_MASK,
     ADDITIVE_WITH_TANGENT,
     LN2,
     LOG2E,
@@ -1582,7 +1597,10 @@ def _attention_forward_kernel(
         store_rounded(o_ptr, o_residual_ptr, o2 * o_factor[:, None], flat_rows, rows,
                       dims_v2, n_q, value_dim, STORE_RESIDUAL)
     log2_l = tl.log2(tl.where(empty, 1.0, l_i))
-    lse = tl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
+    if MASK_KIND >= ADDITIVE_MASK:  # m_i may be near LOWEST_SCORE: add log2(l) in fp64
+        lse = tl.where(empty, float("-inf"), (m_i.to(tl.float64) + log2_l.to(tl.float64)) * LN2)
+    else:
+        lse = tl.where(empty, float("-inf"), (m_i + log2_l) * LN2)
     tl.store(lse_ptr + flat_rows, lse, mask=rows < n_q)
     if HAS_TANGENT:
         # acc_t is centred on the final mu: tO = acc_t / l, no cancellation left to do.
@@ -2961,7 +2979,8 @@ def flash_attention_forward(
             (`set_precision`).
 
     Returns:
-        AttentionOutputs(out, lse, tangent_out, mu); lse and mu are fp32 (B, Hq, Nq);
+        AttentionOutputs(out, lse, tangent_out, mu); lse and mu are (B, Hq, Nq), fp32
+        (lse fp64 with an additive attn_mask, `lse_dtype`);
         tangent_out and mu are None without tangents. With `residuals`, a pair
         (outputs, (out_residual, tangent_out_residual)).
 
@@ -2979,7 +2998,7 @@ def flash_attention_forward(
                else (is_causal, scale, residuals, exact, attn_mask is None, *facts))
         replay = FORWARD_REPLAYS.get(key) if key is not None else None
         if replay is not None and replay.usable():
-            buffers = forward_buffers(q, v.shape[3], has_tangent, residuals)
+            buffers = forward_buffers(q, v.shape[3], has_tangent, residuals, attn_mask)
             replay((q, k, v, *(tangents or NO_TANGENTS), attn_mask, *buffers))
             return forward_results(buffers, has_tangent, residuals)
     check_kernel_shapes(q, k, v)
@@ -2997,7 +3016,7 @@ def flash_attention_forward(
                                        tangents, jvp_operands if exact else None)
         if ran is not None:
             return ran
-    buffers = forward_buffers(q, value_dim, has_tangent, residuals)
+    buffers = forward_buffers(q, value_dim, has_tangent, residuals, attn_mask)
     pool = (q, k, v, *(tangents or NO_TANGENTS), attn_mask, *buffers)  # a replay's tensors
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     tq, tk, tv = (unit_last_stride(x) for x in tangents) if has_tangent else (q, k, v)
@@ -3048,19 +3067,26 @@ FORWARD_REPLAYS: dict[tuple, CallReplay] = replay_table()
 NO_TANGENTS = (None, None, None)  # a call without tangents, in a replay's pool
 
 
-def forward_buffers(q: torch.Tensor, value_dim: int, has_tangent: bool,
-                    residuals: bool) -> tuple[torch.Tensor, ...]:
+def forward_buffers(q: torch.Tensor, value_dim: int, has_tangent: bool, residuals: bool,
+                    attn_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """The forward's outputs, uninitialised, in the kernel's order: out, tangent_out, lse,
     mu and the residuals of out and tangent_out. Those the call does not compute alias out
     and lse, which the kernel then never writes through them."""
     batch, n_heads, n_q, _ = q.shape
     out = torch.empty((batch, n_heads, n_q, value_dim), device=q.device, dtype=q.dtype)
-    lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=torch.float32)
+    lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=lse_dtype(attn_mask))
     t_out = torch.empty_like(out) if has_tangent else out
-    mu = torch.empty_like(lse) if has_tangent else lse
+    mu = torch.empty_like(lse, dtype=torch.float32) if has_tangent else lse
     out_res = torch.empty_like(out) if residuals else out
     t_out_res = torch.empty_like(out) if residuals and has_tangent else out_res
     return out, t_out, lse, mu, out_res, t_out_res
+
+
+def lse_dtype(attn_mask: torch.Tensor | None) -> torch.dtype:
+    """The LSE's dtype: fp64 for an additive mask, whose bias can put a row's scores near
+    LOWEST_SCORE, where fp32 could not hold log2 of the row's sum beside them; else fp32."""
+    additive = attn_mask is not None and attn_mask.dtype != torch.bool
+    return torch.float64 if additive else torch.float32
 
 
 def lse_factors(buffers: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -121,6 +121,7 @@ from jvp_attention.launch import (
     unit_last_stride,
 )
 from jvp_attention.tiles import (
+    ADDITIVE_MASK,
     LOG2E,
     add_mask_tangent,
     aligned,
@@ -262,14 +263,19 @@ def _delta_of_block(o_ptr, o_residual_ptr, do_base, stride_dom, head_rows, rows,
 @triton.jit
 def _load_row_statistics(lse_ptr, delta, mu_ptr, c_ptr, rows, n_q, delta_factor,
                          p_exponent, factors_ptr, HAS_TANGENT: tl.constexpr,
-                         CARRY: tl.constexpr):
+                         CARRY: tl.constexpr, MASK_KIND: tl.constexpr):
     """LSE (in log2 units, less `p_exponent`, so that P comes out times 2**p_exponent),
     the tile's `delta` times `delta_factor` (and mu, c, in the carried units with CARRY) of
     a query tile. Rows past the end and rows that saw no key read LSE = +inf, so that their
-    P is exactly 0."""
+    P is exactly 0. With an additive mask the LSE is fp64 (chapter 2's `lse_dtype`) and
+    comes back as its fp32 (hi, lo) pair, joined: a bias can put it near LOWEST_SCORE."""
     in_range = rows < n_q
     lse = tl.load(lse_ptr + rows, mask=in_range, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E - p_exponent
+    if MASK_KIND >= ADDITIVE_MASK:
+        hi = lse2.to(tl.float32)
+        lo = tl.where(hi == float("inf"), 0.0, lse2 - hi.to(lse2.dtype)).to(tl.float32)
+        lse2 = tl.join(hi, lo)
     delta = delta * delta_factor
     if HAS_TANGENT:
         mu = tl.load(mu_ptr + rows, mask=in_range, other=0.0)
@@ -301,7 +307,11 @@ def _backward_tile(
         s = tl.dot(q2, tl.trans(k2), acc=s, input_precision=DOT_PRECISION)
     s = masked_scores(s * qk_scale, rows, cols, mask_ptr, stride_mask_m, stride_mask_n, n_q,
                        n_k, IS_CAUSAL, MASK_KIND, CHECK_BOUNDS)
-    p = tl.exp2(s - lse2[:, None])
+    if MASK_KIND >= ADDITIVE_MASK:  # (hi, lo): s - hi is exact near LOWEST_SCORE too
+        hi, lo = tl.split(lse2)
+        p = tl.exp2((s - hi[:, None]) - lo[:, None])
+    else:
+        p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     if DV_TAIL > 0:
         dp = tl.dot(do2, tl.trans(v2), acc=dp, input_precision=DOT_PRECISION)
@@ -871,7 +881,7 @@ def _attention_backward_dkdv_kernel(
             lse2, delta, mu, c = _load_row_statistics(
                 lse_ptr + stats, _load_delta(delta_ptr + stats, rows, n_q), mu_ptr + stats,
                 c_ptr + stats, rows, n_q, delta_factor, p_exponent, factors_ptr, HAS_TANGENT,
-                CARRY)
+                CARRY, MASK_KIND)
             p, ds, tp, dts = _backward_tile(
                 q, k, v, tq, tk, tv, do, dto, lse2, delta, mu, c, rows, cols,
                 head_mask, stride_mask_m, stride_mask_n, n_q, n_k, qk_scale, t_scale,
@@ -1054,7 +1064,8 @@ def _attention_backward_dq_kernel(
         delta = _load_delta(delta_ptr + stats, rows, n_q)
     lse2, delta, mu, c = _load_row_statistics(lse_ptr + stats, delta, mu_ptr + stats,
                                               c_ptr + stats, rows, n_q, delta_factor,
-                                              p_exponent, factors_ptr, HAS_TANGENT, CARRY)
+                                              p_exponent, factors_ptr, HAS_TANGENT, CARRY,
+                                              MASK_KIND)
     k_base = head_base(k_ptr, batch, kv_head, stride_kb, stride_kh, ALIGN)
     v_base = head_base(v_ptr, batch, kv_head, stride_vb, stride_vh, ALIGN)
     k_src = tile_source(k_base, n_k, head_dim, stride_kn, BLOCK_N, BLOCK_D, USE_TMA)
@@ -1577,8 +1588,8 @@ def backward_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: tor
     dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
     dtq, dtk, dtv = ((torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dv))
                      if has_tangent else (dq, dk, dv))
-    delta = torch.empty_like(lse)
-    return dq, dk, dv, dtq, dtk, dtv, delta, torch.empty_like(lse) if has_tangent else delta
+    delta = torch.empty_like(lse, dtype=torch.float32)
+    return dq, dk, dv, dtq, dtk, dtv, delta, torch.empty_like(delta) if has_tangent else delta
 
 
 # %% [markdown]
