@@ -169,9 +169,10 @@ def _load_row_statistics(lse_ptr, delta, mu_ptr, c_ptr, rows, n_q, delta_factor,
     lse = tl.load(lse_ptr + rows, mask=in_range, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E - p_exponent
     if MASK_KIND >= ADDITIVE_MASK:
-        hi = lse2.to(tl.float32)
-        lo = tl.where(hi == float("inf"), 0.0, lse2 - hi.to(lse2.dtype)).to(tl.float32)
-        lse2 = tl.join(hi, lo)
+        seen = lse2 != float("inf")
+        finite = tl.where(seen, lse2, 0.0)
+        hi = finite.to(tl.float32)
+        lse2 = tl.join(tl.where(seen, hi, float("inf")), (finite - hi.to(finite.dtype)).to(tl.float32))
     delta = delta * delta_factor
     if HAS_TANGENT:
         mu = tl.load(mu_ptr + rows, mask=in_range, other=0.0)

@@ -20,6 +20,7 @@ from helpers import (
     DEVICE,
     HAS_CUDA,
     Spec,
+    allowed_error,
     assert_accurate,
     expected_with_bias,
     make_bias,
@@ -539,6 +540,50 @@ def test_compiled_jvp_is_not_refused_as_an_export(path: str, monkeypatch) -> Non
     compiled = torch.compile(tangent, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(q), tangent(q), rtol=1e-6, atol=1e-6)
     torch._dynamo.reset()
+
+
+HUGE_BIASES = {"lowest": torch.finfo(torch.float32).min, "1e30": -1e30, "1e9": -1e9}
+
+
+def _masked_step(fn, q, k, v, tangents, bias) -> list[torch.Tensor]:
+    """out and tangent_out under torch.func.jvp, then the gradients of q, k, v and the
+    (learnable) bias of a loss that reads both."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, bias)]
+    out, t_out = torch.func.jvp(lambda a, b, c: fn(a, b, c, attn_mask=leaves[3]),
+                                tuple(leaves[:3]), tangents)
+    (out.square().sum() + (t_out * out.detach()).sum()).backward()
+    return [out.detach(), t_out.detach(), *(x.grad for x in leaves)]
+
+
+@pytest.mark.parametrize("fill", HUGE_BIASES.values(), ids=HUGE_BIASES.keys())
+def test_rows_masked_entirely_by_a_huge_bias_average_as_sdpa(path: str, fill: float) -> None:
+    """Rows whose every key has a huge finite bias (the dtype's lowest number, as Hugging
+    Face builds masks; -1e30; -1e9): SDPA's fp32 math path rounds the scores away and
+    averages the values, its gradients to match. The kernels gave zeros (the log2 fold
+    overflowed to -inf) or, from about -1e7, gradients off by O(1) (fp32 could not hold log2
+    of the row's sum beside the shift), and chapter 1's fallback zeros. Truth: float64 SDPA
+    with the bias at -1e300, which rounds the scores away in float64 too; the allowance is
+    PyTorch's fp32 math error against it, as everywhere."""
+    torch.manual_seed(0)
+    q, k, v, tq, tk, tv = (torch.randn(1, 2, 20, 16, device=DEVICE) for _ in range(6))
+    hidden = torch.zeros(2, 20, 20, dtype=torch.bool, device=DEVICE)
+    hidden[:, 2], hidden[:, 4, 1:], hidden[:, 7:, 3:9] = True, True, True  # rows 2, 4 entirely
+    bias = torch.randn(2, 20, 20, device=DEVICE) * 0.5
+
+    def step(fn, dtype, low):
+        cast = [x.to(dtype) for x in (q, k, v, tq, tk, tv)]
+        return _masked_step(fn, *cast[:3], tuple(cast[3:]), bias.to(dtype).masked_fill(hidden, low))
+
+    with sdpa_kernel(SDPBackend.MATH):
+        truth = step(F.scaled_dot_product_attention, torch.float64, -1e300)
+        math32 = step(F.scaled_dot_product_attention, torch.float32, fill)
+    ours = step(attention, torch.float32, fill)
+    names = ("out", "tangent_out", "dq", "dk", "dv", "dmask")
+    for name, got, pytorch, want in zip(names, ours, math32, truth, strict=True):
+        error = (got.double() - want).abs().max().item()
+        floor = (pytorch.double() - want).abs().max().item()
+        allowed = allowed_error(torch.float32, floor, want.abs().max().item())
+        assert error <= allowed, f"{path} {name}: {error:.2e} > {allowed:.2e} (floor {floor:.2e})"
 
 
 # --- 6. the drop-in's fall-through ----------------------------------------------------------
