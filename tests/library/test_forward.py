@@ -173,6 +173,19 @@ def test_tails_pair_only_where_products_split(monkeypatch) -> None:
 # --- properties of the kernel beyond accuracy ---------------------------------------------
 
 
+@pytest.mark.parametrize("mask", [None, "bool", "additive"])
+def test_lse_dtype_follows_the_mask(mask: str | None) -> None:
+    """LSE is fp32, and fp64 with an additive mask, whose bias can put a row's scores near
+    the lowest score (chapter 2's `LOWEST_SCORE`), where fp32 could not hold log2 of the
+    row's sum beside them; mu stays fp32."""
+    q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
+    attn_mask = {None: None, "bool": torch.rand(9, 9, device=DEVICE) > 0.3,
+                 "additive": torch.randn(9, 9, device=DEVICE)}[mask]
+    result = flash_attention_forward(q, k, v, attn_mask, tangents=(q, k, v))
+    assert result.lse.dtype == (torch.float64 if mask == "additive" else torch.float32)
+    assert result.mu.dtype == torch.float32
+
+
 @pytest.mark.parametrize("spec", [
     Spec(hq=2, hkv=1, nq=33, nk=17, d=40, mask="empty_rows", causal=True),
     Spec(batch=2, nq=17, nk=40, d=64, mask="additive4d", layout="bnhd"),
