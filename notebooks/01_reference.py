@@ -982,6 +982,12 @@ draw_state()
 # `tiled_attention` is that loop with both details, over blocks of `block_n` keys: it never
 # holds more than a `(..., Nq, block_n)` slab of scores, and it applies the causal mask per
 # block from indices, as a kernel does, instead of reading an $N_q \times N_k$ bias.
+# An fp32 bias is folded into log2 units as the kernels fold it (`_log2_bias`, chapter 2's
+# `log2_bias`): no lower than $-2^{31}$, so that the dtype's lowest number, which Hugging
+# Face masks with, stays a finite and equally low score rather than overflowing to
+# $-\infty$, and a row masked entirely by it averages the values as SDPA's fp32 math path
+# does. `reference_backward` rebuilds $P$ from the LSE; a row whose LSE is too large for its
+# dtype to hold $\log \ell$ beside it (such a row) takes its own softmax instead.
 
 # %% tags=["export"]
 def _online_epilogue(

@@ -498,6 +498,28 @@ def query_block_start(BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
 # empty. Without a user mask every row sees key 0 in the first block, and the guard is
 # compiled out.
 #
+# **Huge biases.** Models mask with finite numbers too: Hugging Face fills its masks with the
+# dtype's lowest number, other code with -1e9. SDPA's fp32 math path adds such a bias to the
+# scores, where it rounds them away: a row that every key masks that way averages the values
+# (every score equally low), with gradients to match. Two things stood between the kernels
+# and that answer. Folded into log2 units, $-3.4 \cdot 10^{38}$ times $\log_2 e$ overflows to
+# $-\infty$, so such a row saw no key and gave zeros; `log2_bias` saturates the fold at
+# `LOWEST_SCORE` $= -2^{31}$ instead (where fp32 scores lie 256 apart, so the scores are
+# rounded away as in SDPA), keeping $-\infty$ and NaN as they are. And a row whose maximum
+# is that low has an LSE, $m + \log_2 \ell$, that fp32 cannot hold: at $|m| = 2^{31}$ its
+# neighbours are 256 apart and $\log_2 \ell$ vanishes (already at $|m| = 2^{24}$ the
+# rounding moves the backward's $P = 2^{S - \mathrm{LSE}}$ by up to 40%; at a bias of
+# $-10^9$ the gradients were off by as much as their own size). So a call with an additive
+# mask stores its LSE in fp64 (`lse_dtype`), the sum made in fp64 from the fp32 $m$ and
+# $\log_2 \ell$, and chapter 5's backward reads it as an fp32 pair, $\mathrm{hi} +
+# \mathrm{lo}$. Calls without an additive mask, whose scores are the products' own, keep
+# fp32 and their bits. Through Triton's interpreter, at $(1, 2, 20, 16)$ in fp32 with rows
+# masked entirely by $-3.4 \cdot 10^{38}$, $-10^{30}$ and $-10^{9}$ and a learnable bias, the
+# output, its tangent and every gradient (the bias's and the backward through the tangent's
+# too) now lie within $2 \cdot 10^{-6}$ of SDPA's fp32 math path
+# (`test_rows_masked_entirely_by_a_huge_bias_average_as_sdpa`); before, the output was off
+# by 0.53 and dQ by 5.9.
+#
 # $\tilde P$ is rounded to the input dtype before the $\tilde P V$ product, so the tensor
 # cores run at 16-bit speed; the product accumulates in fp32. For fp32 inputs the dots use
 # IEEE fp32 (`input_precision="ieee"`) rather than TF32, to match PyTorch's fp32 math.

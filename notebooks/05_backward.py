@@ -208,7 +208,12 @@ def _row_statistics_kernel(
 #   its gradients zero;
 # * rows past the end of the sequence read $\mathrm{LSE} = +\infty$ for the same reason, and
 #   key columns past the end are masked to $-\infty$ in the boundary tiles (a zero-padded
-#   key could otherwise meet a very negative LSE and overflow).
+#   key could otherwise meet a very negative LSE and overflow);
+# * with an additive mask a row's scores can lie near chapter 2's `LOWEST_SCORE`
+#   ($-2^{31}$, a bias at the dtype's lowest number), where fp32 cannot hold the LSE: it
+#   arrives in fp64 (`lse_dtype`) and is read as an fp32 pair, $\mathrm{hi} + \mathrm{lo}$,
+#   so that $P = 2^{(S_2 - \mathrm{hi}) - \mathrm{lo}}$, whose first difference is exact
+#   there (one subtraction more per entry, in such calls only).
 #
 # $P$ and $dS$ are rounded to the input dtype right before the products that consume them;
 # all accumulation is fp32. In the default "accurate" precision mode (chapter 3) each such
