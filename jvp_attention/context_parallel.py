@@ -141,8 +141,9 @@ def _jvp_nesting() -> int:
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...] | None,
                    mask: Tensor | None, is_causal: bool, scale: float,
                    precision: str) -> AttentionOutputs:
-    """(out, lse[, tangent_out, mu]) of (B, H, n, D) queries against one block of keys; out
-    and tangent_out in the accumulation dtype (fp32, or float64 for float64 inputs)."""
+    """(out, lse[, tangent_out, mu]) of (B, H, n, D) queries against one block of keys, in
+    the accumulation dtype (fp32, or float64 for float64 inputs; the fp64 LSE of an additive
+    mask too: a row that huge biases mask in every block keeps fp32's LSE)."""
     if not _library.uses_kernels(q, k, v):
         result = reference_attention(q, k, v, mask, is_causal, scale, True, tangents)
         return AttentionOutputs(*(None if x is None else x.to(result.lse.dtype)
@@ -152,10 +153,10 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...]
     if tangents is None:
         out, lse, out_res = torch.ops.jvp_attention.forward(q, k, v, mask, is_causal, scale,
                                                             residual, precision)
-        return AttentionOutputs(_unrounded(out, out_res), lse)
+        return AttentionOutputs(_unrounded(out, out_res), lse.float())
     out, t_out, lse, mu, out_res, t_res = torch.ops.jvp_attention.forward_jvp(
         q, k, v, *tangents, mask, None, is_causal, scale, residual, precision)
-    return AttentionOutputs(_unrounded(out, out_res), lse, _unrounded(t_out, t_res), mu)
+    return AttentionOutputs(_unrounded(out, out_res), lse.float(), _unrounded(t_out, t_res), mu)
 
 
 def _block_backward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...] | None,
