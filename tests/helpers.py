@@ -667,7 +667,7 @@ def assert_accurate(ours: dict[str, torch.Tensor], truth: dict[str, torch.Tensor
         if not math.isfinite(floor_error):  # PyTorch gave NaN everywhere: no floor to use
             floor_error, note = 0.0, " (PyTorch's math path is NaN throughout: floor taken as 0)"
         # The mask's gradients are fp32 but computed from `dtype` inputs: its roundings.
-        allowed = allowed_error(dtype if name in MASK_GRAD_NAMES else x.dtype, floor_error,
+        allowed = allowed_error(dtype if name in MASK_GRAD_NAMES else _result_dtype(x), floor_error,
                                 scale[name] if name in ROW_STATISTICS else shared,
                                 x.device.type, row_statistic=name in ROW_STATISTICS,
                                 cancellation=0.0 if name in ROW_STATISTICS else cancellation,
@@ -686,6 +686,11 @@ def assert_accurate(ours: dict[str, torch.Tensor], truth: dict[str, torch.Tensor
                 f"{acc.error / allowed:.2f}x the allowance, {acc.ratio:.2f}x PyTorch's error")
     assert not failures, f"{what} [{label}]:\n  " + "\n  ".join(failures)
     return table
+
+
+def _result_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a result was computed in: an fp64 LSE (additive masks) holds fp32 sums."""
+    return torch.float32 if x.dtype == torch.float64 else x.dtype
 
 
 def _max_abs(x: torch.Tensor) -> float:
