@@ -548,7 +548,9 @@ def forward_buffers(q: torch.Tensor, value_dim: int, has_tangent: bool, residual
     and lse, which the kernel then never writes through them."""
     batch, n_heads, n_q, _ = q.shape
     out = torch.empty((batch, n_heads, n_q, value_dim), device=q.device, dtype=q.dtype)
-    lse = torch.empty((batch, n_heads, n_q), device=q.device, dtype=lse_dtype(attn_mask))
+    wide = attn_mask is not None and attn_mask.dtype != torch.bool  # `lse_dtype`, inline
+    lse = torch.empty((batch, n_heads, n_q), device=q.device,
+                      dtype=torch.float64 if wide else torch.float32)
     t_out = torch.empty_like(out) if has_tangent else out
     mu = torch.empty_like(lse, dtype=torch.float32) if has_tangent else lse
     out_res = torch.empty_like(out) if residuals else out

@@ -183,6 +183,7 @@ def test_lse_dtype_follows_the_mask(mask: str | None) -> None:
                  "additive": torch.randn(9, 9, device=DEVICE)}[mask]
     result = flash_attention_forward(q, k, v, attn_mask, tangents=(q, k, v))
     assert result.lse.dtype == (torch.float64 if mask == "additive" else torch.float32)
+    assert result.lse.dtype == jvp_attention.forward.lse_dtype(attn_mask)  # the fakes' rule
     assert result.mu.dtype == torch.float32
 
 
