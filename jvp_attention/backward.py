@@ -172,7 +172,8 @@ def _load_row_statistics(lse_ptr, delta, mu_ptr, c_ptr, rows, n_q, delta_factor,
         seen = lse2 != float("inf")
         finite = tl.where(seen, lse2, 0.0)
         hi = finite.to(tl.float32)
-        lse2 = tl.join(tl.where(seen, hi, float("inf")), (finite - hi.to(finite.dtype)).to(tl.float32))
+        lo = (finite - hi.to(finite.dtype)).to(tl.float32)
+        lse2 = tl.join(tl.where(seen, hi, float("inf")), lo)
     delta = delta * delta_factor
     if HAS_TANGENT:
         mu = tl.load(mu_ptr + rows, mask=in_range, other=0.0)
