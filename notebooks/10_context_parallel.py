@@ -317,9 +317,9 @@ def _jvp_nesting() -> int:
 def _block_forward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...] | None,
                    mask: Tensor | None, is_causal: bool, scale: float,
                    precision: str) -> AttentionOutputs:
-    """(out, lse[, tangent_out, mu]) of (B, H, n, D) queries against one block of keys, in
-    the accumulation dtype (fp32, or float64 for float64 inputs; the fp64 LSE of an additive
-    mask too: a row that huge biases mask in every block keeps fp32's LSE)."""
+    """(out, lse[, tangent_out, mu]) of (B, H, n, D) queries against one block of keys; out,
+    tangent_out and mu in the accumulation dtype (fp32, or float64 for float64 inputs), lse
+    as the kernels give it (fp64 with an additive mask, chapter 2's `lse_dtype`)."""
     if not _library.uses_kernels(q, k, v):
         result = reference_attention(q, k, v, mask, is_causal, scale, True, tangents)
         return AttentionOutputs(*(None if x is None else x.to(result.lse.dtype)
@@ -329,10 +329,10 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...]
     if tangents is None:
         out, lse, out_res = torch.ops.jvp_attention.forward(q, k, v, mask, is_causal, scale,
                                                             residual, precision)
-        return AttentionOutputs(_unrounded(out, out_res), lse.float())
+        return AttentionOutputs(_unrounded(out, out_res), lse)
     out, t_out, lse, mu, out_res, t_res = torch.ops.jvp_attention.forward_jvp(
         q, k, v, *tangents, mask, None, is_causal, scale, residual, precision)
-    return AttentionOutputs(_unrounded(out, out_res), lse.float(), _unrounded(t_out, t_res), mu)
+    return AttentionOutputs(_unrounded(out, out_res), lse, _unrounded(t_out, t_res), mu)
 
 
 def _block_backward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...] | None,
@@ -642,12 +642,13 @@ def _merge_rows(merged: AttentionOutputs | None, block: AttentionOutputs, rows: 
                 q: Tensor, v: Tensor) -> AttentionOutputs:
     """Merge `block` (results for `rows` of the queries) into the running results."""
     if merged is None:  # no key seen yet: LSE = -inf, everything else 0
-        acc = block.lse.dtype
+        acc = block.out.dtype  # the LSE keeps its own (fp64 with an additive mask)
         zeros = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc)
-        rows_stat = q.new_zeros(q.shape[:-1], dtype=acc)
-        merged = AttentionOutputs(zeros, rows_stat - math.inf,
+        merged = AttentionOutputs(zeros, q.new_full(q.shape[:-1], -math.inf,
+                                                    dtype=block.lse.dtype),
                                   None if block.mu is None else zeros.clone(),
-                                  None if block.mu is None else rows_stat.clone())
+                                  None if block.mu is None else q.new_zeros(q.shape[:-1],
+                                                                            dtype=acc))
     seen = AttentionOutputs(*(None if x is None else _row_view(x, rows) for x in merged))
     for into, value in zip(merged, _merge_two(seen, block), strict=True):
         if into is not None:
@@ -671,7 +672,7 @@ def _ring_outputs(merged: AttentionOutputs, dtype: torch.dtype,
         return y, (x - y.to(x.dtype)).to(dtype) if keep else empty()
 
     (out, out_res), (t_out, t_res) = rounded(merged.out), rounded(merged.tangent_out)
-    mu = empty(merged.lse.dtype) if merged.mu is None else merged.mu
+    mu = empty(merged.out.dtype) if merged.mu is None else merged.mu
     return out, t_out, merged.lse, mu, out_res, t_res
 
 
@@ -689,7 +690,7 @@ def _ring_backward(saved: tuple[Tensor | None, ...], grad_out: Tensor | None,
     if grad_out is None:
         grad_out = out.new_zeros(()).expand_as(out)
     travelling = (k, v, tk, tv) if second else (k, v)
-    acc = lse.dtype
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros_like(q, dtype=acc)
     dtq = torch.zeros_like(q, dtype=acc) if second else None
     stats = (out, lse, t_out, mu, out_res, t_res)
@@ -1237,6 +1238,9 @@ class CheckCase:
     is_causal: bool = False
     layout: str = "contiguous"
     key_padding: bool = False
+    # With key_padding: an additive mask with this bias on the padding (else a bool mask),
+    # and the last sequence padding throughout, so its rows see no key at all.
+    pad_value: float | None = None
 
     @property
     def label(self) -> str:
@@ -1246,7 +1250,7 @@ class CheckCase:
         if self.layout != "contiguous":
             parts.append(self.layout)
         if self.key_padding:
-            parts.append("keypad")
+            parts.append("keypad" if self.pad_value is None else f"keypad {self.pad_value:g}")
         return " ".join(parts)
 
 
@@ -1325,7 +1329,12 @@ def _case_tensors(case: CheckCase, seed: int, device: torch.device):
     if case.key_padding:  # sequence i keeps its first n / (i + 1) keys: in sequence 1 the
         # last half, so whole key blocks, are padding (rows that see nothing of a block)
         lengths = torch.tensor([n // (i + 1) for i in range(b)])
-        mask = (torch.arange(n) < lengths[:, None])[:, None, None, :].to(device)
+        if case.pad_value is not None:
+            lengths[-1] = 0
+        keep = (torch.arange(n) < lengths[:, None])[:, None, None, :]
+        mask = keep if case.pad_value is None else torch.zeros(keep.shape).masked_fill(
+            ~keep, case.pad_value)
+        mask = mask.to(device)
     return tensors[:6], mask, tensors[6:]
 
 
@@ -1386,7 +1395,10 @@ def allowed_error(dtype: torch.dtype, quantity: str, numbers: dict, world: int,
 # allowance for the kernels' dtypes (`allowed_error`) is the test suite's rule: at most twice
 # `attention`'s own error on one process, plus a few roundings at the problem's scale, plus
 # for gradients one rounding per rank (each block's gradient is rounded to the dtype before
-# the sums); float64 must agree to $10^{-12}$.
+# the sums); float64 must agree to $10^{-12}$. A block's LSE keeps the kernels' dtype, fp64
+# with an additive mask (chapter 2's `lse_dtype`): padding masked with the dtype's lowest
+# number puts a padded row's LSE near $-1.5 \cdot 10^{9}$, where an fp32 merge loses the
+# log of its sum (the test suite's `pad_value` case: 0.59 off in the output with it).
 
 # %%
 from jvp_attention.context_parallel import (CheckCase, allowed_error, compare_with_one_process,

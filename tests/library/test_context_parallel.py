@@ -57,6 +57,10 @@ TWO_RANKS = [
     # batch 2: sequence 1's second half is padding, so rank 1's own block (the causal
     # diagonal) shows its rows no key at all
     CheckCase("ring", F32, **dict(TINY, batch=2), is_causal=True, key_padding=True),
+    # sequence 1 is padding throughout, masked by the dtype's lowest number, as Hugging Face
+    # masks: its rows average the values, and the ring merges their LSE in fp64
+    CheckCase("ring", F32, **dict(TINY, batch=2), key_padding=True,
+              pad_value=torch.finfo(torch.float32).min),
 ]
 FOUR_RANKS = [
     CheckCase("ulysses", F64, heads=8, kv_heads=2, is_causal=True, key_padding=True),
