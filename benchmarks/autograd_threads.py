@@ -130,6 +130,9 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Iterable[str] | None = None) -> dict:
     args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():  # not hours in the interpreter
+        raise SystemExit(f"{Path(__file__).name} needs a CUDA GPU (none found); "
+                         "--smoke runs a tiny case on the CPU")
     cycles = ts.sleep_cycles_per_ms()
     data = {**bench.run_record(SCHEMA, args.smoke),
             "settings": {"dtype": args.dtype, "precision": bench.precision_mode(),

@@ -907,6 +907,9 @@ def main(argv: Iterable[str] | None = None) -> dict:
         for i, case in enumerate(cases, 1):
             print(f"{i:4} tier {case.tier} {case.label()} {case.flops / 1e12:9.3f} TFLOP")
         return {}
+    if not args.smoke and not torch.cuda.is_available():  # not hours in the interpreter
+        raise SystemExit(f"{Path(__file__).name} needs a CUDA GPU (none found); "
+                         "--smoke runs a tiny case on the CPU")
     device = "cuda" if HAS_CUDA else "cpu"
     if HAS_CUDA:  # initialise the context and cuBLAS before anything is timed
         x = torch.randn(256, 256, device=device)

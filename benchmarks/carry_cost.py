@@ -144,6 +144,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=None,
                         help="B,H,N,d shapes instead of the default list")
     args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():  # not hours in the interpreter
+        raise SystemExit(f"{Path(__file__).name} needs a CUDA GPU (none found); "
+                         "--smoke runs a tiny case on the CPU")
     args.bias = args.bias or args.parameter_bias
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     shapes, dtype = (SMOKE_SHAPES, torch.float16) if args.smoke else (SHAPES, torch.bfloat16)

@@ -126,6 +126,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="CPU: a tiny case")
     args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():  # not hours in the interpreter
+        raise SystemExit(f"{Path(__file__).name} needs a CUDA GPU (none found); "
+                         "--smoke runs a tiny case on the CPU")
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     rows = [row for shape in (SMOKE_SHAPES if args.smoke else SHAPES)
             for row in measure(shape, device)]

@@ -134,6 +134,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():  # not hours in the interpreter
+        raise SystemExit(f"{Path(__file__).name} needs a CUDA GPU (none found); "
+                         "--smoke runs a tiny case on the CPU")
     if args.smoke:
         dit = md.DiTConfig(image_size=8, patch_size=2, width=64, depth=args.depth, heads=4)
         batch, dtype, warmup = 2, "float32", 1

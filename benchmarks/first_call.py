@@ -130,6 +130,11 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child)))
         return
+    import torch  # (the children time their own imports)
+
+    if not args.smoke and not torch.cuda.is_available():  # not hours in the interpreter
+        raise SystemExit(f"{Path(__file__).name} needs a CUDA GPU (none found); "
+                         "--smoke runs a tiny case on the CPU")
 
     sys.path.insert(0, str(HERE))
     import bench  # the run record: device, versions, commit

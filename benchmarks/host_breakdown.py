@@ -284,6 +284,9 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Iterable[str] | None = None) -> dict:
     args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():  # not hours in the interpreter
+        raise SystemExit(f"{Path(__file__).name} needs a CUDA GPU (none found); "
+                         "--smoke runs a tiny case on the CPU")
     shapes = ts.SMOKE_SHAPES if args.smoke else {name: ts.SHAPES[name] for name in args.shape}
     timers = LayerTimers()
     for label, owner, name in call_layers():

@@ -133,6 +133,9 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():  # not hours in the interpreter
+        raise SystemExit(f"{Path(__file__).name} needs a CUDA GPU (none found); "
+                         "--smoke runs a tiny case on the CPU")
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {VARIANTS}")

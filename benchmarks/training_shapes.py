@@ -925,6 +925,9 @@ def configure_library(args: argparse.Namespace) -> None:
 def main(argv: Iterable[str] | None = None) -> dict:
     start = time.perf_counter()  # the wall budget counts from here, not from the import
     args = parse_args(argv)
+    if not args.smoke and not args.list and not torch.cuda.is_available():  # not hours in the interpreter
+        raise SystemExit(f"{Path(__file__).name} needs a CUDA GPU (none found); "
+                         "--smoke runs a tiny case on the CPU")
     cases = plan(args)
     if args.list:
         for i, case in enumerate(cases, 1):

@@ -229,6 +229,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--causal", choices=("0", "1", "both"), default="both")
     args = parser.parse_args()
+    if not args.resources and not torch.cuda.is_available():  # not hours in the interpreter
+        raise SystemExit(f"{Path(__file__).name} needs a CUDA GPU (none found); "
+                         "--resources compiles for sm_90 on the CPU")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     if args.resources:
         rows = resources(dtype, 128) + resources(dtype, 64)

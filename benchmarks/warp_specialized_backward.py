@@ -316,6 +316,9 @@ def main() -> None:
     parser.add_argument("--tangent-resources", action="store_true",
                         help="compile the backward through the tangent's passes instead")
     args = parser.parse_args()
+    if not (args.resources or args.tangent_resources) and not torch.cuda.is_available():  # not hours in the interpreter
+        raise SystemExit(f"{Path(__file__).name} needs a CUDA GPU (none found); "
+                         "--resources compiles for sm_90 on the CPU")
     if args.tangent_resources:
         rows = tangent_resources()
     elif args.resources:

@@ -15,6 +15,9 @@ Public API:
     get_precision: the precision mode in effect.
     lean_zero_tangents: faster zero tangents for any model under torch.func.jvp (a
         function and a context manager, like torch.set_grad_enabled).
+    reference_attention, tiled_attention: chapter 1's attention and its JVP in PyTorch
+        operations (the ground truth, whole and in key blocks).
+    AttentionOutputs: what those two return (the output, LSE, tangent and mu).
 """
 
 import importlib
@@ -37,8 +40,9 @@ _HOME = {
     "AttentionOutputs": "reference", "reference_attention": "reference",
     "tiled_attention": "reference", "lean_zero_tangents": "zero_tangents",
 }
-_MODULES = ("accuracy", "autograd", "backward", "context_parallel", "forward", "launch",
-            "reference", "tiles", "zero_tangents")
+_MODULES = ("accuracy", "autograd", "backward", "context_parallel", "forward",
+            "hopper_backward", "launch", "reference", "tiles", "warp_specialized",
+            "zero_tangents")
 
 
 def __getattr__(name: str):

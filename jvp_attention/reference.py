@@ -176,10 +176,10 @@ def check_sdpa_arguments(
 def _check_types(query, key, value, is_causal, scale, enable_gqa) -> None:
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {_type_name(x)}")
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(flag, (bool, torch.SymBool)):  # (SymBool: a traced shape test)
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+            raise TypeError(f"{name} must be a bool, got {_type_name(flag)}")
     if scale is not None and not isinstance(scale, (float, int)):
         _check_scale(scale)
 
@@ -195,7 +195,13 @@ def _check_scale(scale) -> None:
             return
     elif isinstance(scale, numbers.Real):
         return
-    raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    raise TypeError(f"scale must be a float or None, got {_type_name(scale)}")
+
+
+def _type_name(x) -> str:
+    """A type's name as an error message needs it: `numpy.bool`, not `bool`."""
+    kind = type(x)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
 
 
 def _check_shapes(query, key, value, enable_gqa: bool) -> None:

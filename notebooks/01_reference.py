@@ -373,10 +373,10 @@ def check_sdpa_arguments(
 def _check_types(query, key, value, is_causal, scale, enable_gqa) -> None:
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {_type_name(x)}")
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(flag, (bool, torch.SymBool)):  # (SymBool: a traced shape test)
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+            raise TypeError(f"{name} must be a bool, got {_type_name(flag)}")
     if scale is not None and not isinstance(scale, (float, int)):
         _check_scale(scale)
 
@@ -392,7 +392,13 @@ def _check_scale(scale) -> None:
             return
     elif isinstance(scale, numbers.Real):
         return
-    raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    raise TypeError(f"scale must be a float or None, got {_type_name(scale)}")
+
+
+def _type_name(x) -> str:
+    """A type's name as an error message needs it: `numpy.bool`, not `bool`."""
+    kind = type(x)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
 
 
 def _check_shapes(query, key, value, enable_gqa: bool) -> None:
@@ -869,8 +875,8 @@ draw_tiling()
 #
 # **Log2 units.** GPUs compute $2^x$ in one instruction and $e^x$ as $2^{x \log_2 e}$. Folding
 # $\log_2 e$ into the scale and the bias once, $S^{(2)} = (s \log_2 e)\, QK^\top + \log_2 e
-# \cdot B$, the loop uses `exp2` throughout ($\alpha = 2^{m - m'}$, $\tilde P_j = 2^{S^{(2)}_j
-# - m'}$, with $m$ now a max of $S^{(2)}$), and the epilogue converts back:
+# \cdot B$, the loop uses `exp2` throughout ($\alpha = 2^{m - m'}$,
+# $\tilde P_j = 2^{S^{(2)}_j - m'}$, with $m$ now a max of $S^{(2)}$), and the epilogue converts back:
 # $\mathrm{LSE} = \ln 2 \cdot (m + \log_2 \ell)$.
 #
 # **Masks and the $-\infty$-safe max.** Masked scores are set to $-\infty$ *before* the max.

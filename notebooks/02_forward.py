@@ -836,8 +836,9 @@ def _forward_key_block(
 #   accumulator, so they must land in the same units. Row $i$ keeps its tangent accumulator
 #   in units $2^{c_i}$ and multiplies its operands by powers of two before rounding them:
 #   the centred scores by $2^{c_i - e_v}$, $\tilde P$ by $2^{c_i - e_t}$. $c_i$ must keep
-#   both below float16's largest value: with $|t_{S,ij} - \mu_i| \le M_i = \max_j |t_{S,ij}|
-#   + |\mu_i|$ over the key block and $\tilde P \le 1$, the largest $c_i$ with
+#   both below float16's largest value: with
+#   $|t_{S,ij} - \mu_i| \le M_i = \max_j |t_{S,ij}| + |\mu_i|$ over the key block and
+#   $\tilde P \le 1$, the largest $c_i$ with
 #   $M_i\,2^{c_i - e_v} < 2^{14}$ and $c_i - e_t \le 14$ (`tangent_units`) keeps them at
 #   least four times below it, whatever the data. Whichever limit binds, the other operand's
 #   entries are small next to the binding one's, so what it loses to underflow does not show.

@@ -13,6 +13,7 @@ Stops a notebook at its first error (recorded in the output), like nbconvert doe
 tagged `skip-execution` are shown without running, as nbclient (and so nbmake) does.
 """
 
+import argparse
 import ast
 import base64
 import contextlib
@@ -223,14 +224,32 @@ def _text(source: str | list[str]) -> str:
     return source if isinstance(source, str) else "".join(source)
 
 
-def main() -> int:
-    if sys.argv[1] == "--refresh-prose":
-        for path in map(Path, sys.argv[2:]):
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Execute percent-format notebooks into .ipynb files with their outputs.",
+        epilog="python tools/execute_notebooks.py OUT_DIR notebooks/01_reference.py ...; "
+               "python tools/execute_notebooks.py --refresh-prose docs/executed/*.ipynb")
+    parser.add_argument("--refresh-prose", action="store_true",
+                        help="take the prose of executed notebooks (the paths) from their "
+                             "sources, keeping the outputs (the code must be unchanged)")
+    parser.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                        help="OUT_DIR then the notebooks to execute; with --refresh-prose, "
+                             "the executed notebooks")
+    args = parser.parse_args(argv)
+    if not args.refresh_prose and len(args.paths) < 2:
+        parser.error("give OUT_DIR and at least one notebook")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.refresh_prose:
+        for path in args.paths:
             refresh_prose(path, Path(__file__).resolve().parent.parent / "notebooks"
                           / f"{path.stem}.py")
             print(f"{path.name}: prose refreshed")
         return 0
-    out_dir, paths = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
+    out_dir, paths = args.paths[0], args.paths[1:]
     failed = []
     for path in paths:
         start = time.perf_counter()

@@ -677,6 +677,8 @@ BAD_INPUTS = {
     "scale-a-vector": (lambda: attention(Q, K, V, scale=torch.ones(2)), TypeError, "scale"),
     "enable_gqa-not-a-bool": (lambda: attention(Q, K, V, enable_gqa=1), TypeError,
                               "enable_gqa must be a bool"),
+    "is_causal-numpy-bool": (lambda: attention(Q, K, V, is_causal=np.bool_(True)), TypeError,
+                             "is_causal must be a bool, got numpy.bool"),
     "jvp-tangent-shape": (lambda: attention_jvp(Q, K, V, (Q, K[:, :, :5], V)), ValueError,
                           "tangent of key"),
     "jvp-tangent-dtype": (lambda: attention_jvp(Q, K, V, (Q, K, V.half())), ValueError,

@@ -39,6 +39,14 @@ def test_importing_a_module_imports_only_what_it_needs() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_every_module_is_an_attribute() -> None:
+    """`jvp_attention.forward` and the like work without an import, for every module."""
+    modules = {p.stem for p in INIT.parent.glob("*.py")} - {"__init__", "__main__"}
+    assert set(jvp_attention._MODULES) == modules
+    for name in modules:
+        assert getattr(jvp_attention, name).__name__ == f"jvp_attention.{name}"
+
+
 def test_unknown_names_raise_attribute_error() -> None:
     try:
         jvp_attention.no_such_name  # noqa: B018

@@ -77,6 +77,35 @@ def test_site_builds_with_every_chapter(site: Path) -> None:
         assert (site / "notebooks" / notebook.stem / "index.html").is_file(), notebook.name
 
 
+# A line that Markdown reads as the start of a block (a list item, a quote, a heading).
+BLOCK_START = re.compile(r"\s*([-+*>]\s|#|\d+[.)]\s)")
+
+
+def lines_starting_a_block_inside_math(markdown: str) -> list[str]:
+    """Lines of `markdown` that begin with a block marker while an inline `$...$` is open:
+    Markdown ends the paragraph there, and the math never renders (a wrapped `- m'}$`)."""
+    found, inline, display = [], False, False
+    for line in re.sub(r"`[^`]*`", "``", markdown).split("\n"):
+        if not line.strip():
+            inline = False  # a blank line ends the paragraph, and any math in it
+            continue
+        if inline and not display and BLOCK_START.match(line):
+            found.append(line)
+        for token in re.findall(r"\\.|\$\$|\$", line):
+            if token == "$$":
+                display = not display
+            elif token == "$" and not display:
+                inline = not inline
+    return found
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=[c.stem for c in CHAPTERS])
+def test_inline_math_never_wraps_onto_a_block_marker(chapter: Path) -> None:
+    cells = [c.source for c in jupytext.read(chapter).cells if c.cell_type == "markdown"]
+    broken = [line for cell in cells for line in lines_starting_a_block_inside_math(cell)]
+    assert not broken, f"{chapter.name}: rewrap these lines, which break their math: {broken}"
+
+
 def test_every_chapter_page_links_its_source(site: Path) -> None:
     for notebook in CHAPTERS:
         stem = notebook.stem
