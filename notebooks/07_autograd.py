@@ -529,6 +529,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_):
+        if forward_ad._current_level >= 0:
+            _refuse_forward_over_reverse((grad_out,), forward_ad._current_level, False)
         q, k, v, attn_mask, out, lse, out_residual = ctx.saved_tensors
         mask_grad = ctx.needs_input_grad[3]
         with torch.no_grad():
@@ -576,8 +578,9 @@ class _FusedTangent(torch.autograd.Function):
         if grad_out is None and grad_tangent_out is None:
             return (None,) * 12
         grad_outputs = (grad_out, grad_tangent_out)
-        if ctx.dual_level >= 0 and forward_ad._current_level == ctx.dual_level:
-            _refuse_forward_over_reverse(ctx, grad_outputs)
+        level = forward_ad._current_level
+        if level >= 0:
+            _refuse_forward_over_reverse(grad_outputs, level, ctx.dual_level == level)
         if grad_out is None:
             grad_out = _zeros_like(out)
         wants_mask, wants_mask_tangent = ctx.needs_input_grad[6], ctx.needs_input_grad[7]
@@ -600,19 +603,21 @@ class _FusedTangent(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
-def _refuse_forward_over_reverse(ctx, grad_outputs) -> None:
-    """Raise for a backward that runs inside the dual level of its forward and builds a graph
-    (`create_graph=True`): its gradients would need tangents of their own (forward over
-    reverse), which the kernels' backward cannot give; it would return them without. A plain
-    backward there (a loss.backward() before the level closes) goes on: its gradients are
-    not differentiated again."""
-    if _needs_graph(ctx, grad_outputs):
-        raise Unsupported(
-            "forward over reverse through forward_ad",
-            "a gradient with create_graph=True, taken inside the forward_ad.dual_level of "
-            "attention's forward, would need forward-mode tangents of the kernels' backward, "
-            "which has none: take the gradient after the dual level closes, or use "
-            "torch.func (jvp of torch.func.grad runs PyTorch operations for this)")
+def _refuse_forward_over_reverse(grad_outputs, level: int, in_forwards_level: bool) -> None:
+    """Raise for a backward, run while dual level `level` of forward-mode AD is open, whose
+    gradients would carry tangents at it (forward over reverse: a Hessian-vector product by
+    `forward_ad` around a backward): in the level of a fused forward (its inputs had
+    tangents there), or with a cotangent that has one. The kernels' backward has no
+    forward-mode rule; it would return the gradients without their tangents."""
+    if not in_forwards_level and not any(_may_carry_tangent(g, level) for g in grad_outputs):
+        return
+    raise Unsupported(
+        "forward over reverse through forward_ad",
+        "a backward through attention ran inside a forward_ad.dual_level where its gradients "
+        "would carry forward-mode tangents (forward over reverse), which the kernels' "
+        "backward cannot give: call backward after the dual level closes; for a "
+        "Hessian-vector product use torch.func.jvp of torch.func.grad (PyTorch operations) "
+        "or torch.autograd.functional.hvp (a double backward)")
 
 
 # Function.apply binds default arguments through inspect.signature on every call (about as

@@ -9,6 +9,7 @@ through silently (and then raised under forward-mode AD), the backward read the 
 mode of its own time, and autocast's mixed dtypes were refused.
 """
 
+import functools
 import math
 import warnings
 from unittest import mock
@@ -757,52 +758,61 @@ def test_the_operators_refuse_dual_inputs() -> None:
             torch.ops.jvp_attention.forward(*duals, None, False, 0.25, False, "accurate")
 
 
-def _forward_over_reverse(attend, q, k, v, tq, weight):
+def _forward_over_reverse(attend, q, k, v, tq, weight, create_graph):
     """d/dt of dL/dq with L = <attend(q + t tq, k, v), weight>, by forward_ad around a
-    backward with create_graph=True."""
+    backward."""
     q = q.detach().requires_grad_()
     with torch.autograd.forward_ad.dual_level():
         out = attend(torch.autograd.forward_ad.make_dual(q, tq), k, v)
-        (grad,) = torch.autograd.grad((out * weight).sum(), q, create_graph=True)
+        (grad,) = torch.autograd.grad((out * weight).sum(), q, create_graph=create_graph)
         return torch.autograd.forward_ad.unpack_dual(grad).tangent
 
 
-def test_forward_over_reverse_through_forward_ad_never_drops_the_tangent(path: str) -> None:
-    """A gradient taken with create_graph=True inside the dual level of the forward: the
-    kernels' backward has no forward-mode rule and raises (it returned no tangent, a zero);
-    the fallback's PyTorch operations give the tangent."""
+@pytest.mark.parametrize("create_graph", [False, True], ids=["plain", "create-graph"])
+def test_forward_over_reverse_through_forward_ad_never_drops_the_tangent(
+        create_graph: bool, path: str) -> None:
+    """A gradient taken inside the dual level of the forward (a Hessian-vector product by
+    forward_ad around a backward): the kernels' backward has no forward-mode rule and raises
+    (it returned no tangent, a zero); the fallback's PyTorch operations give the tangent."""
     p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
     weight = torch.randn_like(p.q)
+    run = functools.partial(_forward_over_reverse, create_graph=create_graph)
     if path == "kernels":
-        with pytest.raises(api.Unsupported, match="create_graph=True"):
-            _forward_over_reverse(attention, p.q, p.k, p.v, p.tangents[0], weight)
+        with pytest.raises(api.Unsupported, match="forward over reverse"):
+            run(attention, p.q, p.k, p.v, p.tangents[0], weight)
         return
-    got = _forward_over_reverse(attention, p.q, p.k, p.v, p.tangents[0], weight)
+    got = run(attention, p.q, p.k, p.v, p.tangents[0], weight)
     with sdpa_kernel(SDPBackend.MATH):
-        want = _forward_over_reverse(F.scaled_dot_product_attention, *(
+        want = run(F.scaled_dot_product_attention, *(
             x.double() for x in (p.q, p.k, p.v, p.tangents[0], weight)))
     assert got is not None and want.abs().max() > 0.1
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
-def test_a_backward_inside_the_dual_level_still_runs(path: str) -> None:
-    """MeanFlow written with forward_ad: the loss's backward (no create_graph) runs before
-    the dual level closes. Its gradients are not differentiated again, so it runs."""
-    p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
+def test_a_cotangent_with_a_tangent_is_refused_or_right(path: str) -> None:
+    """Forward over reverse where attention's inputs have no tangent but its cotangent does:
+    a weight after attention carries the direction, and the Hessian-vector product flows
+    back through attention's backward (the kernels would drop it)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 9, 16, generator=gen).to(DEVICE)
+    w, direction = (torch.randn(16, 16, generator=gen).to(DEVICE) for _ in range(2))
 
-    def grads(attend, q, k, v, tq):
-        q = q.detach().requires_grad_()
+    def hvp_of_x(attend, x, w, direction):
+        x = x.detach().requires_grad_()
         with torch.autograd.forward_ad.dual_level():
-            out = attend(torch.autograd.forward_ad.make_dual(q, tq), k, v)
-            primal, tangent = torch.autograd.forward_ad.unpack_dual(out)
-            (primal.square().sum() + (primal * tangent.detach()).sum()).backward()
-        return q.grad
+            out = attend(x, x, x) @ torch.autograd.forward_ad.make_dual(w, direction)
+            (grad,) = torch.autograd.grad(out.square().sum(), x)
+            return torch.autograd.forward_ad.unpack_dual(grad).tangent
 
-    got = grads(attention, p.q, p.k, p.v, p.tangents[0])
+    if path == "kernels":
+        with pytest.raises(api.Unsupported, match="forward over reverse"):
+            hvp_of_x(attention, x, w, direction)
+        return
+    got = hvp_of_x(attention, x, w, direction)
     with sdpa_kernel(SDPBackend.MATH):
-        want = grads(F.scaled_dot_product_attention,
-                     *(x.double() for x in (p.q, p.k, p.v, p.tangents[0])))
-    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+        want = hvp_of_x(F.scaled_dot_product_attention, x.double(), w.double(),
+                        direction.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
 
 
 def test_a_tangent_never_vanishes_in_a_captured_graph(path: str) -> None:
