@@ -9,6 +9,7 @@ through silently (and then raised under forward-mode AD), the backward read the 
 mode of its own time, and autocast's mixed dtypes were refused.
 """
 
+import functools
 import math
 import warnings
 from unittest import mock
@@ -701,3 +702,136 @@ def test_mask_tangent_through_attention_jvp() -> None:
                     {"tangent_out": floor["tangent_out"]}, p.dtype, p.label, "attention_jvp")
     with pytest.raises(ValueError, match="mask_tangent"):
         attention_jvp(p.q, p.k, p.v, p.tangents, mask_tangent=t_bias)
+
+
+# --- 9. tangents PyTorch would drop or misread ---------------------------------------------
+
+
+def test_a_tangent_in_another_dtype_is_cast_to_its_primals() -> None:
+    """Forward-mode AD accepts a float32 tangent for a float16 primal: the kernels would read
+    it as float16 (garbage, or a failed launch). It is cast, as the explicit tangent would be."""
+    p = make_problem(Spec(nq=9, nk=12, d=16), torch.float16)
+    wide = tuple(t.float() for t in p.tangents)
+    out, tangent = torch.func.jvp(attention, (p.q, p.k, p.v), wide)
+    want_out, want_tangent = torch.func.jvp(attention, (p.q, p.k, p.v), p.tangents)
+    assert tangent.dtype == torch.float16
+    assert torch.equal(out, want_out) and torch.equal(tangent, want_tangent)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_zero_averages_the_values_as_sdpa(causal: bool, path: str) -> None:
+    """With head dim 0 every score is an empty dot product, 0: SDPA averages the values each
+    row may see (it returned zeros here). Output, tangent and gradients against float64."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 6, 0, generator=gen).to(DEVICE) for _ in range(2))
+    v, tv = (torch.randn(2, 3, 6, 5, generator=gen).to(DEVICE) for _ in range(2))
+    mask = torch.randn(6, 6, generator=gen).to(DEVICE)
+    scales = (None, 2.0)
+
+    def run(attend, q, k, v, tv, scale):
+        v = v.detach().requires_grad_()
+        out, tangent = torch.func.jvp(
+            lambda c: attend(q, k, c, attn_mask=None if causal else mask, is_causal=causal,
+                             scale=scale), (v,), (tv,))
+        (grad,) = torch.autograd.grad(out.sum(), v)
+        return out, tangent, grad
+
+    for scale in scales:
+        got = run(attention, q, k, v, tv, scale)
+        with sdpa_kernel(SDPBackend.MATH):
+            want = run(F.scaled_dot_product_attention, q.double(), k.double(), v.double(),
+                       tv.double(), scale)
+        for name, g, w in zip(("out", "tangent", "grad"), got, want, strict=True):
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=name)
+    assert got[0].abs().max() > 0.1  # not the zeros of before
+
+
+def test_the_operators_refuse_dual_inputs() -> None:
+    """The custom operators have no forward-mode rule: called on dual tensors (as a graph
+    captured by make_fx or torch.compile may call them) they raise instead of returning
+    outputs without tangents."""
+    p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
+    with torch.autograd.forward_ad.dual_level():
+        duals = [torch.autograd.forward_ad.make_dual(x, t)
+                 for x, t in zip((p.q, p.k, p.v), p.tangents, strict=True)]
+        with pytest.raises(api.Unsupported, match="forward-mode tangents"):
+            torch.ops.jvp_attention.forward(*duals, None, False, 0.25, False, "accurate")
+
+
+def _forward_over_reverse(attend, q, k, v, tq, weight, create_graph):
+    """d/dt of dL/dq with L = <attend(q + t tq, k, v), weight>, by forward_ad around a
+    backward."""
+    q = q.detach().requires_grad_()
+    with torch.autograd.forward_ad.dual_level():
+        out = attend(torch.autograd.forward_ad.make_dual(q, tq), k, v)
+        (grad,) = torch.autograd.grad((out * weight).sum(), q, create_graph=create_graph)
+        return torch.autograd.forward_ad.unpack_dual(grad).tangent
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["plain", "create-graph"])
+def test_forward_over_reverse_through_forward_ad_never_drops_the_tangent(
+        create_graph: bool, path: str) -> None:
+    """A gradient taken inside the dual level of the forward (a Hessian-vector product by
+    forward_ad around a backward): the kernels' backward has no forward-mode rule and raises
+    (it returned no tangent, a zero); the fallback's PyTorch operations give the tangent."""
+    p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
+    weight = torch.randn_like(p.q)
+    run = functools.partial(_forward_over_reverse, create_graph=create_graph)
+    if path == "kernels":
+        with pytest.raises(api.Unsupported, match="forward over reverse"):
+            run(attention, p.q, p.k, p.v, p.tangents[0], weight)
+        return
+    got = run(attention, p.q, p.k, p.v, p.tangents[0], weight)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = run(F.scaled_dot_product_attention, *(
+            x.double() for x in (p.q, p.k, p.v, p.tangents[0], weight)))
+    assert got is not None and want.abs().max() > 0.1
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cotangent_with_a_tangent_is_refused_or_right(path: str) -> None:
+    """Forward over reverse where attention's inputs have no tangent but its cotangent does:
+    a weight after attention carries the direction, and the Hessian-vector product flows
+    back through attention's backward (the kernels would drop it)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 9, 16, generator=gen).to(DEVICE)
+    w, direction = (torch.randn(16, 16, generator=gen).to(DEVICE) for _ in range(2))
+
+    def hvp_of_x(attend, x, w, direction):
+        x = x.detach().requires_grad_()
+        with torch.autograd.forward_ad.dual_level():
+            out = attend(x, x, x) @ torch.autograd.forward_ad.make_dual(w, direction)
+            (grad,) = torch.autograd.grad(out.square().sum(), x)
+            return torch.autograd.forward_ad.unpack_dual(grad).tangent
+
+    if path == "kernels":
+        with pytest.raises(api.Unsupported, match="forward over reverse"):
+            hvp_of_x(attention, x, w, direction)
+        return
+    got = hvp_of_x(attention, x, w, direction)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = hvp_of_x(F.scaled_dot_product_attention, x.double(), w.double(),
+                        direction.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
+def test_a_tangent_never_vanishes_in_a_captured_graph(path: str) -> None:
+    """A compiled function called on dual tensors inside forward_ad.dual_level: the tangent
+    is right or the call raises, never dropped."""
+    p = make_problem(Spec(nq=9, nk=12, d=16), torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=False)
+    with sdpa_kernel(SDPBackend.MATH):
+        _, want = torch.func.jvp(F.scaled_dot_product_attention,
+                                 tuple(x.double() for x in (p.q, p.k, p.v)),
+                                 tuple(t.double() for t in p.tangents))
+    with torch.autograd.forward_ad.dual_level():
+        duals = [torch.autograd.forward_ad.make_dual(x, t)
+                 for x, t in zip((p.q, p.k, p.v), p.tangents, strict=True)]
+        try:
+            out = compiled(*duals)
+        except api.Unsupported:
+            return
+        tangent = torch.autograd.forward_ad.unpack_dual(out).tangent
+    assert tangent is not None, "the compiled graph dropped the tangent"
+    torch.testing.assert_close(tangent.double(), want, rtol=1e-4, atol=1e-4)
