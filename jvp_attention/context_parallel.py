@@ -9,7 +9,6 @@ holds a shard of the sequence, and Ulysses all-to-alls or a ring of key/value bl
 import math
 import os
 import pickle
-import struct
 import subprocess
 import sys
 import tempfile
@@ -134,11 +133,6 @@ def _precision() -> str:
     return get_precision()
 
 
-def _on_kernels(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether blocks of these tensors run the kernels, else chapter 1's PyTorch operations."""
-    return _library.uses_kernels(q, k, v)
-
-
 def _jvp_nesting() -> int:
     """How many `torch.func.jvp` are active around this call."""
     return _library.jvp_nesting()
@@ -150,7 +144,7 @@ def _block_forward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...]
     """(out, lse[, tangent_out, mu]) of (B, H, n, D) queries against one block of keys; out,
     tangent_out and mu in the accumulation dtype (fp32, or float64 for float64 inputs), lse
     as the kernels give it (fp64 with an additive mask, chapter 2's `lse_dtype`)."""
-    if not _on_kernels(q, k, v):
+    if not _library.uses_kernels(q, k, v):
         result = reference_attention(q, k, v, mask, is_causal, scale, True, tangents)
         return AttentionOutputs(*(None if x is None else x.to(result.lse.dtype)
                                   for x in result))
@@ -173,7 +167,7 @@ def _block_backward(q: Tensor, k: Tensor, v: Tensor, tangents: tuple[Tensor, ...
     (out, lse, tangent_out, mu, out_residual, tangent_out_residual): (dq, dk, dv), and with
     `grad_tangent_out` also (dtq, dtk, dtv)."""
     out, lse, t_out, mu, out_res, t_res = saved
-    if not _on_kernels(q, k, v):
+    if not _library.uses_kernels(q, k, v):
         if grad_tangent_out is None:
             return reference_backward(q, k, v, out, lse, grad_out, mask, is_causal, scale, True)
         return reference_backward_tangent(q, k, v, tangents, out, lse, t_out, mu, grad_out,
@@ -651,8 +645,7 @@ def context_parallel_attention(
                                         for x in (query, key, value, attn_mask))
     error = _local_error(query, key, value, attn_mask, is_causal, scale, enable_gqa, method,
                          layout, world)
-    _agree(query, key, value, attn_mask, error, group, world, method, layout, is_causal,
-           scale)
+    _agree(query, key, value, attn_mask, error, group, world, method, layout, is_causal)
     mask = None if attn_mask is None else _gather_keys(attn_mask.detach(), group, world)
     if world == 1:
         return attention(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale,
@@ -700,8 +693,6 @@ def _check_local_call(query, key, value, attn_mask, is_causal, scale, enable_gqa
         raise ValueError(f"every rank needs a non-empty shard; got {n_q} queries, {n_k} keys")
     if attn_mask is not None:
         _check_key_padding(attn_mask, n_k)
-        if method == "ring" and world > 1:
-            _check_ring_mask(query, key, value, attn_mask)
     if is_causal and n_q != n_k:
         raise ValueError(f"is_causal needs query and key shards of the same length (causal "
                          f"self-attention); got {n_q} queries and {n_k} keys per rank")
@@ -731,78 +722,30 @@ def _check_key_padding(mask: Tensor, n_k: int) -> None:
                          "one process for a learnable mask")
 
 
-_FLOAT64_RING_BIAS = 2.0 ** 14  # -1e4 (BERT's padding bias) merges within 4e-12
-
-
-def _check_ring_mask(query: Tensor, key: Tensor, value: Tensor, mask: Tensor) -> None:
-    """Refuse an additive mask where the ring's merge of blocks cannot be exact: 16- and
-    32-bit inputs on chapter 1's PyTorch operations (see "Checking on several processes"),
-    and float64 inputs with a finite bias below -2^14, whose LSE loses the log of each
-    block's sum the same way (about 1e-10 off at -1e6, 0.6 at float32's lowest)."""
-    if not mask.is_floating_point() or _on_kernels(query, key, value):
-        return
-    if query.dtype == torch.float64:
-        if not ((mask < -_FLOAT64_RING_BIAS) & (mask > -math.inf)).any():
-            return
-        raise Unsupported(
-            "huge additive mask on the ring in float64",
-            f"context_parallel_attention(method='ring') with float64 inputs merges its "
-            f"blocks' LSE in float64, which a finite bias below -{_FLOAT64_RING_BIAS:g} "
-            "swallows (the dtype's lowest number, as Hugging Face masks, gives wrong "
-            "outputs): mask with -inf or a bool key-padding mask (True = attend), or use "
-            "method='ulysses'")
-    raise Unsupported(
-        "additive mask on the ring's PyTorch operations",
-        f"context_parallel_attention(method='ring') cannot merge its blocks exactly with an "
-        f"additive (float) attn_mask on {query.dtype} {query.device.type} tensors that run "
-        "PyTorch operations, not the kernels (a CPU without TRITON_INTERPRET=1): their LSE "
-        "shares the scores' dtype, so a large padding bias (Hugging Face masks use the "
-        "dtype's lowest number) swallows the log of each block's sum and the blocks are "
-        "weighted wrongly. Pass a bool key-padding mask (True = attend; attn_mask == 0 for a "
-        "Hugging Face mask), use method='ulysses', or run the kernels (CUDA tensors, or "
-        "TRITON_INTERPRET=1 on a CPU)")
-
-
 # One row per rank: failed, query length, key length, heads, key/value heads, head dims,
-# batch entries, dtype, mask entries, mask dtype, softmax scale, method, layout, causal.
-# Ranks that disagree on any would run different collectives and wait for each other
-# forever, or run different computations without a word.
-_SIGNATURE = ("failed", "n_q", "n_k", "Hq", "Hkv", "D", "Dv", "batch", "dtype", "mask entries",
-              "mask dtype", "scale", "method", "layout", "causal")
+# batch entries, dtype, mask entries, method, layout, causal. Ranks that disagree on any
+# would run different collectives and wait for each other forever.
+_SIGNATURE = "failed, n_q, n_k, Hq, Hkv, D, Dv, batch, dtype, mask entries, method, layout, causal"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_MASK_DTYPES = (torch.bool, *_DTYPES)
 
 
-def _signature(query, key, value, attn_mask, method, layout, is_causal, scale,
+def _signature(query, key, value, attn_mask, method, layout, is_causal,
                failed: bool) -> list[int]:
-    """This rank's call as integers, in `_SIGNATURE`'s order (all 0 but `failed` if it
-    failed its own checks)."""
     if failed:
-        return [1] + [0] * (len(_SIGNATURE) - 1)
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+        return [1] + [0] * 12
+    dtype = _DTYPES.index(query.dtype) if query.dtype in _DTYPES else -1
     return [0, query.shape[-2], key.shape[-2], query.shape[-3], key.shape[-3],
-            query.shape[-1], value.shape[-1], math.prod(query.shape[:-3]),
-            _index(_DTYPES, query.dtype), -1 if attn_mask is None else attn_mask.numel(),
-            -1 if attn_mask is None else _index(_MASK_DTYPES, attn_mask.dtype),
-            _float_bits(scale), METHODS.index(method), LAYOUTS.index(layout), int(is_causal)]
-
-
-def _index(dtypes: tuple[torch.dtype, ...], dtype: torch.dtype) -> int:
-    """`dtype`'s place in `dtypes`, or len(dtypes) for another."""
-    return dtypes.index(dtype) if dtype in dtypes else len(dtypes)
-
-
-def _float_bits(x: float) -> int:
-    """A float64's bit pattern as an int64: equal exactly when the floats are."""
-    return struct.unpack("<q", struct.pack("<d", x))[0]
+            query.shape[-1], value.shape[-1], math.prod(query.shape[:-3]), dtype,
+            -1 if attn_mask is None else attn_mask.numel(), METHODS.index(method),
+            LAYOUTS.index(layout), int(is_causal)]
 
 
 def _agree(query, key, value, attn_mask, error: Exception | None, group: Any, world: int,
-           method: str, layout: str, is_causal: bool, scale: float | None) -> None:
+           method: str, layout: str, is_causal: bool) -> None:
     """Raise on every rank if any rank's call is bad or the ranks' calls differ."""
     device = query.device if isinstance(query, Tensor) else torch.device("cpu")
     mine = torch.tensor(_signature(query, key, value, attn_mask, method, layout, is_causal,
-                                   scale, error is not None), device=device)
+                                   error is not None), device=device)
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine, group=group)
     rows = [row.tolist() for row in rows]
@@ -820,28 +763,10 @@ def _agree(query, key, value, attn_mask, error: Exception | None, group: Any, wo
             f"ranks hold {[row[1] for row in rows]} queries and {[row[2] for row in rows]} "
             f"keys. Pad the sequence to a multiple of {chunks} ({layout} layout over {world} "
             "ranks) and hide the padded keys with a key-padding attn_mask")
-    differ = [column for column, values in enumerate(zip(*rows, strict=True))
-              if len(set(values)) > 1]
-    if differ:
+    if len({tuple(row) for row in rows}) > 1:
         raise ValueError("context_parallel_attention: the ranks' calls differ (every rank "
-                         "must make the same call on its own shard, with the same options, "
-                         "dtypes and mask dtype); per rank: " + "; ".join(
-                             f"{_SIGNATURE[c]} {[_readable(c, row[c]) for row in rows]}"
-                             for c in differ))
-
-
-def _readable(column: int, value: int) -> Any:
-    """A signature entry as the call had it: a dtype's name, the scale, the method..."""
-    name = _SIGNATURE[column]
-    if name.startswith("mask") and value == -1:
-        return "no mask"
-    if name == "scale":
-        return struct.unpack("<d", struct.pack("<q", value))[0]
-    names = {"dtype": _DTYPES, "mask dtype": _MASK_DTYPES, "method": METHODS,
-             "layout": LAYOUTS, "causal": (False, True)}.get(name)
-    if names is None:
-        return value
-    return str(names[value]).removeprefix("torch.") if value < len(names) else "other"
+                         f"must make the same call on its own shard); per rank ({_SIGNATURE}): "
+                         f"{rows}")
 
 
 def _gather_keys(mask: Tensor, group: Any, world: int) -> Tensor:

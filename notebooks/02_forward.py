@@ -2321,11 +2321,9 @@ def mask_operand(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int
 
 
 PRECISIONS = ("accurate", "fast")
-PRECISION_VARIABLE = "JVP_ATTENTION_PRECISION"  # the environment variable: the initial mode
 # One process-wide mode, in a dict so that torch.compile guards on its value (a compiled call
-# recompiles, rather than running stale, when the mode changes). `set_precision` stores only
-# checked modes, so a bad one here came from the environment; it is reported when first read.
-_mode = {"precision": os.environ.get(PRECISION_VARIABLE, "accurate")}
+# recompiles, rather than running stale, when the mode changes).
+_mode = {"precision": os.environ.get("JVP_ATTENTION_PRECISION", "accurate")}
 
 
 def _checked(mode: str) -> str:
@@ -2354,42 +2352,17 @@ def set_precision(mode: str) -> None:
 
 
 def get_precision() -> str:
-    """The precision mode in effect (see `set_precision`).
-
-    Returns:
-        "accurate" or "fast": that of the innermost `precision` block, else the last one
-        given to `set_precision`, else JVP_ATTENTION_PRECISION's, else "accurate".
-
-    Raises:
-        ValueError: When JVP_ATTENTION_PRECISION holds a value other than "accurate" or
-            "fast" (and no mode was set since); the message names the variable.
-    """
-    mode = _mode["precision"]  # read on every attention call: no Python call when it is good
-    if mode in PRECISIONS:
-        return mode
-    raise ValueError(
-        f"the environment variable {PRECISION_VARIABLE} must be one of {PRECISIONS}, got "
-        f"{mode!r}: set it to \"accurate\" (the default) or \"fast\", or unset it")
+    """The precision mode in effect: "accurate" or "fast" (see `set_precision`)."""
+    return _checked(_mode["precision"])
 
 
 @contextmanager
 def precision(mode: str) -> Iterator[str]:
-    """Run a block of code in precision `mode`, then restore the mode that was in effect
-    before, also when the block raises. The mode is process-wide, like `set_precision`'s.
+    """Run a block of code in precision `mode` ("accurate" or "fast"), then restore the
+    mode that was in effect before. The mode is process-wide, like `set_precision`.
 
     A forward captures the mode it runs in, and its backward uses that mode, whenever and
     wherever the backward runs.
-
-    Args:
-        mode: "accurate" or "fast", as in `set_precision`.
-
-    Yields:
-        `mode`, the mode in effect inside the block.
-
-    Raises:
-        ValueError: On entering, for a mode other than "accurate" or "fast", or when the
-            mode in effect, to be restored, is a bad JVP_ATTENTION_PRECISION
-            (`get_precision`). The block does not run and the mode is unchanged.
 
     Example:
         >>> with jvp_attention.precision("fast"):

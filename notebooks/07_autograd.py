@@ -85,11 +85,8 @@ FULL_SIZE = DEVICE == "cuda"
 import contextlib
 import functools
 import inspect
-import math
-import threading
 import warnings
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -118,42 +115,12 @@ _LAUNCHERS: dict = {}
 
 def _operator(name: str):
     """Register a launcher as the custom operator `jvp_attention::name`, keeping the plain
-    function for eager calls (see `_launch`). The operator refuses forward-mode tangents."""
+    function for eager calls (see `_launch`)."""
     def register(launcher):
         _LAUNCHERS[name] = launcher
-        return torch.library.custom_op(f"jvp_attention::{name}", _refusing_tangents(launcher),
-                                       mutates_args=(), tags=_FIXED_STRIDES)
+        return torch.library.custom_op(f"jvp_attention::{name}", launcher, mutates_args=(),
+                                       tags=_FIXED_STRIDES)
     return register
-
-
-def _refusing_tangents(launcher):
-    """`launcher`, raising when an argument carries a tangent of forward-mode AD. The
-    operators have no forward-mode rule: on dual tensors that do not require grad PyTorch
-    runs them on the primals and returns outputs without tangents, a silent zero. The wrapper
-    runs only where the operator is called (compiled graphs, transforms); eager calls take the
-    launcher itself."""
-    @functools.wraps(launcher)
-    def run(*args, **kwargs):
-        level = forward_ad._current_level
-        if level >= 0 and any(_may_carry_tangent(x, level)
-                              for x in (*args, *kwargs.values())):
-            raise Unsupported(
-                "forward-mode tangents on an operator",
-                "jvp_attention's operators received tensors that carry forward-mode "
-                "tangents (a graph captured by make_fx, run on dual tensors); the operators "
-                "have no forward-mode rule. Call jvp_attention.attention on the duals, or "
-                "put torch.func.jvp inside the captured function")
-        return launcher(*args, **kwargs)
-    return run
-
-
-def _may_carry_tangent(x, level: int) -> bool:
-    if not isinstance(x, Tensor):
-        return False
-    try:
-        return torch._unpack_dual(x, level)[1] is not None
-    except RuntimeError:  # below a dispatch mode or a compiled graph's runtime wrapper,
-        return False      # autograd is switched off and tangents are out of sight
 
 
 def _launch(name: str, *args):
@@ -169,24 +136,8 @@ def _launch(name: str, *args):
     if _plain_eager(args):
         return _LAUNCHERS[name](*args)
     if _in_compiled_graph(args):
-        if name == "forward" and forward_ad._current_level >= 0 and not jvp_nesting():
-            _refuse_compiling_inside_a_dual_level()
         name = _TRACED.get(name, name)
     return getattr(torch.ops.jvp_attention, name)(*args)
-
-
-def _refuse_compiling_inside_a_dual_level() -> None:
-    """torch.compile traces a function called inside `forward_ad.dual_level` as if its
-    inputs had no tangents: at run time the graph's operators would get the duals with
-    autograd switched off around them, and return outputs without tangents (a silent zero).
-    A dual level opened by torch.func.jvp inside the compiled function is traced as such
-    (`jvp_nesting` counts it), and a forward whose inputs carry tangents is the fused one."""
-    raise Unsupported(
-        "torch.compile inside forward_ad.dual_level",
-        "a function compiled with torch.compile was called inside forward_ad.dual_level, "
-        "where its graph would drop the forward-mode tangents of attention's inputs: put "
-        "torch.func.jvp (or the dual level) inside the compiled function, or call the "
-        "compiled function outside the dual level")
 
 
 def _in_compiled_graph(args) -> bool:
@@ -358,22 +309,8 @@ def _empty_mask_grad(q: Tensor, k: Tensor, mask: Tensor | None, mask_grad: bool)
 # derivative was a constant to autograd, it silently returned zeros. Each Function records the precision mode of its
 # forward, and its backward runs in that mode whatever `set_precision` says by then.
 #
-# A backward can also run while a dual level of `torch.autograd.forward_ad` is open: a
-# Hessian-vector product written as forward over reverse (`make_dual` on the inputs or on a
-# weight after attention, then `torch.autograd.grad` inside the level) asks for the tangents
-# of the gradients. PyTorch's own backward formulas are operations that forward-mode AD sees
-# through; the kernels' backward is not, and would hand back gradients without tangents.
-# So a backward that runs in the level of its fused forward, or whose cotangent carries a
-# tangent, raises `Unsupported` and says what works instead: the backward after the level
-# closes (a MeanFlow loss written with `forward_ad`), `torch.func.jvp` of `torch.func.grad`
-# (which the wrapper runs on PyTorch operations), or the double backward of
-# `torch.autograd.functional.hvp`.
-#
 # Under `torch.compile`, AOTAutograd differentiates the operators rather than the Functions,
 # so the operators get the same backward rules through `torch.library.register_autograd`.
-# The operators have no forward-mode rule: called on dual tensors they raise rather than
-# return outputs without tangents, and a function compiled while a `forward_ad` level is
-# open, whose trace cannot see the tangents of its inputs, is refused as it is traced.
 
 # %% tags=["export"]
 def _zeros_like(x: Tensor) -> Tensor:
@@ -543,8 +480,6 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        if forward_ad._current_level >= 0:
-            _refuse_forward_over_reverse((grad_out,), forward_ad._current_level, False)
         q, k, v, attn_mask, out, lse, out_residual = ctx.saved_tensors
         mask_grad = ctx.needs_input_grad[3]
         with torch.no_grad():
@@ -583,7 +518,6 @@ class _FusedTangent(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, tq, tk, tv, attn_mask, mask_tangent, out, lse,
                               tangent_out, mu, out_residual, tangent_out_residual)
         ctx.is_causal, ctx.scale, ctx.precision = is_causal, scale, precision
-        ctx.dual_level = forward_ad._current_level
 
     @staticmethod
     def backward(ctx, grad_out, grad_tangent_out, *_):
@@ -592,9 +526,6 @@ class _FusedTangent(torch.autograd.Function):
         if grad_out is None and grad_tangent_out is None:
             return (None,) * 12
         grad_outputs = (grad_out, grad_tangent_out)
-        level = forward_ad._current_level
-        if level >= 0:
-            _refuse_forward_over_reverse(grad_outputs, level, ctx.dual_level == level)
         if grad_out is None:
             grad_out = _zeros_like(out)
         wants_mask, wants_mask_tangent = ctx.needs_input_grad[6], ctx.needs_input_grad[7]
@@ -615,23 +546,6 @@ class _FusedTangent(torch.autograd.Function):
         grads = _second_order_by_reference(ctx, grads, (q, k, v), (tq, tk, tv), attn_mask,
                                            mask_tangent, grad_outputs)
         return (*grads, None, None, None, None)
-
-
-def _refuse_forward_over_reverse(grad_outputs, level: int, in_forwards_level: bool) -> None:
-    """Raise for a backward, run while dual level `level` of forward-mode AD is open, whose
-    gradients would carry tangents at it (forward over reverse: a Hessian-vector product by
-    `forward_ad` around a backward): in the level of a fused forward (its inputs had
-    tangents there), or with a cotangent that has one. The kernels' backward has no
-    forward-mode rule; it would return the gradients without their tangents."""
-    if not in_forwards_level and not any(_may_carry_tangent(g, level) for g in grad_outputs):
-        return
-    raise Unsupported(
-        "forward over reverse through forward_ad",
-        "a backward through attention ran inside a forward_ad.dual_level where its gradients "
-        "would carry forward-mode tangents (forward over reverse), which the kernels' "
-        "backward cannot give: call backward after the dual level closes; for a "
-        "Hessian-vector product use torch.func.jvp of torch.func.grad (PyTorch operations) "
-        "or torch.autograd.functional.hvp (a double backward)")
 
 
 # Function.apply binds default arguments through inspect.signature on every call (about as
@@ -867,13 +781,6 @@ def check_arguments(
         Unsupported: For calls that SDPA takes but the library cannot.
     """
     # (no generator, no Python-level helper: this runs on every call)
-    if ((isinstance(query, Tensor) and query.is_nested) or (isinstance(key, Tensor)
-            and key.is_nested) or (isinstance(value, Tensor) and value.is_nested)
-            or (isinstance(attn_mask, Tensor) and attn_mask.is_nested)):  # before any shape
-        raise Unsupported(
-            "nested tensors",
-            "nested (jagged) tensors are not supported: pad the sequences to one length and "
-            "pass a key-padding attn_mask, or use torch's SDPA for this call")
     if (isinstance(query, Tensor) and query.dim() and isinstance(query.shape[-1], Tensor)
             and kernels_take(query)):  # torch.jit.trace's sizes are tensors
         raise Unsupported(
@@ -889,6 +796,12 @@ def check_arguments(
             "dim (x.unsqueeze(0)), or use torch's SDPA for this call")
     check_sdpa_arguments(query, key, value, attn_mask, is_causal, scale, enable_gqa, tangents,
                          mask_tangent)
+    if query.is_nested or key.is_nested or value.is_nested or (
+            isinstance(attn_mask, Tensor) and attn_mask.is_nested):
+        raise Unsupported(
+            "nested tensors",
+            "nested (jagged) tensors are not supported: pad the sequences to one length and "
+            "pass a key-padding attn_mask, or use torch's SDPA for this call")
     if dropout_p != 0.0:
         raise Unsupported(
             "dropout_p > 0",
@@ -965,7 +878,7 @@ def attention(
     attn_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
-    scale: float | Tensor | None = None,
+    scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Tensor:
     """Scaled dot-product attention with a fused forward-mode derivative.
@@ -986,8 +899,7 @@ def attention(
         dropout_p: Must be 0.0 (dropout is not implemented).
         is_causal: Causal mask aligned top-left, as in PyTorch (query i sees keys j <= i).
             Unlike SDPA it may be combined with `attn_mask`.
-        scale: Softmax scale: a number, or a 0-d tensor that does not require grad (read
-            as a number, as SDPA does); defaults to 1/sqrt(D).
+        scale: Softmax scale; defaults to 1/sqrt(D).
         enable_gqa: Allow Hq to be a multiple of Hkv (grouped-query attention).
 
     Returns:
@@ -1064,7 +976,7 @@ def attention_jvp(
     tangents: tuple[Tensor, Tensor, Tensor],
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
-    scale: float | Tensor | None = None,
+    scale: float | None = None,
     enable_gqa: bool = False,
     mask_tangent: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -1074,15 +986,8 @@ def attention_jvp(
     function: gradients flow to the inputs and to the tangents.
 
     Args:
-        query: As in `attention`.
-        key: As in `attention`.
-        value: As in `attention`.
-        tangents: (t_query, t_key, t_value), shaped like (query, key, value) and in their
-            dtypes.
-        attn_mask: As in `attention`.
-        is_causal: As in `attention`.
-        scale: As in `attention`.
-        enable_gqa: As in `attention`.
+        query, key, value, attn_mask, is_causal, scale, enable_gqa: As in `attention`.
+        tangents: (t_query, t_key, t_value), shaped like (query, key, value).
         mask_tangent: The tangent of a float `attn_mask`, shaped like it; None for none.
 
     Returns:
@@ -1113,15 +1018,6 @@ def _pytorch_attention(query, key, value, attn_mask, is_causal, scale, enable_gq
     """Chapter 1's tiled implementation in PyTorch operations, differentiated by PyTorch:
     the output, or with `tangents` (out, tangent_out)."""
     _refuse_export_of_a_jvp()
-    if query.shape[-1] == 0 and math.prod(query.shape[:-1]) and key.shape[-2] and (
-            value.shape[-1]):
-        # Head dim 0: every score is 0 (an empty dot product), whatever the scale, and SDPA
-        # averages the values it may see. One zero column gives the same scores.
-        query, key = _with_zero_column(query), _with_zero_column(key)
-        if tangents is not None:
-            tangents = (_with_zero_column(tangents[0]), _with_zero_column(tangents[1]),
-                        tangents[2])
-        scale = 1.0
     if query.numel() == 0 or key.shape[-2] == 0 or value.shape[-1] == 0:
         out = _empty_attention(query, key, value)
         if tangents is None:
@@ -1151,11 +1047,6 @@ def _exporting() -> bool:
     to `torch.compiler.is_exporting()` under every torch.compile, not only export's."""
     flag = getattr(torch.compiler, "_is_exporting_flag", None)
     return torch.compiler.is_exporting() if flag is None else flag
-
-
-def _with_zero_column(x: Tensor) -> Tensor:
-    """`x` (..., 0) with one zero column appended (differentiable: x's gradient is empty)."""
-    return torch.cat([x, x.new_zeros((*x.shape[:-1], 1))], dim=-1)
 
 
 def _empty_attention(query, key, value):
@@ -1248,19 +1139,15 @@ def _primals_and_tangents(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, 
                           ) -> tuple[list, tuple[Tensor, Tensor, Tensor, Tensor | None] | None]:
     """The primals of q, k, v and the mask, and the forward-mode tangents of q, k, v (zeros
     where one has none) and of a float mask (None if it has none), or None for the tangents
-    if no input has one. A tangent comes in its primal's dtype: forward-mode AD accepts a
-    float32 tangent for a float16 primal, which the kernels would read as float16."""
+    if no input has one."""
     unpacked = [_unpack_dual(x, traced) for x in (q, k, v)]
     mask_primal, mask_tangent = mask, None
     if mask is not None and mask.is_floating_point():
         mask_primal, mask_tangent = _unpack_dual(mask, traced)
-        if mask_tangent is not None and mask_tangent.dtype != mask_primal.dtype:
-            mask_tangent = mask_tangent.to(mask_primal.dtype)
     primals = [primal for primal, _ in unpacked] + [mask_primal]
     if all(t is None for _, t in unpacked) and mask_tangent is None:
         return primals, None
-    return primals, (*(_zeros_like(x) if t is None else t if t.dtype == x.dtype
-                       else t.to(x.dtype)
+    return primals, (*(_zeros_like(x) if t is None else t
                        for x, (_, t) in zip((q, k, v), unpacked, strict=True)), mask_tangent)
 
 
@@ -1314,11 +1201,9 @@ def _make_dual(primal: Tensor, tangent: Tensor, traced: bool) -> Tensor:
 # `attention`'s contract go to PyTorch, which either raises as it would without the
 # drop-in or takes them (a tensor `scale`). It warns once per reason and counts
 # every call in the `SDPARouting` that `sdpa()` yields; with tangents present it passes them
-# to PyTorch's math backend, the only one that takes forward-mode AD. The module attribute
-# is shared by every thread, the mode is not: the attribute is patched while any thread is
-# inside a block (the last to leave restores it), and the router it points to serves the
-# blocks of the calling thread only (a stack per thread), so that threads outside a block
-# keep PyTorch's SDPA and blocks on two threads count their own calls.
+# to PyTorch's math backend, the only one that takes forward-mode AD. The patch is
+# process-wide while the block runs; enter it around the model call, not around threads
+# that must see PyTorch's own SDPA.
 
 # %% tags=["export"]
 _TORCH_SDPA = F.scaled_dot_product_attention
@@ -1430,36 +1315,8 @@ class _RouteSDPA(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_blocks = threading.local()  # .stack: this thread's open sdpa() blocks, (strict, routing)
-_patch = {"lock": threading.Lock(), "threads": 0, "previous": None}
-
-
-def _routed_sdpa(*args, **kwargs):
-    """What `F.scaled_dot_product_attention` is while a block is open on some thread: the
-    router of this thread's innermost block, or PyTorch's SDPA outside any."""
-    stack = getattr(_blocks, "stack", None)
-    if not stack:
-        return _TORCH_SDPA(*args, **kwargs)
-    strict, routing = stack[-1]
-    return _route(_sdpa_arguments(*args, **kwargs), strict, routing)
-
-
-def _patch_module(entering: bool) -> None:
-    """Point `F.scaled_dot_product_attention` at `_routed_sdpa` while any block is open."""
-    with _patch["lock"]:
-        if entering:
-            _patch["threads"] += 1
-            if _patch["threads"] == 1:
-                _patch["previous"] = F.scaled_dot_product_attention
-                F.scaled_dot_product_attention = _routed_sdpa
-            return
-        _patch["threads"] -= 1
-        if _patch["threads"] == 0 and F.scaled_dot_product_attention is _routed_sdpa:
-            F.scaled_dot_product_attention = _patch["previous"]
-
-
 @contextlib.contextmanager
-def sdpa(strict: bool = False) -> Iterator[SDPARouting]:
+def sdpa(strict: bool = False):
     """Route `torch.nn.functional.scaled_dot_product_attention` to `attention` in this block.
 
     Calls that `attention` cannot take (dropout, head dims above 256, bfloat16 under Triton's
@@ -1483,17 +1340,18 @@ def sdpa(strict: bool = False) -> Iterator[SDPARouting]:
         >>> routing.routed
         1
     """
+    previous = F.scaled_dot_product_attention
     routing = SDPARouting()
-    if not hasattr(_blocks, "stack"):
-        _blocks.stack = []
-    _blocks.stack.append((strict, routing))
-    _patch_module(entering=True)
+
+    def routed(*args, **kwargs):
+        return _route(_sdpa_arguments(*args, **kwargs), strict, routing)
+
+    F.scaled_dot_product_attention = routed
     try:
         with _RouteSDPA(strict, routing):
             yield routing
     finally:
-        _patch_module(entering=False)
-        _blocks.stack.pop()
+        F.scaled_dot_product_attention = previous
 
 
 # %% [markdown]
@@ -1723,10 +1581,6 @@ assert spy.call_count == 1 and torch.allclose(ty, ty_ref, atol=1e-4)
 
 # %%
 import time
-
-# Inductor suggests TF32 for the float32 projections on a GPU; the comparison here is
-# between eager and compiled at the same precision, so the suggestion is left out.
-warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores")
 
 
 def block(x, w):

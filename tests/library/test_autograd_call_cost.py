@@ -72,8 +72,7 @@ PRIMAL_BACKWARD_OPS = 7  # with the test's own ones_like
 # replay recorded from the interpreter's own launch (a call after the tuning one: the test
 # warms up twice) and the backward's replay (chapter 5): 101 and 86. One kind of replay
 # for both (`CallReplay`, its slots read with `map`, its check a loop): 101 and 67.
-# `get_precision` reading the mode without a checking helper: 100.
-FORWARD_JVP_PYTHON_CALLS = 100
+FORWARD_JVP_PYTHON_CALLS = 101
 PRIMAL_BACKWARD_PYTHON_CALLS = 67
 # Carried (bf16 "accurate" from 1024 keys, forced here on float16), each direction adds
 # the carry's launcher (`carried_operands`: strides, shapes and allocations for the range
@@ -85,10 +84,9 @@ PRIMAL_BACKWARD_PYTHON_CALLS = 67
 # The backward's key and recording, which a carried call pays without a replay, and the
 # forward's launch without recording where it cannot be replayed: 243 and 216. Carried
 # calls replayed too (the carry's launches with their tensors in tuples, filled in from the
-# pool, and its copies allocated anew): 130 and 96. `get_precision` without its helper: 127
-# and 94.
-CARRIED_FORWARD_JVP_PYTHON_CALLS = 127
-CARRIED_PRIMAL_BACKWARD_PYTHON_CALLS = 94
+# pool, and its copies allocated anew): 130 and 96.
+CARRIED_FORWARD_JVP_PYTHON_CALLS = 130
+CARRIED_PRIMAL_BACKWARD_PYTHON_CALLS = 96
 # Operations that are no GPU kernel: what a call may dispatch besides our launches.
 NO_KERNEL = {"jvp_attention.forward_jvp.default", "jvp_attention.backward.default",
              "aten.alias.default", "aten.is_same_size.default", "aten.view.default",

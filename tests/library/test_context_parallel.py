@@ -14,10 +14,8 @@ Each world size starts its processes once (`run_on_processes`) and runs every ch
   logic (causal in both layouts, GQA with fewer key/value heads than ranks, key-padding
   masks, 4 ranks); the float32 ones the library's kernels through the adapter, at 2 ranks.
 * (2 ranks) `torch.autograd.forward_ad`, a gradient penalty through Ulysses, `vmap`, what the
-  ring refuses (a gradient of its gradients, forward over forward, an additive mask on
-  PyTorch operations in float32), and every bad call, ranks that differ only in the mask's
-  dtype or the scale included: each must raise on *every* rank, with its message, instead
-  of leaving one waiting or computing something else.
+  ring refuses (a gradient of its gradients, forward over forward), and every bad call:
+  each must raise on *every* rank, with its message, instead of leaving one waiting.
 
 One test per world size, so that pytest-xdist never starts the same processes twice. Last,
 `benchmarks/context_parallel.py --smoke` runs as a user runs it (torchrun, two gloo processes,
@@ -32,14 +30,12 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import run_with_one_retry
 
-import jvp_attention.autograd as api
 import jvp_attention.context_parallel as cp
 from jvp_attention import attention, context_parallel_attention, shard_sequence
 from jvp_attention.context_parallel import CheckCase, compare_with_one_process, run_on_processes
@@ -54,8 +50,6 @@ TWO_RANKS = [
     CheckCase("ring", F64, heads=4, kv_heads=4, is_causal=True),
     CheckCase("ring", F64, batch=2, heads=4, kv_heads=2, is_causal=True, layout="zigzag",
               key_padding=True),
-    # float64 keeps an additive mask on PyTorch operations (16/32-bit inputs may not)
-    CheckCase("ring", F64, batch=2, heads=4, kv_heads=2, key_padding=True, pad_value=-100.0),
     CheckCase("ulysses", F32, **dict(TINY, kv_heads=1), is_causal=True, layout="zigzag",
               key_padding=True),
     CheckCase("ring", F32, **dict(TINY, kv_heads=1), is_causal=True, layout="zigzag",
@@ -64,12 +58,9 @@ TWO_RANKS = [
     # diagonal) shows its rows no key at all
     CheckCase("ring", F32, **dict(TINY, batch=2), is_causal=True, key_padding=True),
     # sequence 1 is padding throughout, masked by the dtype's lowest number, as Hugging Face
-    # masks: its rows average the values, and the kernels merge their LSE in fp64. Where
-    # float32 CPU tensors run PyTorch operations instead (TRITON_INTERPRET=0), the ring
-    # refuses such a mask: a bad call below.
-    *([CheckCase("ring", F32, **dict(TINY, batch=2), key_padding=True,
-                 pad_value=torch.finfo(torch.float32).min)]
-      if api.kernels_take(torch.empty(0)) else []),
+    # masks: its rows average the values, and the ring merges their LSE in fp64
+    CheckCase("ring", F32, **dict(TINY, batch=2), key_padding=True,
+              pad_value=torch.finfo(torch.float32).min),
 ]
 FOUR_RANKS = [
     CheckCase("ulysses", F64, heads=8, kv_heads=2, is_causal=True, key_padding=True),
@@ -116,14 +107,6 @@ def _raised(call) -> list[str]:
     return everyone
 
 
-def _huge_padding_bias(q: torch.Tensor) -> torch.Tensor:
-    """A float64 key-padding mask whose last key is padded with float32's lowest number (as
-    Hugging Face masks a float32 model): the float64 ring's merge cannot keep it exact."""
-    mask = torch.zeros(1, 1, 1, q.shape[-2], dtype=q.dtype)
-    mask[..., -1] = torch.finfo(torch.float32).min
-    return mask
-
-
 def bad_calls() -> dict[str, list[str]]:
     """Calls that must fail on every rank: what each rank raised, by call."""
     rank = dist.get_rank()
@@ -146,15 +129,6 @@ def bad_calls() -> dict[str, list[str]]:
             q, k.float() if rank == 1 else k, v)),
         "ranks disagree on the method": _raised(lambda: context_parallel_attention(
             q, k, v, method=("ulysses", "ring")[rank])),
-        "ranks disagree on the mask dtype": _raised(lambda: context_parallel_attention(
-            q, k, v, attn_mask=keypad if rank == 0 else torch.zeros(keypad.shape, dtype=F64),
-            method="ring")),
-        "ranks disagree on the scale": _raised(lambda: context_parallel_attention(
-            q, k, v, scale=(None, 0.3)[rank])),
-        "additive mask on the ring's PyTorch operations": _raised(
-            lambda: _padded_ring_on_pytorch_operations(q, k, v)),
-        "huge float64 bias on the ring": _raised(lambda: context_parallel_attention(
-            q, k, v, attn_mask=_huge_padding_bias(q), method="ring")),
         "unknown method": _raised(lambda: context_parallel_attention(q, k, v, method="tree")),
         "odd zigzag shard": _raised(lambda: context_parallel_attention(
             *odd, layout="zigzag", is_causal=True)),
@@ -163,16 +137,6 @@ def bad_calls() -> dict[str, list[str]]:
         "ring gradient penalty": _raised(lambda: _gradient_penalty("ring", q, k, v)),
         "ring forward over forward": _raised(lambda: _forward_over_forward("ring", q, k, v)),
     }
-
-
-def _padded_ring_on_pytorch_operations(q, k, v) -> torch.Tensor:
-    """The ring in float32 on chapter 1's PyTorch operations (as on a CPU without
-    TRITON_INTERPRET=1), the sequence padded throughout by float32's lowest number as Hugging
-    Face masks pad: its blocks' merge would double the output, so the call must refuse."""
-    pad = torch.full((1, 1, 1, q.shape[-2]), torch.finfo(F32).min)
-    with mock.patch.object(api, "uses_kernels", lambda query, key, value: False):
-        return context_parallel_attention(*(x.float() for x in (q, k, v)), attn_mask=pad,
-                                          method="ring")
 
 
 def _gradient_penalty(method: str, q, k, v) -> torch.Tensor:
@@ -287,10 +251,6 @@ EXPECTED_ERRORS = {  # call: (exception type on every rank, words of the message
     "per-head mask": ("Unsupported", "key-padding mask"),
     "learnable mask": ("ValueError", "constant"),
     "ranks disagree on the method": ("ValueError", "calls differ"),
-    "ranks disagree on the mask dtype": ("ValueError", "calls differ"),
-    "ranks disagree on the scale": ("ValueError", "calls differ"),
-    "additive mask on the ring's PyTorch operations": ("Unsupported", "bool key-padding mask"),
-    "huge float64 bias on the ring": ("Unsupported", "-inf or a bool"),
     "unknown method": ("ValueError", "method must be one of"),
     "odd zigzag shard": ("ValueError", "even length"),
     "causal cross-attention": ("ValueError", "same length"),
@@ -345,11 +305,6 @@ def test_two_ranks_match_one_process_and_refuse_bad_calls() -> None:
     theirs, mine = errors["one rank's bad dtype"][1], errors["one rank's bad dtype"][0]
     assert theirs.startswith("TypeError") and "dtype" in theirs, theirs
     assert mine.startswith("ValueError") and "rank(s) [1]" in mine, mine
-    # A difference in the mask's dtype or the scale is named, with each rank's value.
-    for raised in errors["ranks disagree on the mask dtype"]:
-        assert "mask dtype ['bool', 'float64']" in raised, raised
-    for raised in errors["ranks disagree on the scale"]:
-        assert f"scale [{4 ** -0.5}, 0.3]" in raised, raised
     for name, difference in results["transforms"].items():
         assert difference <= 1e-12, (name, difference)
 

@@ -813,37 +813,3 @@ def test_value_copies_keep_their_scale_inside_the_window(scale: float, kept: boo
     assert torch.equal(tv_hat, other.half())
     if not kept:
         assert 0.5 <= v_hat.abs().max().item() < 1.0
-
-
-def test_a_bad_precision_from_the_environment_names_the_variable(monkeypatch) -> None:
-    """A bad JVP_ATTENTION_PRECISION does not stop the import; reading the mode (as every
-    attention call does) says that the variable is wrong and what to set it to, while a bad
-    mode passed to `set_precision` or `precision` is named as the argument. Setting a good
-    mode overrides the variable. In this process through the state the variable sets, and
-    once in a subprocess with the variable itself."""
-    monkeypatch.setitem(launch._mode, "precision", "exact")  # as JVP_ATTENTION_PRECISION=exact
-    for read in (launch.get_precision, launch.accurate):
-        with pytest.raises(ValueError, match=r"JVP_ATTENTION_PRECISION.*'exact'.*\"fast\""):
-            read()
-    with pytest.raises(ValueError, match="JVP_ATTENTION_PRECISION"), launch.precision("fast"):
-        pass
-    with pytest.raises(ValueError, match="^precision must be one of .*got 'x'$"):
-        launch.set_precision("x")
-    assert launch.accurate("fast") is False  # a mode given per call does not read it
-    launch.set_precision("fast")
-    assert launch.get_precision() == "fast"
-    with launch.precision("accurate"):
-        assert launch.get_precision() == "accurate"
-    assert launch.get_precision() == "fast"
-
-    code = ("import jvp_attention\n"
-            "try:\n"
-            "    jvp_attention.get_precision()\n"
-            "except ValueError as error:\n"
-            "    print(error)\n")
-    env = {**os.environ, "JVP_ATTENTION_PRECISION": "exact"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=env, cwd=REPO, timeout=300, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "JVP_ATTENTION_PRECISION" in result.stdout and "'exact'" in result.stdout, \
-        result.stdout
